@@ -1,0 +1,11 @@
+"""ultrascale: every parallelism of the Ultra-Scale Playbook as a Lightning strategy.
+
+`import ultrascale` registers the strategies, so `Trainer(strategy="ultrascale_zero3")` works.
+"""
+
+from ultrascale.parallel.dims import ParallelDims
+from ultrascale.strategies import HSDPStrategy, UltraScalePrecision, UltraScaleStrategy, ZeRO3Strategy
+
+__version__ = "0.1.0"
+
+__all__ = ["ParallelDims", "UltraScaleStrategy", "ZeRO3Strategy", "HSDPStrategy", "UltraScalePrecision", "__version__"]

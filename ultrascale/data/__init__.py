@@ -1,0 +1,22 @@
+"""Data pipeline: tokenizers and the causal-LM data module with a dp-size-independent, resumable layout."""
+
+from ultrascale.data.datamodule import (
+    CausalLMDataModule,
+    ResumableBlockSampler,
+    TokenBlockDataset,
+    stdlib_files,
+    tokenize_corpus,
+)
+from ultrascale.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "CausalLMDataModule",
+    "HFTokenizer",
+    "ResumableBlockSampler",
+    "TokenBlockDataset",
+    "Tokenizer",
+    "load_tokenizer",
+    "stdlib_files",
+    "tokenize_corpus",
+]

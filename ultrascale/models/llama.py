@@ -1,0 +1,546 @@
+"""Reference Llama-3 decoder (plain torch) and its LightningModule wrapper.
+
+The model follows Meta's reference implementation (``llama/model.py``) closely so
+that its numerics are easy to check: pre-norm RMSNorm blocks, rotary position
+embeddings with Meta's *interleaved* pairing, grouped-query attention and a
+SwiGLU feed-forward. Two choices are made for the parallelisms layered on top:
+
+- Attention derives its head counts from the projected tensors, not from the
+  config, so a column-sharded ``wq``/``wk``/``wv`` (tensor parallel, local
+  shards of ``n_heads // tp`` heads) runs the same code.
+- The causal attention kernel is its own submodule (``attention.sdpa``), so
+  context parallel can swap in ring attention by module path.
+
+``Llama`` knows nothing of Lightning; ``LlamaLM`` adds the loss, the optimizer
+and the schedule, and builds the model in ``configure_model`` so that sharded
+strategies can build it on the meta device.
+"""
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import lightning
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "LLAMA_PRESETS",
+    "Attention",
+    "FeedForward",
+    "Llama",
+    "LlamaConfig",
+    "LlamaLM",
+    "RMSNorm",
+    "ScaledDotProductAttention",
+    "TransformerBlock",
+    "apply_rope",
+    "precompute_rope",
+    "warmup_cosine",
+]
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape and initialisation of a Llama-3 style decoder.
+
+    Frozen: ``n_kv_heads=None`` is resolved to ``n_heads`` on construction; use
+    ``dataclasses.replace`` (or ``from_preset(name, **overrides)``) to derive a variant.
+    """
+
+    vocab_size: int
+    """Number of token ids; rows of the embedding table and columns of the output head."""
+
+    dim: int
+    """Hidden size of the residual stream (``d_model``)."""
+
+    n_layers: int
+    """Number of transformer blocks."""
+
+    n_heads: int
+    """Number of query heads; ``dim`` must be divisible by it."""
+
+    n_kv_heads: Optional[int] = None
+    """Number of key/value heads (grouped-query attention); ``None`` means ``n_heads`` (plain MHA)."""
+
+    ffn_hidden_dim: Optional[int] = None
+    """Hidden size of the SwiGLU feed-forward; ``None`` applies the Llama-3 rule (see ``resolved_ffn_hidden_dim``)."""
+
+    multiple_of: int = 256
+    """The Llama-3 rule rounds the feed-forward hidden size up to a multiple of this."""
+
+    ffn_dim_multiplier: Optional[float] = None
+    """Optional factor applied by the Llama-3 rule before rounding (1.3 for 8B/70B, 1.2 for 405B)."""
+
+    norm_eps: float = 1e-5
+    """Epsilon added to the mean square inside RMSNorm."""
+
+    rope_theta: float = 500000.0
+    """RoPE base; frequency ``i`` is ``rope_theta ** (-2i / head_dim)``."""
+
+    max_seq_len: int = 2048
+    """Longest sequence the precomputed RoPE tables cover; longer inputs raise."""
+
+    tie_embeddings: bool = False
+    """Share one matrix between the token embedding and the output head."""
+
+    init_std: float = 0.02
+    """Std of the normal init of embeddings and linear weights (residual outputs are scaled down by depth)."""
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"LlamaConfig: `{name}={value!r}` must be a positive integer.")
+        if self.ffn_hidden_dim is not None and (not isinstance(self.ffn_hidden_dim, int) or self.ffn_hidden_dim <= 0):
+            raise ValueError(
+                f"LlamaConfig: `ffn_hidden_dim={self.ffn_hidden_dim!r}` must be a positive integer or None."
+            )
+        for name in ("norm_eps", "rope_theta", "init_std"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"LlamaConfig: `{name}={getattr(self, name)!r}` must be positive.")
+        if self.ffn_dim_multiplier is not None and self.ffn_dim_multiplier <= 0:
+            raise ValueError(f"LlamaConfig: `ffn_dim_multiplier={self.ffn_dim_multiplier!r}` must be positive or None.")
+        if self.dim % self.n_heads != 0:
+            raise ValueError(
+                f"LlamaConfig: `dim={self.dim}` must be divisible by `n_heads={self.n_heads}` "
+                f"(head_dim = dim / n_heads)."
+            )
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"LlamaConfig: `n_heads={self.n_heads}` must be divisible by `n_kv_heads={self.n_kv_heads}` "
+                f"(each key/value head serves n_heads / n_kv_heads query heads)."
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(
+                f"LlamaConfig: head_dim = `dim={self.dim}` / `n_heads={self.n_heads}` = {self.head_dim} "
+                f"must be even (RoPE rotates pairs of channels)."
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head: ``dim // n_heads``."""
+        return self.dim // self.n_heads
+
+    @property
+    def resolved_ffn_hidden_dim(self) -> int:
+        """``ffn_hidden_dim`` if set, else Meta's Llama-3 rule.
+
+        ``h = int(2 * 4 * dim / 3)``, then ``h = int(ffn_dim_multiplier * h)`` if set,
+        then rounded up to a multiple of ``multiple_of``; the 2/3 keeps the three
+        SwiGLU matrices at the parameter count of a 4x two-matrix MLP.
+        """
+        if self.ffn_hidden_dim is not None:
+            return self.ffn_hidden_dim
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "LlamaConfig":
+        """Build the named preset from ``LLAMA_PRESETS``, with ``overrides`` replacing its fields."""
+        if name not in LLAMA_PRESETS:
+            raise ValueError(f"Unknown Llama preset `{name!r}`; valid presets: {', '.join(sorted(LLAMA_PRESETS))}.")
+        return cls(**{**LLAMA_PRESETS[name], **overrides})
+
+
+# Meta's published params.json values. The Llama-3 feed-forward sizes follow from the
+# rule in `resolved_ffn_hidden_dim`: 8B -> 14336, 70B -> 28672, 405B -> 53248.
+# 405B is a Llama-3.1 model whose long-context RoPE scaling is not implemented here,
+# so all three keep the original 8192-token context.
+LLAMA_PRESETS: Dict[str, Dict[str, Any]] = {
+    "tiny": dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, max_seq_len=256),
+    "small": dict(vocab_size=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden_dim=512, max_seq_len=1024),
+    "llama3_8b": dict(
+        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+        ffn_dim_multiplier=1.3, multiple_of=1024, rope_theta=500000.0, max_seq_len=8192,
+    ),
+    "llama3_70b": dict(
+        vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+        ffn_dim_multiplier=1.3, multiple_of=4096, rope_theta=500000.0, max_seq_len=8192,
+    ),
+    "llama3_405b": dict(
+        vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+        ffn_dim_multiplier=1.2, multiple_of=4096, rope_theta=500000.0, max_seq_len=8192,
+    ),
+}
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight``."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The mean of squares over thousands of bf16 channels loses precision:
+        # normalise in fp32, cast back, then scale (Meta's order of operations).
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def precompute_rope(
+    head_dim: int, max_seq_len: int, theta: float, device: Optional[torch.device] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables ``(cos, sin)``, each fp32 of shape ``(max_seq_len, head_dim // 2)``.
+
+    Entry ``[t, i]`` is the angle ``t * theta ** (-2i / head_dim)`` (Su et al. 2021),
+    computed in fp32 as Meta's reference does so converted checkpoints match bit for bit.
+    """
+    if head_dim % 2 != 0:
+        raise ValueError(f"precompute_rope: `head_dim={head_dim}` must be even.")
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, freqs)  # (max_seq_len, head_dim // 2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape ``(..., T, head_dim)`` by the angles in ``cos``/``sin`` of shape ``(T, head_dim // 2)``.
+
+    Meta's interleaved convention: channels ``(2i, 2i + 1)`` form the complex number
+    ``x[2i] + 1j * x[2i + 1]``, multiplied by ``exp(1j * angle[t, i])``. Hugging Face
+    Llama pairs channel ``i`` with ``i + head_dim / 2`` instead ("rotate_half"); HF
+    checkpoints therefore need their ``wq``/``wk`` rows permuted on conversion.
+    The rotation runs in fp32 and is cast back to ``x``'s dtype.
+    """
+    pairs = x.float().unflatten(-1, (-1, 2))  # (..., T, head_dim // 2, 2)
+    real, imag = pairs.unbind(-1)  # each (..., T, head_dim // 2)
+    cos, sin = cos.float(), sin.float()
+    # (real + i*imag) * (cos + i*sin) = (real*cos - imag*sin) + i*(real*sin + imag*cos)
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)  # (..., T, head_dim // 2, 2)
+    return rotated.flatten(-2).type_as(x)  # (..., T, head_dim)
+
+
+class ScaledDotProductAttention(nn.Module):
+    """Causal attention kernel with grouped-query heads; the swap point for ring attention (context parallel)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q``: ``(B, n_heads, T, head_dim)``; ``k``, ``v``: ``(B, n_kv_heads, T, head_dim)``; returns q's shape.
+
+        With ``enable_gqa`` query head ``h`` reads key/value head ``h // (n_heads / n_kv_heads)``,
+        the same as ``k.repeat_interleave(n_rep, dim=1)`` but without materialising the copies.
+        """
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention with RoPE and grouped-query key/value heads."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        self.sdpa = ScaledDotProductAttention()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # Head counts come from the projections' widths, so under tensor parallel the
+        # local shards (n_heads // tp query heads, n_kv_heads // tp kv heads) just work.
+        q = self.wq(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # (B, n_local_heads, T, head_dim)
+        k = self.wk(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # (B, n_local_kv_heads, T, head_dim)
+        v = self.wv(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # (B, n_local_kv_heads, T, head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.sdpa(q, k, v)  # (B, n_local_heads, T, head_dim)
+        out = out.transpose(1, 2).flatten(2)  # (B, T, n_local_heads * head_dim)
+        return self.wo(out)  # (B, T, dim)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP (Shazeer 2020): ``w2(silu(w1 x) * w3 x)``; w1 = gate, w3 = up, w2 = down."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, dim); hidden is (B, T, ffn_hidden_dim)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x))``, ``out = h + ffn(norm(h))``."""
+
+    def __init__(self, layer_id: int, config: LlamaConfig) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config.dim, config.resolved_ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+# --------------------------------------------------------------------------- model
+
+
+class Llama(nn.Module):
+    """Llama-3 decoder: ``tokens (B, T) -> logits (B, T, vocab_size)``.
+
+    Built on the meta device it allocates nothing; after ``to_empty(device=...)``
+    call ``init_weights()`` to fill parameters and the RoPE tables.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(i, config) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # One table for all blocks; non-persistent because it is derived from the config.
+        cos, sin = precompute_rope(config.head_dim, config.max_seq_len, config.rope_theta, self.output.weight.device)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, head_dim // 2)
+        self.register_buffer("rope_sin", sin, persistent=False)  # (max_seq_len, head_dim // 2)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter and the RoPE tables from the global torch RNG.
+
+        Embeddings and linear weights ~ N(0, init_std); the residual-branch outputs
+        (``wo``, ``w2``) use ``init_std / sqrt(2 * n_layers)`` so the residual stream's
+        variance stays O(1) with depth (GPT-2, torchtitan); norms are ones.
+        On the meta device this is a cheap no-op apart from re-tying.
+        """
+        config = self.config
+        # `to_empty` creates new Parameters per module, which silently unties a shared weight.
+        if config.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+        residual_std = config.init_std / math.sqrt(2 * config.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=config.init_std)
+        for layer in self.layers:
+            attention, ffn = layer.attention, layer.feed_forward
+            for linear in (attention.wq, attention.wk, attention.wv, ffn.w1, ffn.w3):
+                nn.init.normal_(linear.weight, mean=0.0, std=config.init_std)
+            for linear in (attention.wo, ffn.w2):
+                nn.init.normal_(linear.weight, mean=0.0, std=residual_std)
+            layer.attention_norm.reset_parameters()
+            layer.ffn_norm.reset_parameters()
+        self.norm.reset_parameters()
+        if not config.tie_embeddings:
+            nn.init.normal_(self.output.weight, mean=0.0, std=config.init_std)
+        cos, sin = precompute_rope(config.head_dim, config.max_seq_len, config.rope_theta, self.rope_cos.device)
+        self.rope_cos, self.rope_sin = cos, sin
+
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``tokens``: LongTensor ``(B, T)``; returns logits ``(B, T, vocab_size)`` in the compute dtype.
+
+        ``positions`` (LongTensor ``(T,)``) selects the RoPE rows when the local
+        sequence is not ``0..T-1`` (e.g. a context-parallel chunk); default ``arange(T)``.
+        """
+        if tokens.dim() != 2:
+            raise ValueError(f"Llama expects tokens of shape (B, T), got {tuple(tokens.shape)}.")
+        seq_len = tokens.shape[1]
+        if positions is None:
+            if seq_len > self.config.max_seq_len:
+                raise ValueError(
+                    f"Sequence length {seq_len} exceeds `max_seq_len={self.config.max_seq_len}`; "
+                    f"raise `max_seq_len` in the LlamaConfig."
+                )
+            cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]  # (T, head_dim // 2)
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (T, head_dim // 2)
+        h = self.tok_embeddings(tokens)  # (B, T, dim)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))  # (B, T, vocab_size)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameter count (a tied matrix counted once); ``exclude_embedding`` drops the input embedding table."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embedding:
+            total -= self.tok_embeddings.weight.numel()
+        return total
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: ``6 * N + 12 * n_layers * dim * seq_len``.
+
+        PaLM appendix B / Ultra-Scale Playbook: ``6 N`` is forward (2) plus backward (4)
+        FLOPs per matmul parameter; ``N`` excludes the embedding lookup (no matmul) but
+        keeps the output head, also when it is tied. ``12 L D T`` is ``QK^T`` and ``AV``
+        (2 * 2 * D * T per layer forward, times 3 for backward), counting the full
+        ``T x T`` score matrix although causal kernels skip half of it.
+        """
+        config = self.config
+        matmul_params = self.num_params(exclude_embedding=True)
+        if config.tie_embeddings:
+            matmul_params += self.output.weight.numel()
+        return 6 * matmul_params + 12 * config.n_layers * config.dim * seq_len
+
+
+# --------------------------------------------------------------------------- Lightning
+
+
+def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warm-up to 1 over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` at ``max_steps``.
+
+    Warm-up is ``(step + 1) / warmup_steps`` so the first step already learns; after
+    ``max_steps`` the multiplier stays at ``min_lr_ratio``.
+    """
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_cosine: `warmup_steps={warmup_steps}` must be >= 0.")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"warmup_cosine: `min_lr_ratio={min_lr_ratio}` must be in [0, 1].")
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, max_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class LlamaLM(lightning.LightningModule):
+    """Causal-LM training of ``Llama`` on batches ``{"input_ids": (B, T), "labels": (B, T)}``.
+
+    ``labels`` are already shifted (``labels[t]`` is the target for ``input_ids[t]``)
+    and ``-100`` marks ignored positions. The model is built in ``configure_model``,
+    from ``init_seed`` alone, so every rank and a single-process reference start equal.
+    """
+
+    def __init__(
+        self,
+        config: Optional[LlamaConfig] = None,
+        preset: str = "tiny",
+        vocab_size: Optional[int] = None,
+        max_seq_len: Optional[int] = None,
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: Tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 10,
+        max_steps: Optional[int] = None,
+        min_lr_ratio: float = 0.1,
+        init_seed: int = 0,
+    ) -> None:
+        """
+        Args:
+            config: Full model config; when ``None`` the ``preset`` is used.
+            preset: Name in ``LLAMA_PRESETS``, used only when ``config`` is ``None``.
+            vocab_size: Overrides the config's vocabulary size (e.g. to match a tokenizer).
+            max_seq_len: Overrides the config's maximum sequence length.
+            learning_rate: Peak AdamW learning rate, reached at the end of warm-up.
+            weight_decay: AdamW decoupled weight decay for matrices (norm weights get none).
+            betas: AdamW ``(beta1, beta2)``.
+            warmup_steps: Optimizer steps of linear warm-up.
+            max_steps: Step at which the cosine reaches ``min_lr_ratio``; ``None`` uses the
+                trainer's ``estimated_stepping_batches``.
+            min_lr_ratio: Final learning rate as a fraction of ``learning_rate``.
+            init_seed: Seed of the weight init, independent of the global RNG state.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        overrides = {k: v for k, v in (("vocab_size", vocab_size), ("max_seq_len", max_seq_len)) if v is not None}
+        if config is None:
+            config = LlamaConfig.from_preset(preset, **overrides)
+        elif overrides:
+            config = dataclasses.replace(config, **overrides)
+        self.config = config
+        self.model: Optional[Llama] = None
+
+    def configure_model(self) -> None:
+        """Build ``Llama`` (idempotent); on the meta device only shapes exist until ``init_weights``."""
+        if self.model is not None:
+            return
+        # fork_rng so building the model neither reads nor advances the caller's RNG.
+        with torch.random.fork_rng(devices=self._rng_devices()):
+            self.model = Llama(self.config)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Seed with ``init_seed`` and initialise the model, leaving the global RNG untouched.
+
+        Call after materialising a meta-built model (``to_empty``); gives the same
+        weights as a model built directly on a device, since only ``init_weights`` draws.
+        """
+        if self.model is None:
+            raise ValueError(f"{type(self).__name__}.init_weights: call `configure_model()` first.")
+        with torch.random.fork_rng(devices=self._rng_devices()):
+            torch.manual_seed(self.hparams.init_seed)
+            self.model.init_weights()
+
+    @staticmethod
+    def _rng_devices() -> list:
+        # Fork only the current CUDA device's RNG: forking every device warns and costs time.
+        return [torch.cuda.current_device()] if torch.cuda.is_available() else []
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids`` ``(B, T)`` -> logits ``(B, T, vocab_size)``."""
+        if self.model is None:
+            raise ValueError(f"{type(self).__name__}: the model is built in `configure_model()`; call it first.")
+        return self.model(input_ids)
+
+    def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self(batch["input_ids"])  # (B, T, vocab_size)
+        # Mean over non-ignored tokens, in fp32 because bf16 log-softmax over a 128k vocab is lossy.
+        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+    def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> Dict[str, Any]:
+        hp = self.hparams
+        params = [p for p in self.parameters() if p.requires_grad]
+        # Decay matrices (embeddings, linears) only: decaying norm gains towards 0 just fights the normalisation.
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": hp.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas), fused=False, foreach=True)
+        max_steps = hp.max_steps if hp.max_steps is not None else self.trainer.estimated_stepping_batches
+        if not math.isfinite(max_steps):
+            raise ValueError(
+                f"{type(self).__name__}: cannot size the cosine schedule from an unbounded trainer; "
+                f"set `max_steps` on the module or the Trainer."
+            )
+        lr_lambda = functools.partial(
+            warmup_cosine, warmup_steps=hp.warmup_steps, max_steps=int(max_steps), min_lr_ratio=hp.min_lr_ratio
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """See ``Llama.num_params``; uses a meta-device copy when the model is not built yet."""
+        return self._model_or_meta().num_params(exclude_embedding)
+
+    def flops_per_token(self, seq_len: Optional[int] = None) -> int:
+        """See ``Llama.flops_per_token``; ``seq_len`` defaults to the config's ``max_seq_len``."""
+        return self._model_or_meta().flops_per_token(seq_len if seq_len is not None else self.config.max_seq_len)
+
+    def _model_or_meta(self) -> Llama:
+        if self.model is not None:
+            return self.model
+        with torch.device("meta"):
+            return Llama(self.config)

@@ -1,0 +1,190 @@
+"""Parallel degrees and the device mesh built from them.
+
+One frozen dataclass holds the degree of every parallelism; `-1` ("the rest") is
+resolved by `ParallelDims.resolve` so a `ParallelDims` instance is always concrete.
+All meshes of a run are built in one place, `build_mesh`, so every axis name and
+every flattened axis is defined here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+# Outermost first. TP innermost: neighbouring ranks share the fastest links (NVLink),
+# and TP communicates in every layer; PP outermost: it only sends activations between
+# stages, so it tolerates the slowest links (between nodes).
+MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+# Flattened axes derived from MESH_AXES.
+#   dp          = dp_replicate x dp_shard : ranks that see different batches
+#   dp_shard_cp = dp_shard x cp           : ranks over which parameters are sharded
+#                 (CP ranks hold the same weights, so ZeRO shards over them too)
+FLAT_AXES: dict[str, tuple[str, ...]] = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+}
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of every parallelism, resolved against a world size.
+
+    Build it with `ParallelDims.resolve(world_size, ...)`, which accepts `-1` for
+    one degree and checks every constraint, so an instance is always valid.
+    """
+
+    dp_replicate: int
+    """Data-parallel replicas (the DDP / HSDP-replicate axis); 1 means off."""
+    dp_shard: int
+    """Data-parallel ranks that shard parameters, gradients and optimizer state (ZeRO); 1 means off."""
+    cp: int
+    """Context-parallel degree: ranks that split the sequence of every batch; 1 means off."""
+    tp: int
+    """Tensor-parallel degree (with sequence parallel); 1 means off."""
+    pp: int
+    """Pipeline-parallel degree (number of pipeline stages); 1 means off."""
+    ep: int
+    """Expert-parallel degree; borrows ranks from dp_shard x cp, so it is not a factor of the world size."""
+    world_size: int
+    """Total number of ranks = pp * dp_replicate * dp_shard * cp * tp."""
+
+    @classmethod
+    def resolve(
+        cls,
+        world_size: int,
+        *,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        cp: int = 1,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+    ) -> ParallelDims:
+        """Check the degrees against `world_size` and replace a single `-1` by the rest."""
+        if world_size < 1:
+            raise ValueError(f"world size must be >= 1, got {world_size}")
+        degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "pp": pp}
+        for name, value in {**degrees, "ep": ep}.items():
+            if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
+                raise ValueError(f"`{name}={value!r}` must be a positive integer, or -1 for 'the rest of the world size'")
+        if ep == -1:
+            raise ValueError("`ep=-1` is not allowed: expert parallelism borrows ranks from dp_shard x cp; give its degree")
+        rest = [name for name, value in degrees.items() if value == -1]
+        if len(rest) > 1:
+            raise ValueError(f"only one degree may be -1 ('the rest'), got -1 for {', '.join(rest)}")
+        if rest:
+            known = math.prod(value for value in degrees.values() if value != -1)
+            if world_size % known != 0:
+                raise ValueError(
+                    f"cannot infer `{rest[0]}`: {_product_text(degrees, world_size, missing=rest[0])}; "
+                    f"the other degrees multiply to {known}, which does not divide world size {world_size}. "
+                    f"Divisors of {world_size}: {_divisors(world_size)}"
+                )
+            degrees[rest[0]] = world_size // known
+        product = math.prod(degrees.values())
+        if product != world_size:
+            raise ValueError(
+                f"{_product_text(degrees, world_size)}: the degrees must multiply to the world size. "
+                f"Set one of them to -1 to take the rest, or pick factors of {world_size}: {_divisors(world_size)}"
+            )
+        dp_shard_cp = degrees["dp_shard"] * degrees["cp"]
+        if dp_shard_cp % ep != 0:
+            raise ValueError(
+                f"`ep={ep}` must divide dp_shard({degrees['dp_shard']}) * cp({degrees['cp']}) = {dp_shard_cp}: "
+                f"expert parallelism borrows its ranks from the dp_shard x cp axes. "
+                f"Valid ep: {_divisors(dp_shard_cp)}"
+            )
+        return cls(world_size=world_size, ep=ep, **degrees)
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different batches: dp_replicate * dp_shard."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_shard_cp(self) -> int:
+        """Ranks over which ZeRO shards parameter/optimizer state: dp_shard * cp."""
+        return self.dp_shard * self.cp
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard_cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def seq_len_divisor(self) -> int:
+        """Sequence lengths must be multiples of this: SP splits by tp, load-balanced CP by 2*cp chunks."""
+        return self.tp * (2 * self.cp if self.cp > 1 else 1)
+
+    def describe(self) -> str:
+        return " x ".join(f"{axis}={getattr(self, axis)}" for axis in MESH_AXES) + f" (world {self.world_size})"
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """Create the 5-axis world mesh (`MESH_AXES`, size-1 axes included) and the flattened axes.
+
+    Keeping size-1 axes means `mesh["tp"]` etc. always exist, so code never branches on
+    which parallelisms are on; `dp` and `dp_shard_cp` are registered as flattened axes
+    and reached as `mesh["dp"]`, `mesh["dp_shard_cp"]`.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("build_mesh needs an initialised default process group (torch.distributed.init_process_group)")
+    if dist.get_world_size() != dims.world_size:
+        raise ValueError(f"process group world size {dist.get_world_size()} != {dims.describe()}")
+    shape = tuple(getattr(dims, axis) for axis in MESH_AXES)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+    for flat_name, axes in FLAT_AXES.items():
+        mesh[axes]._flatten(flat_name)
+    for axis in MESH_AXES:
+        if mesh[axis].size() != getattr(dims, axis):
+            raise RuntimeError(f"mesh axis {axis!r} has size {mesh[axis].size()}, expected {getattr(dims, axis)}")
+    for flat_name in FLAT_AXES:
+        if mesh[flat_name].size() != getattr(dims, flat_name):
+            raise RuntimeError(f"flattened axis {flat_name!r} has size {mesh[flat_name].size()}, expected {getattr(dims, flat_name)}")
+    return mesh
+
+
+def get_mesh(mesh: DeviceMesh, axis: str | tuple[str, ...]) -> DeviceMesh:
+    """`mesh[axis]` with an error that lists the valid axis names."""
+    valid = (*MESH_AXES, *FLAT_AXES)
+    names = (axis,) if isinstance(axis, str) else axis
+    unknown = [name for name in names if name not in valid]
+    if unknown:
+        raise KeyError(f"unknown mesh axis {unknown}; valid axes: {', '.join(valid)}")
+    return mesh[axis]
+
+
+def _product_text(degrees: dict[str, int], world_size: int, missing: str | None = None) -> str:
+    factors = " * ".join(f"{name}({'?' if name == missing else value})" for name, value in degrees.items())
+    relation = "=" if missing else "!="
+    return f"{factors} {relation} world size({world_size})"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+__all__ = ["MESH_AXES", "FLAT_AXES", "ParallelDims", "build_mesh", "get_mesh"]

@@ -1,0 +1,456 @@
+"""`UltraScaleStrategy`: the N-D mesh Lightning strategy every ultrascale strategy derives from.
+
+The strategy is a thin adapter: it turns Lightning's lifecycle into calls of
+`ultrascale.parallel` (mesh, FSDP2 sharding, gradient sync, clipping, DCP checkpoints).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from ultrascale.models.adapters import get_adapter
+from ultrascale.parallel.checkpoint import check_checkpoint_dir, load_sharded_checkpoint, save_sharded_checkpoint
+from ultrascale.parallel.dims import ParallelDims, build_mesh
+from ultrascale.parallel.fsdp import is_fsdp_sharded, set_gradient_sync
+from ultrascale.parallel.init import broadcast_module_state, has_meta_tensors, materialize_meta_module
+from ultrascale.parallel.parallelize import parallelize
+from ultrascale.strategies.launcher import LauncherName, make_launcher
+from ultrascale.strategies.precision import SUPPORTED_PRECISION, UltraScalePrecision
+
+# Parallelisms whose implementation lands after the 2D product; asking for them fails
+# in the constructor, before any process group exists, instead of silently running without.
+_NOT_YET_IMPLEMENTED = {
+    "context_parallel": "context parallelism (ring attention)",
+    "tensor_parallel": "tensor + sequence parallelism",
+    "pipeline_parallel": "pipeline parallelism",
+    "expert_parallel": "expert parallelism",
+}
+
+
+class UltraScaleStrategy(ParallelStrategy):
+    """N-D parallel training on a `DeviceMesh` with axes `pp, dp_replicate, dp_shard, cp, tp`.
+
+    Registered as ``"ultrascale_4d"``. Any `LightningModule` works unchanged: after
+    `configure_model()` the strategy finds the model's transformer blocks (through the
+    model adapter, or generically as the largest ModuleList of identical children) and
+    shards them with FSDP2. A module that already parallelised itself in
+    `configure_model()` (its parameters are DTensors) is left as it is.
+
+    Args:
+        data_parallel_replicate: replicas of the sharded model (HSDP's replicate axis); 1 means off.
+        data_parallel_shard: ranks that shard parameters, gradients and optimizer state (ZeRO-3);
+            -1 means "the rest of the world size".
+        context_parallel: sequence-splitting degree (not implemented yet: must be 1).
+        tensor_parallel: tensor-parallel degree (not implemented yet: must be 1).
+        pipeline_parallel: pipeline stages (not implemented yet: must be 1).
+        expert_parallel: expert-parallel degree (not implemented yet: must be 1).
+        zero_stage: 3 = parameters, gradients and optimizer state sharded (FSDP2).
+            Stages 1 and 2 are not implemented yet.
+        reshard_after_forward: free gathered parameters after each block's forward
+            (ZeRO-3, least memory; one extra all-gather in backward). False keeps them
+            until backward (ZeRO-2-like memory for parameters, less communication).
+        meta_init: build the model on the meta device in `configure_model()` and
+            materialise each rank's shard after sharding (needed for models that do not
+            fit on one device; weights then come from the model's `init_weights()`).
+        sync_module_states: broadcast rank 0's initial weights before sharding, so that
+            ranks that initialised differently cannot train diverging replicas.
+        launcher: how processes are started: "subprocess" re-runs the script per rank
+            (scripts, CLI), "fork" forks the current process (pytest, notebooks; CPU only),
+            "auto" picks between them. Ignored when an external launcher (torchrun,
+            SLURM) started the processes.
+        process_group_backend: "gloo" / "nccl"; default: nccl on CUDA, gloo on CPU.
+        timeout: collective timeout; a hang becomes an error after it.
+    """
+
+    strategy_name = "ultrascale_4d"
+
+    def __init__(
+        self,
+        data_parallel_replicate: int = 1,
+        data_parallel_shard: int = -1,
+        context_parallel: int = 1,
+        tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
+        expert_parallel: int = 1,
+        zero_stage: int = 3,
+        reshard_after_forward: bool = True,
+        meta_init: bool = False,
+        sync_module_states: bool = True,
+        launcher: LauncherName = "auto",
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__()
+        self._degrees = {
+            "dp_replicate": data_parallel_replicate,
+            "dp_shard": data_parallel_shard,
+            "cp": context_parallel,
+            "tp": tensor_parallel,
+            "pp": pipeline_parallel,
+            "ep": expert_parallel,
+        }
+        knobs = {
+            "context_parallel": context_parallel,
+            "tensor_parallel": tensor_parallel,
+            "pipeline_parallel": pipeline_parallel,
+            "expert_parallel": expert_parallel,
+        }
+        for knob, value in knobs.items():
+            if value != 1:
+                raise NotImplementedError(
+                    f"{type(self).__name__}(`{knob}={value}`): {_NOT_YET_IMPLEMENTED[knob]} is not implemented in "
+                    f"ultrascale yet; set `{knob}=1`."
+                )
+        if zero_stage not in (1, 2, 3):
+            raise ValueError(f"{type(self).__name__}(`zero_stage={zero_stage!r}`): choose 1, 2 or 3")
+        if zero_stage != 3:
+            raise NotImplementedError(
+                f"{type(self).__name__}(`zero_stage={zero_stage}`): ZeRO-1/2 (sharded optimizer state with "
+                "replicated parameters) are not implemented yet; use `zero_stage=3`."
+            )
+        if launcher not in ("auto", "subprocess", "fork"):
+            raise ValueError(f"{type(self).__name__}(`launcher={launcher!r}`): choose 'auto', 'subprocess' or 'fork'")
+        self.zero_stage = zero_stage
+        self.reshard_after_forward = reshard_after_forward
+        self.meta_init = meta_init
+        self.sync_module_states = sync_module_states
+        self._launcher_name = launcher
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._parallel_dims: Optional[ParallelDims] = None
+        self._device_mesh: Optional[DeviceMesh] = None
+        self.num_nodes = 1
+
+    # ------------------------------------------------------------------ layout
+    def resolve_dims(self, world_size: int) -> ParallelDims:
+        """The degrees of this strategy resolved for `world_size` (ValueError if they do not fit)."""
+        try:
+            return ParallelDims.resolve(world_size, **self._degrees)
+        except ValueError as error:
+            raise ValueError(f"{type(self).__name__}: invalid layout for {world_size} processes: {error}") from None
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        if self._parallel_dims is None:
+            self._parallel_dims = self.resolve_dims(self.num_nodes * self.num_processes)
+        return self._parallel_dims
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh exists only after the processes have been initialised")
+        return self._device_mesh
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Only the dp axes see different batches; tp/pp ranks of one dp rank need the same
+        # batch and cp ranks split the same batch along the sequence.
+        dp_mesh = self.device_mesh["dp"]
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning only injects its DistributedSampler for strategies that say so.
+        return True
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ precision
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else UltraScalePrecision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        if precision_plugin is None or isinstance(precision_plugin, UltraScalePrecision):
+            self._precision_plugin = precision_plugin
+            return
+        name = getattr(precision_plugin, "precision", None)
+        if type(precision_plugin).__name__ not in ("Precision", "MixedPrecision", "HalfPrecision") or (
+            name not in SUPPORTED_PRECISION
+        ):
+            raise ValueError(
+                f"{type(self).__name__} supports `precision` in {SUPPORTED_PRECISION} (FSDP2 mixed precision), "
+                f"got {type(precision_plugin).__name__}(precision={name!r})"
+            )
+        self._precision_plugin = UltraScalePrecision(name)
+
+    # ------------------------------------------------------------------ processes
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        # Validate the layout here, at Trainer construction, before any process is started.
+        self._parallel_dims = self.resolve_dims(self.num_nodes * self.num_processes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = make_launcher(self._launcher_name, self, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        dims = self.resolve_dims(self.world_size)
+        self._parallel_dims = dims
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+        self._device_mesh = build_mesh(dims, self.root_device.type)
+        rank_zero_info(f"ultrascale mesh: {dims.describe()}")
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ model
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # Materialisation happens in `setup()`, after sharding, so no rank ever holds the full model.
+        device = torch.device("meta") if (self.meta_init or empty_init) else nullcontext()
+        with device, self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.model
+        if not _is_parallelized(module):
+            self._parallelize(module)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._reset_optimizers_and_schedulers()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _parallelize(self, module: torch.nn.Module) -> None:
+        adapter = get_adapter(module)
+        if not adapter.blocks:
+            rank_zero_info(
+                f"{type(self).__name__}: no repeated blocks (a ModuleList of identical layers) found in "
+                f"{type(module).__name__}; sharding it as one FSDP unit per top-level child"
+            )
+        meta = has_meta_tensors(module)
+        if self.sync_module_states and not meta:
+            broadcast_module_state(module)
+        precision = self.precision_plugin
+        assert isinstance(precision, UltraScalePrecision)
+        precision.convert_module(module)
+        parallelize(
+            module,
+            self.device_mesh,
+            self.parallel_dims,
+            blocks=adapter.blocks,
+            mp_policy=precision.mixed_precision_policy(),
+            reshard_after_forward=self.reshard_after_forward,
+            module_forward_is_called=False,
+        )
+        if meta:
+            materialize_meta_module(module, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Union[torch.Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> torch.Tensor:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip FSDP's reduce-scatter on non-final micro-batches of gradient accumulation.
+
+        Lightning's own implementation only knows DDP's `no_sync`; without this, FSDP2
+        would reduce-scatter after every micro-batch (accumulate_grad_batches x the traffic).
+        """
+        module = self.model
+        if module is None or not is_fsdp_sharded(module):
+            yield
+            return
+        set_gradient_sync(module, False)
+        try:
+            yield
+        finally:
+            set_gradient_sync(module, True)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        assert self.model is not None
+        return get_model_state_dict(self.model)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.model is not None
+        return get_optimizer_state_dict(self.model, optimizer)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # Model state is loaded (and resharded) by DCP in `load_checkpoint`.
+        pass
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # Optimizer state is loaded (and resharded) by DCP in `load_checkpoint`.
+        pass
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(`storage_options=...`) is not supported")
+        path = Path(self.broadcast(str(filepath)))
+        tensors = {
+            "state_dict": checkpoint.pop("state_dict"),
+            **{f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))},
+        }
+        checkpoint["ultrascale"] = {"parallel_dims": self.parallel_dims.__dict__, "num_optimizers": len(tensors) - 1}
+        save_sharded_checkpoint(tensors, checkpoint, path)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = check_checkpoint_dir(self.broadcast(str(checkpoint_path)))
+        assert self.model is not None and self.lightning_module is not None
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        tensors: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        for i, optimizer in enumerate(optimizers):
+            tensors[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
+        metadata = load_sharded_checkpoint(path, tensors)
+        saved_optimizers = metadata.get("ultrascale", {}).get("num_optimizers", len(optimizers))
+        if optimizers and saved_optimizers != len(optimizers):
+            raise ValueError(f"checkpoint {path} holds {saved_optimizers} optimizer(s), the model configures {len(optimizers)}")
+        options = StateDictOptions(strict=self.lightning_module.strict_loading)
+        set_model_state_dict(self.model, tensors["state_dict"], options=options)
+        for i, optimizer in enumerate(optimizers):
+            set_optimizer_state_dict(self.model, optimizer, tensors[f"optimizer_{i}"], options=options)
+        return metadata
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            import shutil
+
+            path = Path(filepath)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        pass
+
+
+def _is_parallelized(module: torch.nn.Module) -> bool:
+    return is_fsdp_sharded(module) or any(isinstance(p, DTensor) for p in module.parameters())
+

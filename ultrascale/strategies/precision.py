@@ -1,0 +1,74 @@
+"""Precision for ultrascale strategies: FSDP2 mixed precision instead of autocast."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from typing_extensions import override
+
+from ultrascale.parallel.grad import clip_grad_norm_
+
+PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true"]
+SUPPORTED_PRECISION: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
+
+
+class UltraScalePrecision(Precision):
+    """`32-true`: fp32 everywhere.
+    `bf16-mixed`: fp32 master weights, gradients reduced in fp32; FSDP casts the gathered
+    parameters to bf16 for compute (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`),
+    so no autocast is needed.
+    `bf16-true`: weights, gradients and optimizer state in bf16.
+    """
+
+    def __init__(self, precision: PrecisionName = "32-true") -> None:
+        if precision not in SUPPORTED_PRECISION:
+            raise ValueError(f"ultrascale supports precision {SUPPORTED_PRECISION}, got precision={precision!r}")
+        self.precision = precision
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.precision == "bf16-true" else torch.float32
+
+    def mixed_precision_policy(self) -> MixedPrecisionPolicy:
+        if self.precision == "bf16-mixed":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
+
+    @override
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.to(dtype=self.param_dtype)
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        return _default_dtype(self.param_dtype)
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        return self.tensor_init_context()
+
+    @override
+    def forward_context(self) -> AbstractContextManager:
+        return nullcontext()
+
+    @override
+    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
+        clip_grad_norm_(self.main_params(optimizer), clip_val)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+class _default_dtype:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __enter__(self) -> None:
+        self.previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+
+    def __exit__(self, *args: Any) -> None:
+        torch.set_default_dtype(self.previous)
