@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 METADATA_FILE = "meta.pt"
 DCP_METADATA_FILE = ".metadata"
@@ -79,7 +80,7 @@ def load_sharded_checkpoint(path: str | Path, state: dict[str, Any]) -> dict[str
     path = check_checkpoint_dir(path)
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as error:  # DCP raises CheckpointException / RuntimeError / pickle errors for bad shards
+    except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
         raise RuntimeError(f"could not read the sharded checkpoint at {path}: {error}") from error
     try:
         return torch.load(path / METADATA_FILE, map_location="cpu", weights_only=False)
