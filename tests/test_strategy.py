@@ -1,0 +1,104 @@
+"""Strategy front door: registry names, clear errors before any collective, launchers, meta init."""
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import StrategyRegistry
+
+import ultrascale
+from tests._dist import run_ranks
+from tests._parity import ParityData, TokenDataset
+from ultrascale import HSDPStrategy, UltraScaleStrategy, ZeRO3Strategy
+from ultrascale.models.llama import LlamaLM
+
+
+def trainer(strategy, devices=4, **kwargs):
+    return L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, **kwargs)
+
+
+def test_registered_names():
+    for name, cls in [("ultrascale_4d", UltraScaleStrategy), ("ultrascale_zero3", ZeRO3Strategy), ("ultrascale_hsdp", HSDPStrategy)]:
+        assert name in StrategyRegistry
+        assert isinstance(trainer(name).strategy, cls)
+
+
+@pytest.mark.parametrize(
+    "strategy, devices, match",
+    [
+        (UltraScaleStrategy(data_parallel_replicate=3), 4, r"cannot infer `dp_shard`.*divide world size 4"),
+        (UltraScaleStrategy(data_parallel_replicate=2, data_parallel_shard=3), 4,
+         r"dp_replicate\(2\) \* dp_shard\(3\) \* cp\(1\) \* tp\(1\) \* pp\(1\) != world size\(4\)"),
+        (HSDPStrategy(), 3, r"cannot infer `dp_shard`.*dp_replicate\(2\)"),
+        (HSDPStrategy(data_parallel_replicate=8), 4, r"divide world size 4"),
+    ],
+)
+def test_invalid_layout_fails_at_trainer_construction(strategy, devices, match):
+    with pytest.raises(ValueError, match=match):
+        trainer(strategy, devices=devices)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("knob", ["context_parallel", "tensor_parallel", "pipeline_parallel", "expert_parallel"])
+def test_later_parallelisms_fail_clearly(knob):
+    with pytest.raises(NotImplementedError, match=rf"`{knob}=2`.*not implemented in ultrascale yet; set `{knob}=1`"):
+        UltraScaleStrategy(**{knob: 2})
+
+
+def test_zero_stage():
+    with pytest.raises(NotImplementedError, match="ZeRO-1/2"):
+        UltraScaleStrategy(zero_stage=2)
+    with pytest.raises(ValueError, match="choose 1, 2 or 3"):
+        UltraScaleStrategy(zero_stage=4)
+
+
+def test_bad_knob_values():
+    with pytest.raises(ValueError, match="launcher='spawn'"):
+        UltraScaleStrategy(launcher="spawn")
+    with pytest.raises(ValueError, match="data_parallel_replicate=0"):
+        HSDPStrategy(data_parallel_replicate=0)
+
+
+def test_unsupported_precision():
+    with pytest.raises(ValueError, match=r"supports `precision` in \('32-true', 'bf16-mixed', 'bf16-true'\).*64-true"):
+        trainer("ultrascale_zero3", precision="64-true")
+
+
+def test_precision_mapping():
+    for name in ("32-true", "bf16-mixed", "bf16-true"):
+        plugin = trainer("ultrascale_zero3", precision=name).strategy.precision_plugin
+        assert isinstance(plugin, ultrascale.UltraScalePrecision) and plugin.precision == name
+    policy = trainer("ultrascale_zero3", precision="bf16-mixed").strategy.precision_plugin.mixed_precision_policy()
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+
+
+def test_fork_launcher_inside_pytest():
+    """No torchrun env vars: the strategy launches its own ranks, by forking (the default under pytest)."""
+    t = trainer("ultrascale_zero3", devices=2, max_steps=3, enable_checkpointing=False, enable_progress_bar=False)
+    assert type(t.strategy.launcher).__name__ == "ForkLauncher"
+    t.fit(LlamaLM(preset="tiny", max_steps=3), ParityData(TokenDataset(48, 16, 512), 8))
+    assert torch.isfinite(t.callback_metrics["train_loss"])
+    # As with Lightning's spawn launchers, metrics and the trainer state come back to the parent.
+    assert t.state.finished and not dist.is_initialized()
+
+
+def _meta_init(rank, world_size):
+    strategy = UltraScaleStrategy(meta_init=True)
+    t = trainer(strategy, devices=world_size, max_steps=5, enable_checkpointing=False, enable_progress_bar=False)
+    model = LlamaLM(preset="tiny", learning_rate=3e-3, warmup_steps=1, max_steps=100)
+    losses = []
+    t.fit(model, ParityData(TokenDataset(40, 16, 512), 8))
+    embedding = model.model.tok_embeddings.weight
+    local = embedding.to_local()
+    losses.append(float(t.callback_metrics["train_loss"]))
+    return {"local_std": float(local.std()), "local_rows": local.shape[0], "device": str(local.device),
+            "loss": losses[0], "initial_rope": float(model.model.rope_cos[1, 0])}
+
+
+def test_meta_init_materialises_each_shard():
+    results = run_ranks(_meta_init, 2)
+    for result in results:
+        assert result["local_rows"] == 256 and result["device"] == "cpu"  # 512-row embedding, sharded on dim 0
+        assert 0.015 < result["local_std"] < 0.025  # init_std 0.02 (weights were initialised, not left empty)
+        assert abs(result["initial_rope"] - torch.cos(torch.tensor(1.0)).item()) < 1e-5  # RoPE buffers recomputed
+        assert result["loss"] < 6.5  # trains from ln(512) = 6.24
