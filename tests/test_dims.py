@@ -3,7 +3,7 @@
 import pytest
 
 from tests._dist import init_gloo, run_ranks
-from ultrascale.parallel.dims import MESH_AXES, ParallelDims, build_mesh, get_mesh
+from ultrascale.parallel.dims import MESH_AXES, ParallelDims, build_mesh
 
 
 def test_rest_is_resolved():
@@ -62,9 +62,11 @@ def _mesh_worker(rank, world_size):
     out = {axis: mesh[axis].size() for axis in MESH_AXES}
     out["dp"] = (mesh["dp"].size(), mesh["dp"].get_local_rank())
     out["dp_shard_cp"] = mesh["dp_shard_cp"].size()
-    out["hsdp"] = mesh["dp_replicate", "dp_shard_cp"].shape
+    out["hsdp"] = mesh.fsdp.shape
+    out["hsdp_names"] = mesh.fsdp.mesh_dim_names
+    out["world"] = mesh.world.mesh_dim_names
     try:
-        get_mesh(mesh, "data")
+        mesh["data"]
     except KeyError as error:
         out["error"] = str(error)
     return out
@@ -76,5 +78,6 @@ def test_build_mesh_world4():
         assert (out["pp"], out["dp_replicate"], out["dp_shard"], out["cp"], out["tp"]) == (1, 2, 2, 1, 1)
         assert out["dp"] == (4, rank)
         assert out["dp_shard_cp"] == 2
-        assert tuple(out["hsdp"]) == (2, 2)
+        assert tuple(out["hsdp"]) == (2, 2) and out["hsdp_names"] == ("dp_replicate", "dp_shard_cp")
+        assert out["world"] == MESH_AXES
         assert "valid axes: pp, dp_replicate, dp_shard, cp, tp, dp, dp_shard_cp" in out["error"]

@@ -143,38 +143,53 @@ class ParallelDims:
         return " x ".join(f"{axis}={getattr(self, axis)}" for axis in MESH_AXES) + f" (world {self.world_size})"
 
 
-def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """Create the 5-axis world mesh (`MESH_AXES`, size-1 axes included) and the flattened axes.
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The world mesh and the flattened meshes derived from it, kept side by side.
 
-    Keeping size-1 axes means `mesh["tp"]` etc. always exist, so code never branches on
-    which parallelisms are on; `dp` and `dp_shard_cp` are registered as flattened axes
-    and reached as `mesh["dp"]`, `mesh["dp_shard_cp"]`.
+    torch deprecates slicing flattened axes back out of the root mesh, so the flattened
+    meshes are held here; `mesh[name]` reaches both kinds by name.
     """
+
+    dims: ParallelDims
+    world: DeviceMesh
+    """5-D mesh with axes MESH_AXES (size-1 axes included, so `mesh["tp"]` always exists)."""
+    dp: DeviceMesh
+    """1-D: dp_replicate x dp_shard, the ranks that see different batches."""
+    dp_shard_cp: DeviceMesh
+    """1-D: dp_shard x cp, the ranks over which ZeRO shards parameters."""
+    fsdp: DeviceMesh
+    """FSDP's mesh: `dp_shard_cp` (1-D), or 2-D (dp_replicate, dp_shard_cp) for HSDP."""
+
+    def __getitem__(self, axis: str) -> DeviceMesh:
+        if axis in MESH_AXES:
+            return self.world[axis]
+        if axis in FLAT_AXES:
+            return getattr(self, axis)
+        raise KeyError(f"unknown mesh axis {axis!r}; valid axes: {', '.join((*MESH_AXES, *FLAT_AXES))}")
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
+    """Create every mesh of a run: the 5-axis world mesh and the flattened dp / dp_shard_cp / fsdp meshes."""
     if not dist.is_initialized():
         raise RuntimeError("build_mesh needs an initialised default process group (torch.distributed.init_process_group)")
     if dist.get_world_size() != dims.world_size:
         raise ValueError(f"process group world size {dist.get_world_size()} != {dims.describe()}")
     shape = tuple(getattr(dims, axis) for axis in MESH_AXES)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
-    for flat_name, axes in FLAT_AXES.items():
-        mesh[axes]._flatten(flat_name)
-    for axis in MESH_AXES:
+    world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+    flat = {name: world[axes]._flatten(name) for name, axes in FLAT_AXES.items()}
+    if dims.dp_replicate_enabled:
+        # HSDP needs (replicate, shard) as one 2-D mesh: flatten the three data axes, then
+        # unflatten into replicate x (dp_shard * cp).
+        data = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        fsdp = data._unflatten(0, (dims.dp_replicate, dims.dp_shard_cp), ("dp_replicate", "dp_shard_cp"))
+    else:
+        fsdp = flat["dp_shard_cp"]
+    mesh = ParallelMesh(dims=dims, world=world, fsdp=fsdp, **flat)
+    for axis in (*MESH_AXES, *FLAT_AXES):
         if mesh[axis].size() != getattr(dims, axis):
             raise RuntimeError(f"mesh axis {axis!r} has size {mesh[axis].size()}, expected {getattr(dims, axis)}")
-    for flat_name in FLAT_AXES:
-        if mesh[flat_name].size() != getattr(dims, flat_name):
-            raise RuntimeError(f"flattened axis {flat_name!r} has size {mesh[flat_name].size()}, expected {getattr(dims, flat_name)}")
     return mesh
-
-
-def get_mesh(mesh: DeviceMesh, axis: str | tuple[str, ...]) -> DeviceMesh:
-    """`mesh[axis]` with an error that lists the valid axis names."""
-    valid = (*MESH_AXES, *FLAT_AXES)
-    names = (axis,) if isinstance(axis, str) else axis
-    unknown = [name for name in names if name not in valid]
-    if unknown:
-        raise KeyError(f"unknown mesh axis {unknown}; valid axes: {', '.join(valid)}")
-    return mesh[axis]
 
 
 def _product_text(degrees: dict[str, int], world_size: int, missing: str | None = None) -> str:
@@ -187,4 +202,4 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-__all__ = ["MESH_AXES", "FLAT_AXES", "ParallelDims", "build_mesh", "get_mesh"]
+__all__ = ["MESH_AXES", "FLAT_AXES", "ParallelDims", "ParallelMesh", "build_mesh"]

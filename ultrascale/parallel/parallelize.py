@@ -5,17 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ultrascale.parallel.dims import ParallelDims
+from ultrascale.parallel.dims import ParallelMesh
 from ultrascale.parallel.fsdp import apply_fsdp
 
 
 def parallelize(
     module: nn.Module,
-    mesh: DeviceMesh,
-    dims: ParallelDims,
+    mesh: ParallelMesh,
     *,
     blocks: Sequence[nn.Module],
     mp_policy: MixedPrecisionPolicy | None = None,
@@ -29,15 +27,15 @@ def parallelize(
     the earlier steps left (DTensors on the tp axis become 2D-sharded). Only ZeRO-3 /
     HSDP exist so far; the strategies reject the other degrees before we get here.
     """
+    dims = mesh.dims
     for name in ("pp", "tp", "cp", "ep"):
         if getattr(dims, name) != 1:
             raise NotImplementedError(f"parallelize: {name}={getattr(dims, name)} is not implemented yet")
-    # HSDP: a 2D (replicate, shard) mesh makes FSDP all-reduce gradients across replicas
-    # after reduce-scattering them within one; plain FSDP uses the 1D shard axis.
-    dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate_enabled else mesh["dp_shard_cp"]
+    # HSDP: on the 2-D (replicate, shard) mesh FSDP all-reduces gradients across replicas
+    # after reduce-scattering them within one; plain FSDP uses the 1-D shard mesh.
     apply_fsdp(
         module,
-        dp_mesh,
+        mesh.fsdp,
         blocks=blocks,
         mp_policy=mp_policy,
         reshard_after_forward=reshard_after_forward,

@@ -38,7 +38,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from ultrascale.models.adapters import get_adapter
 from ultrascale.parallel.checkpoint import check_checkpoint_dir, load_sharded_checkpoint, save_sharded_checkpoint
-from ultrascale.parallel.dims import ParallelDims, build_mesh
+from ultrascale.parallel.dims import ParallelDims, ParallelMesh, build_mesh
 from ultrascale.parallel.fsdp import is_fsdp_sharded, set_gradient_sync
 from ultrascale.parallel.init import broadcast_module_state, has_meta_tensors, materialize_meta_module
 from ultrascale.parallel.parallelize import parallelize
@@ -146,7 +146,7 @@ class UltraScaleStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._parallel_dims: Optional[ParallelDims] = None
-        self._device_mesh: Optional[DeviceMesh] = None
+        self._parallel_mesh: Optional[ParallelMesh] = None
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ layout
@@ -164,10 +164,16 @@ class UltraScaleStrategy(ParallelStrategy):
         return self._parallel_dims
 
     @property
-    def device_mesh(self) -> DeviceMesh:
-        if self._device_mesh is None:
+    def parallel_mesh(self) -> ParallelMesh:
+        """All meshes of the run by axis name: `pp, dp_replicate, dp_shard, cp, tp, dp, dp_shard_cp`."""
+        if self._parallel_mesh is None:
             raise RuntimeError("the device mesh exists only after the processes have been initialised")
-        return self._device_mesh
+        return self._parallel_mesh
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The 5-D world mesh (also `LightningModule.device_mesh`)."""
+        return self.parallel_mesh.world
 
     @property
     @override
@@ -184,7 +190,7 @@ class UltraScaleStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Only the dp axes see different batches; tp/pp ranks of one dp rank need the same
         # batch and cp ranks split the same batch along the sequence.
-        dp_mesh = self.device_mesh["dp"]
+        dp_mesh = self.parallel_mesh["dp"]
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
     @property
@@ -252,10 +258,10 @@ class UltraScaleStrategy(ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
-        self._device_mesh = build_mesh(dims, self.root_device.type)
+        self._parallel_mesh = build_mesh(dims, self.root_device.type)
         rank_zero_info(f"ultrascale mesh: {dims.describe()}")
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        self.lightning_module._device_mesh = self.device_mesh
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -303,8 +309,7 @@ class UltraScaleStrategy(ParallelStrategy):
         precision.convert_module(module)
         parallelize(
             module,
-            self.device_mesh,
-            self.parallel_dims,
+            self.parallel_mesh,
             blocks=adapter.blocks,
             mp_policy=precision.mixed_precision_policy(),
             reshard_after_forward=self.reshard_after_forward,

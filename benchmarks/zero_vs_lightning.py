@@ -1,0 +1,141 @@
+"""ultrascale ZeRO-3 vs Lightning's ModelParallelStrategy with a hand-written FSDP2 `configure_model`.
+
+Same LlamaLM job, same ranks, steps and data; the two strategies alternate (A B A B ...)
+so that machine noise hits both alike. Prints tokens/s of each, their ratio, and peak RSS
+per rank, and writes benchmarks/results/zero_vs_lightning.md.
+
+    python benchmarks/zero_vs_lightning.py [--ranks 2] [--steps 40] [--repeats 5] [--preset small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, Dataset
+
+import ultrascale  # noqa: F401
+from ultrascale.data import ResumableBlockSampler
+from ultrascale.models.llama import LlamaLM
+from ultrascale.parallel.local_launch import run_ranks
+
+WARMUP_STEPS = 3
+
+
+class RandomTokens(Dataset):
+    def __init__(self, n: int, seq_len: int, vocab: int) -> None:
+        self.blocks = torch.randint(0, vocab, (n, seq_len + 1), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.blocks[i, :-1], "labels": self.blocks[i, 1:]}
+
+
+class Data(L.LightningDataModule):
+    def __init__(self, n: int, seq_len: int, vocab: int, global_batch: int) -> None:
+        super().__init__()
+        self.dataset, self.global_batch = RandomTokens(n, seq_len, vocab), global_batch
+
+    def train_dataloader(self) -> DataLoader:
+        layout = self.trainer.strategy.distributed_sampler_kwargs
+        sampler = ResumableBlockSampler(self.dataset, self.global_batch, shuffle=False, **layout)
+        return DataLoader(self.dataset, batch_size=sampler.local_batch_size, sampler=sampler)
+
+
+class HandShardedLlama(LlamaLM):
+    """What a Lightning user writes for ModelParallelStrategy: FSDP2 per block, then the root."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+class Throughput(L.Callback):
+    def __init__(self) -> None:
+        self.start = self.end = 0.0
+        self.steps = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == WARMUP_STEPS:
+            self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx >= WARMUP_STEPS:
+            self.end, self.steps = time.perf_counter(), self.steps + 1
+
+
+def _run(rank, world_size, variant, preset, steps, seq_len, global_batch):
+    torch.set_num_threads(1)
+    model_cls, strategy = {
+        "ultrascale_zero3": (LlamaLM, "ultrascale_zero3"),
+        "lightning_model_parallel": (HandShardedLlama, ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)),
+    }[variant]
+    meter = Throughput()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[meter],
+    )
+    model = model_cls(preset=preset, max_seq_len=seq_len, max_steps=steps)
+    trainer.fit(model, Data(steps * global_batch, seq_len, model.config.vocab_size, global_batch))
+    tokens = meter.steps * global_batch * seq_len  # global tokens: each rank timed the same steps
+    return {"tokens_per_s": tokens / (meter.end - meter.start), "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "zero_vs_lightning.md"))
+    args = parser.parse_args()
+    variants = ["ultrascale_zero3", "lightning_model_parallel"]
+    measured: dict[str, list[dict]] = {v: [] for v in variants}
+    for _ in range(args.repeats):
+        for variant in variants:
+            per_rank = run_ranks(_run, args.ranks, variant, args.preset, args.steps, args.seq_len, args.global_batch)
+            measured[variant].append({
+                "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in per_rank),
+                "peak_rss_mib": max(r["peak_rss_mib"] for r in per_rank),
+            })
+    rows = {}
+    for variant in variants:
+        rows[variant] = (
+            statistics.median(m["tokens_per_s"] for m in measured[variant]),
+            statistics.median(m["peak_rss_mib"] for m in measured[variant]),
+        )
+    ratio = rows["ultrascale_zero3"][0] / rows["lightning_model_parallel"][0]
+    header = (
+        f"LlamaLM preset={args.preset}, seq {args.seq_len}, global batch {args.global_batch}, {args.ranks} CPU ranks (gloo), "
+        f"{args.steps} steps ({WARMUP_STEPS} warm-up), fp32, median of {args.repeats} alternating runs; "
+        f"{torch.__version__}, lightning {L.__version__}"
+    )
+    table = [
+        "| strategy | tokens/s (global) | peak RSS per rank (MiB) |",
+        "|---|---:|---:|",
+        *(f"| {v} | {rows[v][0]:,.0f} | {rows[v][1]:,.0f} |" for v in variants),
+        f"| **ratio ultrascale / Lightning** | **{ratio:.3f}** | {rows['ultrascale_zero3'][1] / rows['lightning_model_parallel'][1]:.3f} |",
+    ]
+    text = header + "\n\n" + "\n".join(table) + "\n"
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

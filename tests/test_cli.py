@@ -1,0 +1,40 @@
+"""The `ultrascale` command runs the tiny CPU recipe end to end (2 ranks via the subprocess launcher),
+writes a sharded checkpoint, resumes from it and validates it."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu.yaml"
+FAST = ["--trainer.max_steps", "6", "--trainer.val_check_interval", "6", "--trainer.limit_val_batches", "2",
+        "--data.init_args.max_tokens", "200000"]
+
+
+def ultrascale(*args: str, cwd: Path) -> str:
+    exe = shutil.which("ultrascale")
+    command = [exe] if exe else [sys.executable, "-m", "ultrascale.cli"]
+    done = subprocess.run([*command, *args], cwd=cwd, capture_output=True, text=True, timeout=240)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    return output
+
+
+@pytest.mark.slow
+def test_tiny_recipe_fit_resume_validate(tmp_path):
+    out = ultrascale("fit", "--config", str(RECIPE), *FAST, cwd=tmp_path)
+    assert "ultrascale mesh: pp=1 x dp_replicate=1 x dp_shard=2 x cp=1 x tp=1 (world 2)" in out
+    assert "`Trainer.fit` stopped: `max_steps=6` reached." in out
+    run = tmp_path / "runs" / "ultrascale" / "version_0"
+    assert list(run.glob("events.out.tfevents.*")), "TensorBoard logger is the default"
+    last = run / "checkpoints" / "last.ckpt"
+    assert (last / ".metadata").is_file() and (last / "meta.pt").is_file()
+
+    out = ultrascale("fit", "--config", str(RECIPE), *FAST, "--trainer.max_steps", "8", "--ckpt_path", str(last), cwd=tmp_path)
+    assert "`Trainer.fit` stopped: `max_steps=8` reached." in out
+    assert "Restored all states from the checkpoint" in out
+
+    out = ultrascale("validate", "--config", str(RECIPE), *FAST, "--ckpt_path", str(last), cwd=tmp_path)
+    assert "val_loss" in out

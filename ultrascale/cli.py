@@ -1,0 +1,51 @@
+"""The `ultrascale` command: LightningCLI with ultrascale's strategies registered.
+
+    ultrascale fit --config recipes/tiny_cpu.yaml
+    ultrascale fit --config recipes/tiny_cpu.yaml --trainer.devices 4 --trainer.strategy ultrascale_hsdp
+
+Any LightningModule / LightningDataModule can be named with `class_path`; the recipes
+use `ultrascale.models.llama.LlamaLM` and `ultrascale.data.CausalLMDataModule`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.cli import LightningCLI
+
+import ultrascale  # noqa: F401  (registers the strategies by name)
+
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "logger": {
+        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+        "init_args": {"save_dir": "runs", "name": "ultrascale"},
+    },
+    "enable_progress_bar": True,
+}
+
+
+class UltraScaleCLI(LightningCLI):
+    """LightningCLI with TensorBoard logging and a progress bar by default."""
+
+    def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
+        super().__init__(
+            model_class=L.LightningModule,
+            datamodule_class=L.LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            trainer_defaults={**TRAINER_DEFAULTS, **kwargs.pop("trainer_defaults", {})},
+            save_config_kwargs={"overwrite": True},
+            args=args,
+            run=run,
+            **kwargs,
+        )
+
+
+def main(args: list[str] | None = None) -> None:
+    UltraScaleCLI(args=args if args is not None else sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()
