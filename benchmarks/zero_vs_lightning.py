@@ -114,9 +114,11 @@ def main() -> None:
             })
     rows = {}
     for variant in variants:
+        speeds = [m["tokens_per_s"] for m in measured[variant]]
         rows[variant] = (
-            statistics.median(m["tokens_per_s"] for m in measured[variant]),
+            statistics.median(speeds),
             statistics.median(m["peak_rss_mib"] for m in measured[variant]),
+            f"{min(speeds):,.0f}-{max(speeds):,.0f}",
         )
     ratio = rows["ultrascale_zero3"][0] / rows["lightning_model_parallel"][0]
     header = (
@@ -125,10 +127,10 @@ def main() -> None:
         f"{torch.__version__}, lightning {L.__version__}"
     )
     table = [
-        "| strategy | tokens/s (global) | peak RSS per rank (MiB) |",
-        "|---|---:|---:|",
-        *(f"| {v} | {rows[v][0]:,.0f} | {rows[v][1]:,.0f} |" for v in variants),
-        f"| **ratio ultrascale / Lightning** | **{ratio:.3f}** | {rows['ultrascale_zero3'][1] / rows['lightning_model_parallel'][1]:.3f} |",
+        "| strategy | tokens/s (global, median) | tokens/s (min-max) | peak RSS per rank (MiB) |",
+        "|---|---:|---:|---:|",
+        *(f"| {v} | {rows[v][0]:,.0f} | {rows[v][2]} | {rows[v][1]:,.0f} |" for v in variants),
+        f"| **ratio ultrascale / Lightning** | **{ratio:.3f}** | | {rows['ultrascale_zero3'][1] / rows['lightning_model_parallel'][1]:.3f} |",
     ]
     text = header + "\n\n" + "\n".join(table) + "\n"
     print(text)

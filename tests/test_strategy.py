@@ -82,6 +82,19 @@ def test_fork_launcher_inside_pytest():
     assert t.state.finished and not dist.is_initialized()
 
 
+def test_single_process_trains_in_this_process():
+    t = trainer("ultrascale_zero3", devices=1, max_steps=3, enable_checkpointing=False, enable_progress_bar=False)
+    assert type(t.strategy.launcher).__name__ == "_SubprocessScriptLauncher"  # starts no child for one process
+    model = LlamaLM(preset="tiny", max_steps=3)
+    try:
+        t.fit(model, ParityData(TokenDataset(48, 16, 512), 8))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()  # forked tests after this one must not inherit it
+    assert t.global_step == 3
+    assert t.strategy.parallel_dims.describe() == "pp=1 x dp_replicate=1 x dp_shard=1 x cp=1 x tp=1 (world 1)"
+
+
 def _meta_init(rank, world_size):
     strategy = UltraScaleStrategy(meta_init=True)
     t = trainer(strategy, devices=world_size, max_steps=5, enable_checkpointing=False, enable_progress_bar=False)

@@ -25,7 +25,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -225,9 +225,9 @@ class UltraScaleStrategy(ParallelStrategy):
             self._precision_plugin = precision_plugin
             return
         name = getattr(precision_plugin, "precision", None)
-        if type(precision_plugin).__name__ not in ("Precision", "MixedPrecision", "HalfPrecision") or (
-            name not in SUPPORTED_PRECISION
-        ):
+        # Only Lightning's generic plugins are translated; a specialised one (double,
+        # bitsandbytes, transformer-engine, a user's own) is rejected, not silently replaced.
+        if type(precision_plugin) not in (Precision, MixedPrecision, HalfPrecision) or name not in SUPPORTED_PRECISION:
             raise ValueError(
                 f"{type(self).__name__} supports `precision` in {SUPPORTED_PRECISION} (FSDP2 mixed precision), "
                 f"got {type(precision_plugin).__name__}(precision={name!r})"

@@ -47,7 +47,10 @@ def make_launcher(
 ) -> _SubprocessScriptLauncher | ForkLauncher:
     if name == "auto":
         on_cpu = all(device.type == "cpu" for device in (strategy.parallel_devices or []))
-        name = "fork" if (on_cpu and num_nodes == 1 and in_interactive_or_pytest()) else "subprocess"
+        # One process: the subprocess launcher starts no child and trains in this process,
+        # so the caller's module and trainer hold the results.
+        single = num_processes * num_nodes == 1
+        name = "fork" if (on_cpu and num_nodes == 1 and not single and in_interactive_or_pytest()) else "subprocess"
     if name == "fork":
         return ForkLauncher(strategy)
     if name == "subprocess":
