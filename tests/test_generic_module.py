@@ -56,7 +56,7 @@ class PlainTransformerLM(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
 
 
 def _worker(rank, world_size, strategy):

@@ -15,7 +15,7 @@ SEQ, MICRO_BATCH, STEPS = 32, 8, 10
 
 def make_model() -> LlamaLM:
     # Constant-ish lr (warm-up 1 step) so every step moves the weights.
-    return LlamaLM(preset="tiny", learning_rate=3e-3, warmup_steps=1, max_steps=1000, min_lr_ratio=1.0)
+    return LlamaLM(preset="tiny", learning_rate=3e-3, warmup_steps=1, max_steps=1000, min_lr_ratio=1.0, eps=1e-6)
 
 
 def dataset(accumulate: int) -> TokenDataset:

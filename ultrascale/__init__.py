@@ -4,8 +4,8 @@
 """
 
 from ultrascale.parallel.dims import ParallelDims
-from ultrascale.strategies import HSDPStrategy, UltraScalePrecision, UltraScaleStrategy, ZeRO3Strategy
+from ultrascale.strategies import HSDPStrategy, TensorParallelStrategy, UltraScalePrecision, UltraScaleStrategy, ZeRO3Strategy
 
 __version__ = "0.1.0"
 
-__all__ = ["ParallelDims", "UltraScaleStrategy", "ZeRO3Strategy", "HSDPStrategy", "UltraScalePrecision", "__version__"]
+__all__ = ["ParallelDims", "UltraScaleStrategy", "ZeRO3Strategy", "HSDPStrategy", "TensorParallelStrategy", "UltraScalePrecision", "__version__"]

@@ -8,9 +8,12 @@ ZeRO/HSDP (it only needs the repeated blocks).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch.nn as nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,34 @@ class ModelAdapter:
     """The repeated transformer blocks: one FSDP unit / checkpoint region / pipeline unit each."""
     block_path: str
     """Dotted path of the ModuleList holding the blocks (e.g. 'model.layers'); '' if none was found."""
+    tp_sizes: Mapping[str, int] = field(default_factory=dict)
+    """Sizes that a tensor-parallel degree must divide (heads, kv heads, MLP hidden, vocab)."""
+    tp_plan: Optional[Callable[..., dict[str, ParallelStyle]]] = None
+    """`tp_plan(sequence_parallel=..., loss_parallel=...)` -> plan keyed by module path; None: no TP support."""
+    supports_sequence_parallel: bool = False
+    """Whether `tp_plan(sequence_parallel=True)` is implemented for this architecture."""
+    tp_blocker: str = ""
+    """Why tensor parallel cannot be applied to this instance although the architecture has a plan."""
+
+    def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
+        """Raise (before any collective) if `tp` cannot be applied to this model."""
+        from ultrascale.models.tp_plans import check_tp_divides
+
+        if self.tp_plan is None:
+            raise ValueError(
+                f"tensor parallel has no plan for {self.name}: ultrascale has TP plans for the built-in Llama and "
+                "Hugging Face Llama/Mistral/Qwen2 models. Pass your own plan to the strategy, e.g. "
+                "`tp_plan={'layers.*.attn.q': 'colwise', 'layers.*.attn.out': 'rowwise', ...}` "
+                "(module path -> ParallelStyle or one of ultrascale.models.tp_plans.STYLE_NAMES)."
+            )
+        if self.tp_blocker:
+            raise ValueError(f"tensor parallel cannot be applied to this {self.name}: {self.tp_blocker}")
+        if sequence_parallel and not self.supports_sequence_parallel:
+            raise ValueError(
+                f"sequence parallel is not implemented for {self.name} (its model code derives positions and the "
+                "attention mask from the local sequence length); set `sequence_parallel=False`."
+            )
+        check_tp_divides(tp, self.tp_sizes, self.name)
 
 
 def find_block_list(module: nn.Module) -> tuple[str, nn.ModuleList] | None:
@@ -41,11 +72,95 @@ def find_block_list(module: nn.Module) -> tuple[str, nn.ModuleList] | None:
 
 def get_adapter(module: nn.Module) -> ModelAdapter:
     found = find_block_list(module)
+    path, blocks = found if found is not None else ("", ())
     name = _architecture_name(module)
-    if found is None:
-        return ModelAdapter(name=name, blocks=(), block_path="")
-    path, blocks = found
-    return ModelAdapter(name=name, blocks=tuple(blocks), block_path=path)
+    common: dict[str, Any] = {"name": name, "blocks": tuple(blocks), "block_path": path}
+    llama = _find_instance(module, "ultrascale.models.llama", "Llama")
+    if llama is not None:
+        return _llama_adapter(llama, common)
+    hf = _find_hf_causal_lm(module)
+    if hf is not None:
+        return _hf_adapter(hf, common)
+    return ModelAdapter(**common)
+
+
+def _find_instance(module: nn.Module, module_name: str, class_name: str) -> Optional[tuple[str, nn.Module]]:
+    for path, sub in module.named_modules():
+        if type(sub).__module__ == module_name and type(sub).__name__ == class_name:
+            return path, sub
+    return None
+
+
+def _prefix(path: str) -> str:
+    return f"{path}." if path else ""
+
+
+def _llama_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAdapter:
+    from ultrascale.models.tp_plans import llama_tp_plan
+
+    path, llama = found
+    config = llama.config
+    return ModelAdapter(
+        **common,
+        tp_sizes={
+            "n_heads": config.n_heads,
+            "n_kv_heads": config.n_kv_heads,
+            "ffn_hidden_dim": config.resolved_ffn_hidden_dim,
+            "vocab_size": config.vocab_size,
+        },
+        tp_plan=lambda *, sequence_parallel, loss_parallel: llama_tp_plan(
+            sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, prefix=_prefix(path)
+        ),
+        supports_sequence_parallel=True,
+        tp_blocker="tied input/output embeddings are not supported with tensor parallel yet"
+        if config.tie_embeddings
+        else "",
+    )
+
+
+def _find_hf_causal_lm(module: nn.Module) -> Optional[tuple[str, nn.Module]]:
+    for path, sub in module.named_modules():
+        config = getattr(sub, "config", None)
+        if config is not None and hasattr(sub, "base_model_prefix") and type(sub).__name__.endswith("ForCausalLM"):
+            return path, sub
+    return None
+
+
+def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAdapter:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from ultrascale.models.tp_plans import style_from_name
+
+    path, hf = found
+    config = hf.config
+    base_plan = getattr(config, "base_model_tp_plan", None) or {}
+    prefix = _prefix(path)
+    base = _prefix(prefix + hf.base_model_prefix)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+
+    def plan(*, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
+        styles = {base + key: style_from_name(value) for key, value in base_plan.items()}
+        styles[base + "embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
+        styles[prefix + "lm_head"] = ColwiseParallel(
+            output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel
+        )
+        return styles
+
+    return ModelAdapter(
+        **common,
+        tp_sizes={
+            "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            "intermediate_size": config.intermediate_size,
+            "vocab_size": config.vocab_size,
+        },
+        tp_plan=plan if base_plan else None,
+        supports_sequence_parallel=False,
+        tp_blocker="tied input/output embeddings (`tie_word_embeddings=True`) are not supported with tensor parallel yet"
+        if tied
+        else "",
+    )
 
 
 def _architecture_name(module: nn.Module) -> str:

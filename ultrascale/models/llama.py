@@ -25,6 +25,7 @@ from typing import Any, Dict, Optional, Tuple
 import lightning
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch import nn
 
 __all__ = [
@@ -423,6 +424,9 @@ class LlamaLM(lightning.LightningModule):
     from ``init_seed`` alone, so every rank and a single-process reference start equal.
     """
 
+    supports_loss_parallel = True
+    """`_loss` accepts vocab-sharded DTensor logits, so strategies may keep them sharded."""
+
     def __init__(
         self,
         config: Optional[LlamaConfig] = None,
@@ -432,6 +436,7 @@ class LlamaLM(lightning.LightningModule):
         learning_rate: float = 3e-4,
         weight_decay: float = 0.1,
         betas: Tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
         warmup_steps: int = 10,
         max_steps: Optional[int] = None,
         min_lr_ratio: float = 0.1,
@@ -446,6 +451,7 @@ class LlamaLM(lightning.LightningModule):
             learning_rate: Peak AdamW learning rate, reached at the end of warm-up.
             weight_decay: AdamW decoupled weight decay for matrices (norm weights get none).
             betas: AdamW ``(beta1, beta2)``.
+            eps: AdamW's denominator term ``eps`` in ``m / (sqrt(v) + eps)``.
             warmup_steps: Optimizer steps of linear warm-up.
             max_steps: Step at which the cosine reaches ``min_lr_ratio``; ``None`` uses the
                 trainer's ``estimated_stepping_batches``.
@@ -496,9 +502,12 @@ class LlamaLM(lightning.LightningModule):
         return self.model(input_ids)
 
     def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = self(batch["input_ids"])  # (B, T, vocab_size)
+        logits = self(batch["input_ids"])  # (B, T, vocab_size), or (B, T, vocab_size / tp) shards under loss parallel
         # Mean over non-ignored tokens, in fp32 because bf16 log-softmax over a 128k vocab is lossy.
-        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        # Under loss parallel the loss is a replicated DTensor; hand Lightning a plain tensor
+        # (to_local keeps the autograd graph: its backward re-wraps the gradient as Replicate).
+        return loss.to_local() if isinstance(loss, DTensor) else loss
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -518,7 +527,9 @@ class LlamaLM(lightning.LightningModule):
             {"params": [p for p in params if p.ndim >= 2], "weight_decay": hp.weight_decay},
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
         ]
-        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas), fused=False, foreach=True)
+        optimizer = torch.optim.AdamW(
+            groups, lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps, fused=False, foreach=True
+        )
         max_steps = hp.max_steps if hp.max_steps is not None else self.trainer.estimated_stepping_batches
         if not math.isfinite(max_steps):
             raise ValueError(

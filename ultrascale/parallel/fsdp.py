@@ -47,7 +47,7 @@ def apply_fsdp(
             "point of training, so FSDP cannot gather them. Move them into a submodule (e.g. `self.model`)."
         )
     for child in module.children():
-        if _has_unsharded_parameters(child):
+        if _has_unmanaged_parameters(child):
             fully_shard(child, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
 
 
@@ -65,7 +65,7 @@ def is_fsdp_sharded(module: nn.Module) -> bool:
     return any(True for _ in fsdp_modules(module))
 
 
-def _has_unsharded_parameters(module: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(not isinstance(p, DTensor) for p in module.parameters())
+def _has_unmanaged_parameters(module: nn.Module) -> bool:
+    """Parameters not yet owned by an FSDP unit (TP's DTensors count as unmanaged: FSDP must still shard them)."""
+    managed = {id(p) for unit in fsdp_modules(module) for p in unit.parameters()}
+    return any(id(p) not in managed for p in module.parameters())

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ultrascale.parallel.dims import ParallelMesh
 from ultrascale.parallel.fsdp import apply_fsdp
+from ultrascale.parallel.tensor import TPPlan, apply_tp
 
 
 def parallelize(
@@ -16,21 +18,25 @@ def parallelize(
     mesh: ParallelMesh,
     *,
     blocks: Sequence[nn.Module],
+    tp_plan: Optional[TPPlan] = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     module_forward_is_called: bool = True,
 ) -> nn.Module:
-    """Apply the parallelisms of `dims` to `module` in place.
+    """Apply the parallelisms of `mesh.dims` to `module` in place.
 
     Order (see ARCHITECTURE.md): pipeline split, then TP/SP, EP, CP, activation
-    checkpointing and FP8, and ZeRO/FSDP last, because FSDP shards whatever parameters
-    the earlier steps left (DTensors on the tp axis become 2D-sharded). Only ZeRO-3 /
-    HSDP exist so far; the strategies reject the other degrees before we get here.
+    checkpointing and FP8, and ZeRO/FSDP last: FSDP shards whatever parameters the
+    earlier steps left, so TP's DTensors on the tp axis become 2-D (dp, tp) DTensors.
     """
     dims = mesh.dims
-    for name in ("pp", "tp", "cp", "ep"):
+    for name in ("pp", "cp", "ep"):
         if getattr(dims, name) != 1:
             raise NotImplementedError(f"parallelize: {name}={getattr(dims, name)} is not implemented yet")
+    if dims.tp_enabled:
+        if tp_plan is None:
+            raise ValueError(f"tp={dims.tp} needs a tensor-parallel plan for {type(module).__name__}")
+        apply_tp(module, mesh["tp"], tp_plan)
     # HSDP: on the 2-D (replicate, shard) mesh FSDP all-reduces gradients across replicas
     # after reduce-scattering them within one; plain FSDP uses the 1-D shard mesh.
     apply_fsdp(

@@ -36,12 +36,13 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from ultrascale.models.adapters import get_adapter
+from ultrascale.models.adapters import ModelAdapter, get_adapter
 from ultrascale.parallel.checkpoint import check_checkpoint_dir, load_sharded_checkpoint, save_sharded_checkpoint
 from ultrascale.parallel.dims import ParallelDims, ParallelMesh, build_mesh
 from ultrascale.parallel.fsdp import is_fsdp_sharded, set_gradient_sync
 from ultrascale.parallel.init import broadcast_module_state, has_meta_tensors, materialize_meta_module
 from ultrascale.parallel.parallelize import parallelize
+from ultrascale.parallel.tensor import maybe_loss_parallel, resolve_plan
 from ultrascale.strategies.launcher import LauncherName, make_launcher
 from ultrascale.strategies.precision import SUPPORTED_PRECISION, UltraScalePrecision
 
@@ -49,7 +50,6 @@ from ultrascale.strategies.precision import SUPPORTED_PRECISION, UltraScalePreci
 # in the constructor, before any process group exists, instead of silently running without.
 _NOT_YET_IMPLEMENTED = {
     "context_parallel": "context parallelism (ring attention)",
-    "tensor_parallel": "tensor + sequence parallelism",
     "pipeline_parallel": "pipeline parallelism",
     "expert_parallel": "expert parallelism",
 }
@@ -69,9 +69,21 @@ class UltraScaleStrategy(ParallelStrategy):
         data_parallel_shard: ranks that shard parameters, gradients and optimizer state (ZeRO-3);
             -1 means "the rest of the world size".
         context_parallel: sequence-splitting degree (not implemented yet: must be 1).
-        tensor_parallel: tensor-parallel degree (not implemented yet: must be 1).
+        tensor_parallel: tensor-parallel degree (Megatron column/row splits on DTensor); 1 means off.
+            The model needs a TP plan: the built-in Llama and Hugging Face Llama/Mistral/Qwen2
+            have one, any other model passes `tp_plan`.
         pipeline_parallel: pipeline stages (not implemented yet: must be 1).
         expert_parallel: expert-parallel degree (not implemented yet: must be 1).
+        sequence_parallel: shard norms and the residual stream on the sequence dim between
+            TP regions (activations 1/tp, same communication volume). None: on where the
+            model's plan supports it (built-in Llama), off otherwise.
+        loss_parallel: keep the logits vocab-sharded into the cross-entropy instead of
+            all-gathering (B, T, V). None: on if the LightningModule sets
+            `supports_loss_parallel = True` (its loss code accepts DTensor logits, as
+            `LlamaLM`'s does), off otherwise.
+        tp_plan: a tensor-parallel plan for models without an adapter: module path
+            (wildcards allowed) -> `ParallelStyle` or a name in
+            `ultrascale.models.tp_plans.STYLE_NAMES` ("colwise", "rowwise", ...).
         zero_stage: 3 = parameters, gradients and optimizer state sharded (FSDP2).
             Stages 1 and 2 are not implemented yet.
         reshard_after_forward: free gathered parameters after each block's forward
@@ -100,6 +112,9 @@ class UltraScaleStrategy(ParallelStrategy):
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
         expert_parallel: int = 1,
+        sequence_parallel: Optional[bool] = None,
+        loss_parallel: Optional[bool] = None,
+        tp_plan: Optional[dict[str, Any]] = None,
         zero_stage: int = 3,
         reshard_after_forward: bool = True,
         meta_init: bool = False,
@@ -119,7 +134,6 @@ class UltraScaleStrategy(ParallelStrategy):
         }
         knobs = {
             "context_parallel": context_parallel,
-            "tensor_parallel": tensor_parallel,
             "pipeline_parallel": pipeline_parallel,
             "expert_parallel": expert_parallel,
         }
@@ -139,6 +153,10 @@ class UltraScaleStrategy(ParallelStrategy):
         if launcher not in ("auto", "subprocess", "fork"):
             raise ValueError(f"{type(self).__name__}(`launcher={launcher!r}`): choose 'auto', 'subprocess' or 'fork'")
         self.zero_stage = zero_stage
+        self.sequence_parallel = sequence_parallel
+        self.loss_parallel = loss_parallel
+        self.tp_plan = resolve_plan(tp_plan) if tp_plan is not None else None
+        self._loss_parallel_active = False
         self.reshard_after_forward = reshard_after_forward
         self.meta_init = meta_init
         self.sync_module_states = sync_module_states
@@ -296,6 +314,8 @@ class UltraScaleStrategy(ParallelStrategy):
 
     def _parallelize(self, module: torch.nn.Module) -> None:
         adapter = get_adapter(module)
+        dims = self.parallel_dims
+        tp_plan = self._tensor_parallel_plan(module, adapter) if dims.tp_enabled else None
         if not adapter.blocks:
             rank_zero_info(
                 f"{type(self).__name__}: no repeated blocks (a ModuleList of identical layers) found in "
@@ -311,12 +331,54 @@ class UltraScaleStrategy(ParallelStrategy):
             module,
             self.parallel_mesh,
             blocks=adapter.blocks,
+            tp_plan=tp_plan,
             mp_policy=precision.mixed_precision_policy(),
             reshard_after_forward=self.reshard_after_forward,
             module_forward_is_called=False,
         )
         if meta:
             materialize_meta_module(module, self.root_device)
+
+    def _tensor_parallel_plan(self, module: torch.nn.Module, adapter: ModelAdapter) -> dict[str, Any]:
+        """Pick the plan (checked before any weight is communicated) and decide loss parallel."""
+        wants_loss_parallel = self.loss_parallel
+        if wants_loss_parallel is None:
+            wants_loss_parallel = bool(getattr(module, "supports_loss_parallel", False))
+        if self.tp_plan is not None:
+            self._loss_parallel_active = bool(self.loss_parallel)
+            return self.tp_plan
+        sequence_parallel = self.sequence_parallel
+        if sequence_parallel is None:
+            sequence_parallel = adapter.supports_sequence_parallel
+        adapter.check_tensor_parallel(self.parallel_dims.tp, sequence_parallel=sequence_parallel)
+        assert adapter.tp_plan is not None
+        self._loss_parallel_active = wants_loss_parallel
+        rank_zero_info(
+            f"tensor parallel {self.parallel_dims.tp} on {adapter.name}: sequence_parallel={sequence_parallel}, "
+            f"loss_parallel={wants_loss_parallel}"
+        )
+        return adapter.tp_plan(sequence_parallel=sequence_parallel, loss_parallel=wants_loss_parallel)
+
+    # Loss parallel must be active around the loss (inside the step) and around backward.
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with maybe_loss_parallel(self._loss_parallel_active):
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with maybe_loss_parallel(self._loss_parallel_active):
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with maybe_loss_parallel(self._loss_parallel_active):
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> torch.Tensor:
+        with maybe_loss_parallel(self._loss_parallel_active):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def model_to_device(self) -> None:
@@ -345,6 +407,8 @@ class UltraScaleStrategy(ParallelStrategy):
     def reduce(
         self, tensor: Union[torch.Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> torch.Tensor:
+        if isinstance(tensor, DTensor):  # e.g. a loss computed under loss parallel
+            tensor = tensor.full_tensor()
         if isinstance(tensor, torch.Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor

@@ -1,0 +1,84 @@
+"""Tensor-parallel plans: model knowledge, kept with the models.
+
+A plan is a literal dict `{module path (fnmatch wildcards allowed): ParallelStyle}`, applied
+by `ultrascale.parallel.tensor.apply_tp`. See that module for the per-block picture.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+# String names accepted in user plans (YAML / CLI) and in Hugging Face `base_model_tp_plan`s.
+STYLE_NAMES: dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "sequence_parallel": SequenceParallel,
+}
+
+
+def style_from_name(name: str) -> ParallelStyle:
+    try:
+        return STYLE_NAMES[name]()
+    except KeyError:
+        raise ValueError(f"unknown tensor-parallel style {name!r}; known: {', '.join(STYLE_NAMES)}") from None
+
+
+def llama_tp_plan(*, sequence_parallel: bool, loss_parallel: bool, prefix: str = "") -> dict[str, ParallelStyle]:
+    """The built-in Llama's plan, one block's layout readable in one place.
+
+    `prefix` is the Llama module's path inside the module being parallelised (e.g. "model.").
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream between blocks
+    plan: dict[str, ParallelStyle] = {
+        # Vocab-parallel embedding: each rank owns vocab/tp rows; partial lookups are summed
+        # (all-reduce) or, with SP, summed and split along T in one reduce-scatter.
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        # Column-parallel head: logits (B, T, V/tp). With loss parallel they stay sharded
+        # (DTensor Shard(-1)) into the cross-entropy; otherwise they are all-gathered.
+        "output": ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+        # cos/sin (the 2nd and 3rd inputs) are full-length plain tensors on every rank.
+        "layers.*.attention": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=seq),
+        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
+    }
+    if sequence_parallel:
+        # RMSNorm weights become Replicate DTensors: their per-rank gradients (from 1/tp of
+        # the tokens each) are summed across TP ranks by DTensor's backward.
+        plan.update({"norm": SequenceParallel(), "layers.*.attention_norm": SequenceParallel(), "layers.*.ffn_norm": SequenceParallel()})
+    return {prefix + path: style for path, style in plan.items()}
+
+
+def check_tp_divides(tp: int, sizes: Mapping[str, int], model_name: str) -> None:
+    """ValueError naming every size that `tp` does not divide and the degrees that would fit."""
+    bad = {name: size for name, size in sizes.items() if size % tp != 0}
+    if bad:
+        common = math.gcd(*sizes.values())
+        fits = [d for d in range(1, common + 1) if common % d == 0]
+        details = ", ".join(f"{name}={size}" for name, size in bad.items())
+        raise ValueError(
+            f"`tensor_parallel={tp}` must divide {details} of {model_name} (whole heads / rows per rank). "
+            f"Tensor-parallel degrees that fit: {fits}"
+        )

@@ -1,0 +1,65 @@
+"""Tensor + sequence parallel strategy (combined with ZeRO-3 over the remaining ranks)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from typing_extensions import override
+
+from ultrascale.parallel.dims import ParallelDims
+from ultrascale.strategies.base import UltraScaleStrategy
+from ultrascale.strategies.launcher import LauncherName
+
+
+class TensorParallelStrategy(UltraScaleStrategy):
+    """Tensor parallel (+ sequence parallel, + loss parallel) inside groups of `tensor_parallel`
+    ranks, ZeRO-3 across the groups (2-D: dp_shard x tp).
+
+    Registered as ``"ultrascale_tp"``. TP communicates inside every layer, so keep its
+    group within a node: "auto" uses every device of a node for TP.
+
+    Args:
+        tensor_parallel: TP degree; "auto" = devices per node.
+        sequence_parallel, loss_parallel, tp_plan: see `UltraScaleStrategy`.
+        data_parallel_replicate: HSDP replicas of the (dp_shard x tp) model; 1 means off.
+    """
+
+    strategy_name = "ultrascale_tp"
+
+    def __init__(
+        self,
+        tensor_parallel: Union[int, Literal["auto"]] = "auto",
+        sequence_parallel: Optional[bool] = None,
+        loss_parallel: Optional[bool] = None,
+        tp_plan: Optional[dict[str, Any]] = None,
+        data_parallel_replicate: int = 1,
+        reshard_after_forward: bool = True,
+        meta_init: bool = False,
+        sync_module_states: bool = True,
+        launcher: LauncherName = "auto",
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        if tensor_parallel != "auto" and (not isinstance(tensor_parallel, int) or tensor_parallel < 1):
+            raise ValueError(f"TensorParallelStrategy(`tensor_parallel={tensor_parallel!r}`): give a positive int or 'auto'")
+        super().__init__(
+            data_parallel_replicate=data_parallel_replicate,
+            data_parallel_shard=-1,
+            sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel,
+            tp_plan=tp_plan,
+            reshard_after_forward=reshard_after_forward,
+            meta_init=meta_init,
+            sync_module_states=sync_module_states,
+            launcher=launcher,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.tensor_parallel = tensor_parallel
+
+    @override
+    def resolve_dims(self, world_size: int) -> ParallelDims:
+        self._degrees["tp"] = self.num_processes if self.tensor_parallel == "auto" else self.tensor_parallel
+        return super().resolve_dims(world_size)
