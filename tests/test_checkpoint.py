@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.testing import assert_close
 
-import ultrascale  # noqa: F401
+import ultrascale
 from tests._dist import run_ranks
 from tests._parity import Recorder, dp_mean_losses
 from ultrascale.data import CausalLMDataModule
@@ -36,12 +36,12 @@ def trainer_for(world_size, max_steps, callbacks=(), strategy="ultrascale_zero3"
     )
 
 
-def _train(rank, world_size, max_steps, ckpt_dir, resume_from):
+def _train(rank, world_size, max_steps, ckpt_dir, resume_from, strategy="ultrascale_zero3"):
     recorder = Recorder()
     callbacks = [recorder]
     if ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=STOP_STEP, save_top_k=-1, save_last=True))
-    trainer = trainer_for(world_size, max_steps, callbacks)
+    trainer = trainer_for(world_size, max_steps, callbacks, strategy=strategy)
     trainer.fit(make_model(), make_data(), ckpt_path=resume_from)
     return {"losses": recorder.losses, "step": trainer.global_step}
 
@@ -78,6 +78,16 @@ def test_resume_continues_the_same_loss_curve(uninterrupted, stopped_checkpoint,
     # Same world: identical maths. 4 -> 2 ranks: only the reduction order changes.
     tolerance = 1e-6 if world_size == 4 else 1e-5
     assert_close(torch.tensor(resumed), torch.tensor(uninterrupted[STOP_STEP:]), rtol=0, atol=tolerance)
+
+
+def test_tensor_parallel_checkpoint_resumes_without_tp(tmp_path):
+    """Saved with tp=2 (DTensors sharded over heads and vocab), resumed as plain ZeRO-3 (tp=1)."""
+    tp2 = ultrascale.UltraScaleStrategy(tensor_parallel=2, data_parallel_shard=1)
+    uninterrupted = dp_mean_losses([r["losses"] for r in run_ranks(_train, 2, TOTAL_STEPS, None, None, tp2)])
+    run_ranks(_train, 2, STOP_STEP, str(tmp_path), None, tp2)
+    results = run_ranks(_train, 2, TOTAL_STEPS, None, str(tmp_path / f"epoch=0-step={STOP_STEP}.ckpt"), "ultrascale_zero3")
+    resumed = dp_mean_losses([r["losses"] for r in results])
+    assert_close(torch.tensor(resumed), torch.tensor(uninterrupted[STOP_STEP:]), rtol=0, atol=1e-5)
 
 
 def _interrupted_save(rank, world_size, path):
