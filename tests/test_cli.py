@@ -38,3 +38,13 @@ def test_tiny_recipe_fit_resume_validate(tmp_path):
 
     out = ultrascale("validate", "--config", str(RECIPE), *FAST, "--ckpt_path", str(last), cwd=tmp_path)
     assert "val_loss" in out
+
+
+@pytest.mark.slow
+def test_2d_recipe(tmp_path):
+    recipe = RECIPE.parent / "tiny_cpu_2d.yaml"
+    out = ultrascale("fit", "--config", str(recipe), *FAST, cwd=tmp_path)
+    assert "ultrascale mesh: pp=1 x dp_replicate=1 x dp_shard=2 x cp=1 x tp=2 (world 4)" in out
+    assert "tensor parallel 2 on ultrascale.Llama: sequence_parallel=True, loss_parallel=True" in out
+    assert "`Trainer.fit` stopped: `max_steps=6` reached." in out
+    assert "sequential all_reduce" not in out  # the grad-norm all-reduce is one collective per mesh

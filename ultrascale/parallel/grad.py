@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from functools import lru_cache
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 
 
 @torch.no_grad()
@@ -18,31 +22,65 @@ def clip_grad_norm_(
     """Clip gradients by their global norm over all ranks; returns the (unclipped) global norm.
 
     Each rank holds only a shard of every gradient, so a local `clip_grad_norm_` would
-    clip by the norm of its shard. For DTensor gradients the per-tensor norms come back
-    as `Partial` placements; `full_tensor()` performs the one all-reduce that turns
-    them into the true norm  ||g|| = (sum_ranks sum_i |g_i|^p)^(1/p).
+    clip by the norm of its shard. Here  ||g||_p^p = sum over ranks of sum_i |g_i|^p,
+    where a gradient replicated over some mesh axes is counted once (its local sum is
+    divided by the replication factor). One all-reduce per device mesh, over all of its
+    ranks at once: DTensor's own reduction of a 2-D partial norm would run one all-reduce
+    per axis, in an order that can differ between ranks.
     """
     parameters = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in parameters]
-    if not grads:
+    if not parameters:
         return torch.tensor(0.0)
-    meshes = {g.device_mesh for g in grads if isinstance(g, DTensor)}
-    if len(meshes) > 1:
-        # Different meshes (e.g. pipeline stages, experts) need one reduction per mesh;
-        # torch's foreach norm cannot mix them.
-        norms = []
-        for mesh in meshes:
-            part = [g for g in grads if isinstance(g, DTensor) and g.device_mesh == mesh]
-            norms.append(_full(torch.nn.utils.get_total_norm(part, norm_type, error_if_nonfinite)))
-        plain = [g for g in grads if not isinstance(g, DTensor)]
-        if plain:
-            norms.append(torch.nn.utils.get_total_norm(plain, norm_type, error_if_nonfinite))
-        total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
-    else:
-        total = _full(torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite))
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    total = global_grad_norm([p.grad for p in parameters], norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite: {total.item()}")
+    # foreach kernels cannot mix DTensors of different meshes (or with plain tensors).
+    for group in _group_by_mesh(parameters, key=lambda p: p.grad).values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 
-def _full(norm: torch.Tensor) -> torch.Tensor:
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+def global_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    inf = math.isinf(norm_type)
+    parts = []
+    for mesh, group in _group_by_mesh(grads).items():
+        local = torch.stack([_local_power(g, norm_type, inf) for g in group])
+        value = local.max() if inf else local.sum()
+        if mesh is not None and mesh.size() > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=_flat_group(mesh))
+        parts.append(value)
+    combined = torch.stack([p.to(parts[0].device) for p in parts])
+    return combined.max() if inf else combined.sum() ** (1.0 / norm_type)
+
+
+def _group_by_mesh(items: list, key=lambda t: t) -> dict[DeviceMesh | None, list]:
+    groups: dict[DeviceMesh | None, list] = {}
+    for item in items:
+        tensor = key(item)
+        groups.setdefault(tensor.device_mesh if isinstance(tensor, DTensor) else None, []).append(item)
+    return groups
+
+
+def _local_power(grad: torch.Tensor, norm_type: float, inf: bool) -> torch.Tensor:
+    """|g_local|_inf, or sum |g_local|^p divided by how many ranks hold the same values."""
+    if not isinstance(grad, DTensor):
+        local = grad
+        replication = 1
+    else:
+        if any(placement.is_partial() for placement in grad.placements):
+            # Unreduced partial sums: the norm of the sum is not the sum of norms.
+            grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
+        local = grad.to_local()
+        replication = math.prod(
+            grad.device_mesh.size(i) for i, placement in enumerate(grad.placements) if isinstance(placement, Replicate)
+        )
+    norm = torch.linalg.vector_norm(local.float(), norm_type) if local.numel() else local.new_zeros((), dtype=torch.float32)
+    return norm if inf else norm**norm_type / replication
+
+
+@lru_cache(maxsize=None)
+def _flat_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    return mesh._flatten("_".join(("grad_norm", *names))).get_group()
