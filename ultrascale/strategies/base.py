@@ -514,11 +514,6 @@ class UltraScaleStrategy(ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        pass
-
 
 def _is_parallelized(module: torch.nn.Module) -> bool:
     return is_fsdp_sharded(module) or any(isinstance(p, DTensor) for p in module.parameters())
