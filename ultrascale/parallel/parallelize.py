@@ -11,6 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from ultrascale.parallel.dims import ParallelMesh
 from ultrascale.parallel.fsdp import apply_fsdp
 from ultrascale.parallel.tensor import TPPlan, apply_tp
+from ultrascale.parallel.transforms import ModelTransform
 
 
 def parallelize(
@@ -19,6 +20,7 @@ def parallelize(
     *,
     blocks: Sequence[nn.Module],
     tp_plan: Optional[TPPlan] = None,
+    transforms: Sequence[ModelTransform] = (),
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     module_forward_is_called: bool = True,
@@ -37,6 +39,8 @@ def parallelize(
         if tp_plan is None:
             raise ValueError(f"tp={dims.tp} needs a tensor-parallel plan for {type(module).__name__}")
         apply_tp(module, mesh["tp"], tp_plan)
+    for transform in transforms:  # activation checkpointing, FP8: after TP, before sharding
+        transform.transform_model(module, blocks)
     # HSDP: on the 2-D (replicate, shard) mesh FSDP all-reduces gradients across replicas
     # after reduce-scattering them within one; plain FSDP uses the 1-D shard mesh.
     apply_fsdp(

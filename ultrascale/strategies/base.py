@@ -43,6 +43,7 @@ from ultrascale.parallel.fsdp import is_fsdp_sharded, set_gradient_sync
 from ultrascale.parallel.init import broadcast_module_state, has_meta_tensors, materialize_meta_module
 from ultrascale.parallel.parallelize import parallelize
 from ultrascale.parallel.tensor import maybe_loss_parallel, resolve_plan
+from ultrascale.parallel.transforms import ModelTransform
 from ultrascale.strategies.launcher import LauncherName, make_launcher
 from ultrascale.strategies.precision import SUPPORTED_PRECISION, UltraScalePrecision
 
@@ -332,12 +333,18 @@ class UltraScaleStrategy(ParallelStrategy):
             self.parallel_mesh,
             blocks=adapter.blocks,
             tp_plan=tp_plan,
+            transforms=self._model_transforms(),
             mp_policy=precision.mixed_precision_policy(),
             reshard_after_forward=self.reshard_after_forward,
             module_forward_is_called=False,
         )
         if meta:
             materialize_meta_module(module, self.root_device)
+
+    def _model_transforms(self) -> list[ModelTransform]:
+        """Callbacks that rewrite the model (activation checkpointing, FP8) run inside `parallelize`."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, ModelTransform)]
 
     def _tensor_parallel_plan(self, module: torch.nn.Module, adapter: ModelAdapter) -> dict[str, Any]:
         """Pick the plan (checked before any weight is communicated) and decide loss parallel."""
