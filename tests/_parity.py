@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
 from ultrascale.data import ResumableBlockSampler
+from ultrascale.parallel.zero import zero_engine_for
 
 
 class TokenDataset(Dataset):
@@ -69,7 +70,11 @@ class Recorder(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.first_grads is None:
-            self.first_grads = {n: full(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
+            engine = zero_engine_for(optimizer)
+            if engine is not None:  # ZeRO-1/2: the reduced gradients are sharded slices of flat buckets
+                self.first_grads = {n: g.float() for n, g in engine.full_gradients().items()}
+            else:
+                self.first_grads = {n: full(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
 
     def result(self) -> dict[str, Any]:
         return {"losses": self.losses, "grads": self.first_grads, "params": self.first_params}

@@ -18,7 +18,14 @@ def trainer(strategy, devices=4, **kwargs):
 
 
 def test_registered_names():
-    for name, cls in [("ultrascale_4d", UltraScaleStrategy), ("ultrascale_zero3", ZeRO3Strategy), ("ultrascale_hsdp", HSDPStrategy)]:
+    for name, cls in [
+        ("ultrascale_4d", UltraScaleStrategy),
+        ("ultrascale_zero1", ultrascale.ZeRO1Strategy),
+        ("ultrascale_zero2", ultrascale.ZeRO2Strategy),
+        ("ultrascale_zero3", ZeRO3Strategy),
+        ("ultrascale_hsdp", HSDPStrategy),
+        ("ultrascale_tp", ultrascale.TensorParallelStrategy),
+    ]:
         assert name in StrategyRegistry
         assert isinstance(trainer(name).strategy, cls)
 
@@ -46,10 +53,10 @@ def test_later_parallelisms_fail_clearly(knob):
 
 
 def test_zero_stage():
-    with pytest.raises(NotImplementedError, match="ZeRO-1/2"):
-        UltraScaleStrategy(zero_stage=2)
     with pytest.raises(ValueError, match="choose 1, 2 or 3"):
         UltraScaleStrategy(zero_stage=4)
+    with pytest.raises(ValueError, match="zero_bucket_mb=0"):
+        UltraScaleStrategy(zero_stage=2, zero_bucket_mb=0)
 
 
 def test_bad_knob_values():

@@ -4,8 +4,16 @@
 """
 
 from ultrascale.parallel.dims import ParallelDims
-from ultrascale.strategies import HSDPStrategy, TensorParallelStrategy, UltraScalePrecision, UltraScaleStrategy, ZeRO3Strategy
+from ultrascale.strategies import (
+    HSDPStrategy,
+    TensorParallelStrategy,
+    UltraScalePrecision,
+    UltraScaleStrategy,
+    ZeRO1Strategy,
+    ZeRO2Strategy,
+    ZeRO3Strategy,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["ParallelDims", "UltraScaleStrategy", "ZeRO3Strategy", "HSDPStrategy", "TensorParallelStrategy", "UltraScalePrecision", "__version__"]
+__all__ = ["ParallelDims", "UltraScaleStrategy", "ZeRO1Strategy", "ZeRO2Strategy", "ZeRO3Strategy", "HSDPStrategy", "TensorParallelStrategy", "UltraScalePrecision", "__version__"]

@@ -27,15 +27,41 @@ def local_bytes(tensor: torch.Tensor) -> int:
 
 
 def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> ModelStateBytes:
-    """Bytes this rank holds for parameters, gradients and optimizer state (shared tensors counted once)."""
-    params = list({id(p): p for p in module.parameters()}.values())
-    param_bytes = sum(local_bytes(p) for p in params)
-    grad_bytes = sum(local_bytes(p.grad) for p in params if p.grad is not None)
-    optim_bytes = 0
+    """Bytes of memory this rank holds for parameters, gradients and optimizer state.
+
+    Counted per storage, so views into one flat buffer (ZeRO-1/2 buckets, FSDP shards)
+    count once, padding included, and a tensor already counted in an earlier category
+    (a ZeRO master slice that is a view of the weights) is not counted again.
+    Optimizer state includes optimizer parameters that are not model parameters (fp32
+    master weights) and ZeRO-2's reduced gradient slices count as gradients.
+    """
+    from ultrascale.parallel.zero import zero_engine_for
+
+    optimizers = list(optimizers)
+    seen: set[int] = set()
+    module_params = list({id(p): p for p in module.parameters()}.values())
+    module_ids = {id(p) for p in module_params}
+    optimizer_params = [p for o in optimizers for g in o.param_groups for p in g["params"] if id(p) not in module_ids]
+    params = _storage_bytes(module_params, seen)
+    grads = [p.grad for p in (*module_params, *optimizer_params) if p.grad is not None]
     for optimizer in optimizers:
-        for state in optimizer.state.values():
-            for value in state.values():
-                # Adam's `step` is a 0-dim counter, not model state.
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    optim_bytes += local_bytes(value)
-    return ModelStateBytes(param_bytes, grad_bytes, optim_bytes)
+        engine = zero_engine_for(optimizer)
+        if engine is not None:
+            grads.extend(engine.grad_shards())
+    grad_bytes = _storage_bytes(grads, seen)
+    # Adam's `step` is a 0-dim counter, not model state.
+    states = [v for o in optimizers for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    optim_bytes = _storage_bytes([*optimizer_params, *states], seen)
+    return ModelStateBytes(params, grad_bytes, optim_bytes)
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+    total = 0
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total

@@ -24,12 +24,15 @@ def parallelize(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     module_forward_is_called: bool = True,
+    shard_parameters: bool = True,
 ) -> nn.Module:
     """Apply the parallelisms of `mesh.dims` to `module` in place.
 
     Order (see ARCHITECTURE.md): pipeline split, then TP/SP, EP, CP, activation
     checkpointing and FP8, and ZeRO/FSDP last: FSDP shards whatever parameters the
     earlier steps left, so TP's DTensors on the tp axis become 2-D (dp, tp) DTensors.
+    With `shard_parameters=False` (ZeRO-1/2) parameters stay whole; the optimizer state is
+    sharded by `ultrascale.parallel.zero.ZeroEngine` once the optimizer exists.
     """
     dims = mesh.dims
     for name in ("pp", "cp", "ep"):
@@ -41,6 +44,8 @@ def parallelize(
         apply_tp(module, mesh["tp"], tp_plan)
     for transform in transforms:  # activation checkpointing, FP8: after TP, before sharding
         transform.transform_model(module, blocks)
+    if not shard_parameters:  # ZeRO-1/2: parameters stay replicated; the optimizer is sharded later
+        return module
     # HSDP: on the 2-D (replicate, shard) mesh FSDP all-reduces gradients across replicas
     # after reduce-scattering them within one; plain FSDP uses the 1-D shard mesh.
     apply_fsdp(

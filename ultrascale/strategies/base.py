@@ -44,6 +44,7 @@ from ultrascale.parallel.init import broadcast_module_state, has_meta_tensors, m
 from ultrascale.parallel.parallelize import parallelize
 from ultrascale.parallel.tensor import maybe_loss_parallel, resolve_plan
 from ultrascale.parallel.transforms import ModelTransform
+from ultrascale.parallel.zero import ZeroEngine, zero_engine_for
 from ultrascale.strategies.launcher import LauncherName, make_launcher
 from ultrascale.strategies.precision import SUPPORTED_PRECISION, UltraScalePrecision
 
@@ -85,8 +86,15 @@ class UltraScaleStrategy(ParallelStrategy):
         tp_plan: a tensor-parallel plan for models without an adapter: module path
             (wildcards allowed) -> `ParallelStyle` or a name in
             `ultrascale.models.tp_plans.STYLE_NAMES` ("colwise", "rowwise", ...).
-        zero_stage: 3 = parameters, gradients and optimizer state sharded (FSDP2).
-            Stages 1 and 2 are not implemented yet.
+        zero_stage: 3 = parameters, gradients and optimizer state sharded (FSDP2);
+            2 = replicated parameters, sharded gradients and optimizer state;
+            1 = replicated parameters and gradients, sharded optimizer state.
+            Stages 1/2 need an elementwise optimizer (AdamW, SGD, ...) and no tensor parallel.
+        zero_bucket_mb: ZeRO-1/2 gradient bucket size in MiB (one reduce-scatter per bucket;
+            ZeRO-2 launches each as soon as its gradients are complete). None: 100 on GPU
+            (the Playbook's figure), 4 on CPU.
+        accumulate_grads_in_fp32: ZeRO-1/2 with bf16 parameters: accumulate gradients in fp32
+            buffers (twice the gradient memory, no bf16 rounding across micro-batches).
         reshard_after_forward: free gathered parameters after each block's forward
             (ZeRO-3, least memory; one extra all-gather in backward). False keeps them
             until backward (ZeRO-2-like memory for parameters, less communication).
@@ -117,6 +125,8 @@ class UltraScaleStrategy(ParallelStrategy):
         loss_parallel: Optional[bool] = None,
         tp_plan: Optional[dict[str, Any]] = None,
         zero_stage: int = 3,
+        zero_bucket_mb: Optional[float] = None,
+        accumulate_grads_in_fp32: bool = False,
         reshard_after_forward: bool = True,
         meta_init: bool = False,
         sync_module_states: bool = True,
@@ -146,14 +156,19 @@ class UltraScaleStrategy(ParallelStrategy):
                 )
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"{type(self).__name__}(`zero_stage={zero_stage!r}`): choose 1, 2 or 3")
-        if zero_stage != 3:
+        if zero_stage != 3 and tensor_parallel != 1:
             raise NotImplementedError(
-                f"{type(self).__name__}(`zero_stage={zero_stage}`): ZeRO-1/2 (sharded optimizer state with "
-                "replicated parameters) are not implemented yet; use `zero_stage=3`."
+                f"{type(self).__name__}(`zero_stage={zero_stage}`, `tensor_parallel={tensor_parallel}`): ZeRO-1/2 over "
+                "tensor-parallel (DTensor) parameters is not implemented yet; use `zero_stage=3` with tensor parallel."
             )
+        if zero_bucket_mb is not None and zero_bucket_mb <= 0:
+            raise ValueError(f"{type(self).__name__}(`zero_bucket_mb={zero_bucket_mb}`): must be positive")
         if launcher not in ("auto", "subprocess", "fork"):
             raise ValueError(f"{type(self).__name__}(`launcher={launcher!r}`): choose 'auto', 'subprocess' or 'fork'")
         self.zero_stage = zero_stage
+        self.zero_bucket_mb = zero_bucket_mb
+        self.accumulate_grads_in_fp32 = accumulate_grads_in_fp32
+        self._zero_engines: list[ZeroEngine] = []
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
         self.tp_plan = resolve_plan(tp_plan) if tp_plan is not None else None
@@ -309,6 +324,8 @@ class UltraScaleStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
+            if self.zero_stage in (1, 2):
+                self._zero_engines = [self._make_zero_engine(optimizer) for optimizer in self.optimizers]
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -337,9 +354,25 @@ class UltraScaleStrategy(ParallelStrategy):
             mp_policy=precision.mixed_precision_policy(),
             reshard_after_forward=self.reshard_after_forward,
             module_forward_is_called=False,
+            shard_parameters=self.zero_stage == 3,
         )
         if meta:
             materialize_meta_module(module, self.root_device)
+
+    def _make_zero_engine(self, optimizer: torch.optim.Optimizer) -> ZeroEngine:
+        precision = self.precision_plugin
+        assert isinstance(precision, UltraScalePrecision) and self.model is not None
+        bucket_mb = self.zero_bucket_mb or (100.0 if self.root_device.type == "cuda" else 4.0)
+        return ZeroEngine(
+            self.model,
+            optimizer,
+            stage=self.zero_stage,
+            dp_mesh=self.parallel_mesh.fsdp,
+            bucket_bytes=int(bucket_mb * 2**20),
+            # bf16-mixed: bf16 weights for compute, the optimizer keeps fp32 masters of its slices.
+            compute_dtype=torch.bfloat16 if precision.precision == "bf16-mixed" else None,
+            accumulate_dtype=torch.float32 if self.accumulate_grads_in_fp32 else None,
+        )
 
     def _model_transforms(self) -> list[ModelTransform]:
         """Callbacks that rewrite the model (activation checkpointing, FP8) run inside `parallelize`."""
@@ -429,14 +462,18 @@ class UltraScaleStrategy(ParallelStrategy):
         would reduce-scatter after every micro-batch (accumulate_grad_batches x the traffic).
         """
         module = self.model
-        if module is None or not is_fsdp_sharded(module):
-            yield
-            return
-        set_gradient_sync(module, False)
+        fsdp = module is not None and is_fsdp_sharded(module)
+        if fsdp:
+            set_gradient_sync(module, False)
+        for engine in self._zero_engines:
+            engine.require_backward_grad_sync = False
         try:
             yield
         finally:
-            set_gradient_sync(module, True)
+            if fsdp:
+                set_gradient_sync(module, True)
+            for engine in self._zero_engines:
+                engine.require_backward_grad_sync = True
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -453,6 +490,9 @@ class UltraScaleStrategy(ParallelStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.model is not None
+        engine = zero_engine_for(optimizer)
+        if engine is not None:
+            return engine.sharded_state_dict()
         return get_optimizer_state_dict(self.model, optimizer)
 
     @override
@@ -492,7 +532,12 @@ class UltraScaleStrategy(ParallelStrategy):
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         tensors: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
         for i, optimizer in enumerate(optimizers):
-            tensors[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
+            engine = zero_engine_for(optimizer)
+            if engine is not None:
+                engine.init_state()  # so that the template holds every state tensor DCP should fill
+                tensors[f"optimizer_{i}"] = engine.sharded_state_dict()
+            else:
+                tensors[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
         metadata = load_sharded_checkpoint(path, tensors)
         saved_optimizers = metadata.get("ultrascale", {}).get("num_optimizers", len(optimizers))
         if optimizers and saved_optimizers != len(optimizers):
@@ -500,7 +545,11 @@ class UltraScaleStrategy(ParallelStrategy):
         options = StateDictOptions(strict=self.lightning_module.strict_loading)
         set_model_state_dict(self.model, tensors["state_dict"], options=options)
         for i, optimizer in enumerate(optimizers):
-            set_optimizer_state_dict(self.model, optimizer, tensors[f"optimizer_{i}"], options=options)
+            engine = zero_engine_for(optimizer)
+            if engine is not None:
+                engine.load_sharded_state_dict(tensors[f"optimizer_{i}"])
+            else:
+                set_optimizer_state_dict(self.model, optimizer, tensors[f"optimizer_{i}"], options=options)
         return metadata
 
     @override

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
 from ultrascale.parallel.grad import clip_grad_norm_
+from ultrascale.parallel.zero import zero_engine_for
 
 PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true"]
 SUPPORTED_PRECISION: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
@@ -56,7 +57,19 @@ class UltraScalePrecision(Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
-        clip_grad_norm_(self.main_params(optimizer), clip_val)
+        engine = zero_engine_for(optimizer)
+        if engine is not None:  # ZeRO-1/2: the reduced gradients are the engine's slices
+            engine.clip_grad_norm_(clip_val)
+        else:
+            clip_grad_norm_(self.main_params(optimizer), clip_val)
+
+    @override
+    def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
+        engine = zero_engine_for(optimizer)
+        if engine is not None:
+            engine.clip_grad_value_(clip_val)
+        else:
+            super().clip_grad_by_value(optimizer, clip_val)
 
     def state_dict(self) -> dict[str, Any]:
         return {}

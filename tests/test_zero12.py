@@ -1,0 +1,153 @@
+"""ZeRO-1 and ZeRO-2 against a single-process run, and their memory and communication formulas."""
+
+import math
+
+import lightning as L
+import pytest
+import torch
+
+import ultrascale
+from tests._dist import run_ranks
+from tests._parity import ParityData, Recorder, TokenDataset, assert_parity, dp_mean_losses, reference_run
+from ultrascale.models.llama import LlamaLM
+from ultrascale.parallel import zero as zero_module
+from ultrascale.parallel.memory import model_state_bytes
+
+SEQ, BATCH, STEPS = 32, 8, 10
+SMALL_BUCKET_MB = 0.05  # ~13k fp32 elements: the tiny Llama (~140k params) gets 7 buckets
+
+
+def make_model(**kwargs) -> LlamaLM:
+    return LlamaLM(preset="tiny", learning_rate=3e-3, warmup_steps=1, max_steps=1000, min_lr_ratio=1.0, eps=1e-6, **kwargs)
+
+
+def dataset(accumulate: int = 1) -> TokenDataset:
+    return TokenDataset(STEPS * accumulate * BATCH, SEQ, 512, seed=6)
+
+
+class CountZeroCollectives(L.Callback):
+    """Counts the engine's reduce-scatters (and whether backward was still running) and all-gathers."""
+
+    def __init__(self) -> None:
+        self.calls = {"reduce_scatter": 0, "all_gather": 0, "in_backward": 0, "bytes": 0}
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        rs, ag, calls = zero_module._reduce_scatter, zero_module._all_gather, self.calls
+
+        def reduce_scatter(out, inp, *args, **kwargs):
+            calls["reduce_scatter"] += 1
+            calls["bytes"] += inp.numel() * inp.element_size()
+            calls["in_backward"] += int(any(e._backward_queued for e in trainer.strategy._zero_engines))
+            return rs(out, inp, *args, **kwargs)
+
+        def all_gather(out, inp, *args, **kwargs):
+            calls["all_gather"] += 1
+            calls["bytes"] += out.numel() * out.element_size()
+            return ag(out, inp, *args, **kwargs)
+
+        zero_module._reduce_scatter, zero_module._all_gather = reduce_scatter, all_gather
+
+
+def _train(rank, world_size, strategy, accumulate=1, clip=None, precision="32-true", steps=STEPS):
+    recorder, counter = Recorder(), CountZeroCollectives()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False, precision=precision,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[recorder, counter], accumulate_grad_batches=accumulate, gradient_clip_val=clip,
+    )
+    model = make_model()
+    trainer.fit(model, ParityData(dataset(accumulate), BATCH))
+    engines = trainer.strategy._zero_engines
+    return {**recorder.result(), **counter.calls, "buckets": sum(len(e.buckets) for e in engines),
+            "psi": sum(p.numel() for p in model.parameters())}
+
+
+CASES = {
+    "zero1-w2": (2, lambda: ultrascale.ZeRO1Strategy(zero_bucket_mb=SMALL_BUCKET_MB), 1, None),
+    "zero2-w2": (2, lambda: ultrascale.ZeRO2Strategy(zero_bucket_mb=SMALL_BUCKET_MB), 1, None),
+    "zero2-w4": (4, lambda: ultrascale.ZeRO2Strategy(zero_bucket_mb=SMALL_BUCKET_MB), 1, None),
+    "zero1-w2-accum4-clip": (2, lambda: ultrascale.ZeRO1Strategy(zero_bucket_mb=SMALL_BUCKET_MB), 4, 0.05),
+    "zero2-w4-accum4-clip": (4, lambda: ultrascale.ZeRO2Strategy(zero_bucket_mb=SMALL_BUCKET_MB), 4, 0.05),
+    "zero2-replicate2xshard2": (4, lambda: ultrascale.UltraScaleStrategy(
+        data_parallel_replicate=2, data_parallel_shard=2, zero_stage=2, zero_bucket_mb=SMALL_BUCKET_MB), 1, None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parity_with_single_process(case):
+    world, make_strategy, accumulate, clip = CASES[case]
+    reference = reference_run(make_model(), dataset(accumulate), global_batch=BATCH, steps=STEPS, accumulate=accumulate, clip=clip)
+    results = run_ranks(_train, world, make_strategy(), accumulate, clip)
+    assert_parity(results[0], reference, dp_mean_losses([r["losses"] for r in results]))
+    result = results[0]
+    assert result["buckets"] >= 6  # several buckets really exercised
+    # One reduce-scatter and one all-gather per bucket per optimizer step, none on the
+    # accumulation micro-batches.
+    assert result["reduce_scatter"] == result["buckets"] * STEPS
+    assert result["all_gather"] == result["buckets"] * STEPS
+    stage = 1 if case.startswith("zero1") else 2
+    if stage == 2:  # all but the last bucket are launched while backward is still running
+        assert result["in_backward"] >= (result["buckets"] - 1) * STEPS
+    else:
+        assert result["in_backward"] == 0
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bytes_communicated_per_step_match_ddp(stage):
+    world = 4
+    strategy = ultrascale.UltraScaleStrategy(zero_stage=stage, zero_bucket_mb=SMALL_BUCKET_MB)
+    result = run_ranks(_train, world, strategy, 1, None, "32-true", 2)[0]
+    psi_bytes = 4 * result["psi"]
+    # Reduce-scatter + all-gather: each moves a Ψ-sized buffer, of which a rank sends (N-1)/N:
+    # 2Ψ(N-1)/N per step, the same as DDP's ring all-reduce. Buckets are padded to multiples of N.
+    sent_per_step = result["bytes"] / 2 * (world - 1) / world
+    expected = 2 * psi_bytes * (world - 1) / world
+    assert expected <= sent_per_step <= expected * 1.02
+
+
+class MeasureModelState(L.Callback):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == 1:
+            self.measured = model_state_bytes(pl_module, [optimizer])
+
+
+def _memory(rank, world_size, stage):
+    measure = MeasureModelState()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=ultrascale.UltraScaleStrategy(zero_stage=stage, zero_bucket_mb=0.5),
+        precision="bf16-mixed", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[measure],
+    )
+    model = LlamaLM(preset="small", learning_rate=1e-3, warmup_steps=1, max_steps=100)
+    trainer.fit(model, ParityData(TokenDataset(24, 64, 512, seed=3), 8))
+    return {"bytes": measure.measured, "psi": sum(p.numel() for p in model.parameters()),
+            "param_dtype": str(next(model.parameters()).dtype)}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_model_state_bytes_match_playbook(stage):
+    world = 4
+    for result in run_ranks(_memory, world, stage):
+        psi, measured = result["psi"], result["bytes"]
+        assert result["param_dtype"] == "torch.bfloat16"  # bf16 weights for compute, fp32 masters in the optimizer
+        expected = {1: 2 * psi + 2 * psi + 12 * psi / world, 2: 2 * psi + (2 + 12) * psi / world}[stage]
+        assert abs(measured.total - expected) / expected < 0.02, (stage, measured, expected)
+        assert abs(measured.params - 2 * psi) / (2 * psi) < 0.02
+        grads = 2 * psi if stage == 1 else 2 * psi / world
+        assert abs(measured.grads - grads) / grads < 0.02
+        assert abs(measured.optimizer - 12 * psi / world) / (12 * psi / world) < 0.02
+
+
+def test_non_elementwise_optimizer_is_refused():
+    class Lamb(torch.optim.Optimizer):  # layer-wise trust ratio: not elementwise
+        def __init__(self, params):
+            super().__init__(params, {"lr": 1e-3})
+
+    module = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"only exact for elementwise optimizers \(SGD, Adam, AdamW.*got Lamb"):
+        zero_module.ZeroEngine(module, Lamb(module.parameters()), stage=2, dp_mesh=None)  # type: ignore[arg-type]
+
+
+def test_zero12_with_tensor_parallel_is_refused():
+    with pytest.raises(NotImplementedError, match="ZeRO-1/2 over tensor-parallel"):
+        ultrascale.UltraScaleStrategy(zero_stage=2, tensor_parallel=2)

@@ -1,0 +1,514 @@
+"""ZeRO-1 and ZeRO-2: replicated parameters, optimizer state (and gradients) sharded over dp ranks.
+
+Rajbhandari et al. 2020 / the Ultra-Scale Playbook, for Ψ parameters on N ranks under Adam
+with bf16 compute and fp32 master weights:
+
+    ZeRO-1: 2Ψ (bf16 params) + 2Ψ (bf16 grads) + 12Ψ/N (fp32 master, m, v)
+    ZeRO-2: 2Ψ (bf16 params) + 2Ψ/N (bf16 grad shard) + 12Ψ/N
+
+Layout. The parameters of each optimizer param group are packed, in reverse registration
+order (roughly the order backward produces their gradients), into contiguous buckets of
+about `bucket_bytes`, each padded to a multiple of N; every parameter becomes a view into
+its bucket's flat buffer. Rank r owns the r-th 1/N of every bucket: its fp32 master
+weights, optimizer moments and reduced gradients for that slice. Each collective moves one
+bucket-sized contiguous tensor:
+
+    backward: reduce-scatter(bucket grads) -> this rank's averaged grad slice
+              (ZeRO-2: launched as soon as the bucket's last gradient is accumulated,
+               overlapping the rest of backward, and the full bucket is freed after;
+               ZeRO-1: all buckets after backward, the full gradients are kept)
+    step:     the optimizer steps only the slices (elementwise optimizers only)
+    after:    all-gather(bucket params) -> every rank has the updated weights
+
+Bytes sent per rank per step: (N-1)/N * Ψ elements for the reduce-scatter plus the same for
+the all-gather, i.e. 2Ψ(N-1)/N, the same as DDP's ring all-reduce.
+
+Checkpoints: the bucket layout depends on N, so state is saved per parameter (by its
+name) as 1-D DTensors sharded over the dp ranks and re-laid out on load (one all-to-all),
+which makes a ZeRO-1/2 checkpoint loadable at any world size.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+# Optimizers whose update of element i reads only element i of the parameter, gradient and
+# state: stepping a slice equals slicing the full step. (LAMB/LARS-style trust ratios, Adafactor's
+# factored moments, Muon's orthogonalisation and L-BFGS are not.)
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+)
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_gather_for_inspection = _all_gather  # not the training path: tests count `_all_gather` calls
+
+_ENGINES: "weakref.WeakKeyDictionary[torch.optim.Optimizer, ZeroEngine]" = weakref.WeakKeyDictionary()
+
+
+def zero_engine_for(optimizer: Any) -> Optional["ZeroEngine"]:
+    """The ZeRO-1/2 engine that owns `optimizer` (a LightningOptimizer is unwrapped), if any."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    try:
+        return _ENGINES.get(optimizer)
+    except TypeError:
+        return None
+
+
+@dataclass
+class _Bucket:
+    names: list[str]
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int
+    shard: int  # elements per rank = padded numel / N
+    param_buffer: torch.Tensor  # (N * shard,) compute dtype; the parameters are views into it
+    master: torch.Tensor  # (shard,) the optimizer's parameter: a view of this rank's slice, or an fp32 copy
+    grad_buffer: Optional[torch.Tensor] = None  # (N * shard,) accumulated local grads
+    grad_shard: Optional[torch.Tensor] = None  # (shard,) reduced grads of this rank's slice
+    accumulate_dtype: Optional[torch.dtype] = None
+    master_is_view: bool = True
+    ready: int = 0
+    pending: Optional[tuple[Any, torch.Tensor]] = None
+    views: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class ZeroEngine:
+    """Turns a model + elementwise optimizer into ZeRO-1 (`stage=1`) or ZeRO-2 (`stage=2`).
+
+    The optimizer is changed in place (its param groups then hold this rank's slices), so
+    LR schedulers and Lightning keep working on the same object. Hooks do the rest:
+    gradient hooks reduce-scatter buckets, optimizer step pre/post hooks hand the reduced
+    slices to the optimizer and all-gather the updated weights.
+
+    Args:
+        module: the model whose parameters the optimizer holds (plain tensors, not DTensors).
+        optimizer: a fresh (never stepped) elementwise torch optimizer over `module`'s parameters.
+        stage: 1 or 2.
+        dp_mesh: the data-parallel mesh: 1-D (ranks that shard the optimizer state, dp_shard x cp),
+            or 2-D (replicate, shard): gradients are then also averaged across the replicas, and
+            each replica holds the same shards (HSDP-like).
+        bucket_bytes: target bucket size; gradients of a bucket are reduced in one collective.
+        compute_dtype: dtype of the model parameters during forward/backward (bf16 under bf16-mixed);
+            master weights keep the parameters' current dtype.
+        accumulate_dtype: dtype of the gradient buffers (fp32 to accumulate bf16 gradients in fp32).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        stage: int,
+        dp_mesh: DeviceMesh,
+        bucket_bytes: int = 100 * 2**20,
+        compute_dtype: Optional[torch.dtype] = None,
+        accumulate_dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroEngine: `stage={stage}` must be 1 or 2 (stage 3 is FSDP)")
+        if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+            names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+            raise ValueError(
+                f"ZeRO-{stage} shards the optimizer state element by element, which is only exact for elementwise "
+                f"optimizers ({names}); got {type(optimizer).__name__}. Use zero_stage=3 (FSDP) for it."
+            )
+        if optimizer.state:
+            raise ValueError("ZeroEngine needs an optimizer that has not stepped yet (its state would be lost)")
+        if bucket_bytes <= 0:
+            raise ValueError(f"ZeroEngine: `bucket_bytes={bucket_bytes}` must be positive")
+        names = {id(p): name for name, p in module.named_parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise ValueError("ZeroEngine: the optimizer holds a parameter that is not in the module")
+                if isinstance(p, DTensor):
+                    raise NotImplementedError(
+                        "ZeRO-1/2 over DTensor (tensor-parallel) parameters is not implemented yet; use zero_stage=3"
+                    )
+        if dp_mesh.ndim not in (1, 2):
+            raise ValueError(f"ZeroEngine: dp_mesh must be 1-D (shard) or 2-D (replicate, shard), got {dp_mesh.ndim}-D")
+        self.stage = stage
+        self.dp_mesh = dp_mesh
+        self.group = dp_mesh.get_group(dp_mesh.ndim - 1)
+        self.world = dp_mesh.size(dp_mesh.ndim - 1)
+        self.rank = dp_mesh.get_local_rank(dp_mesh.ndim - 1)
+        self.replicate_group = dp_mesh.get_group(0) if dp_mesh.ndim == 2 and dp_mesh.size(0) > 1 else None
+        self.require_backward_grad_sync = True
+        self._backward_queued = False
+        self.optimizer = optimizer
+        self.group_buckets: list[list[_Bucket]] = []
+        self.buckets: list[_Bucket] = []
+        self.names = names
+        for group in optimizer.param_groups:
+            buckets = self._build_buckets(
+                [(names[id(p)], p) for p in reversed(group["params"]) if p.requires_grad],
+                bucket_bytes,
+                compute_dtype,
+                accumulate_dtype,
+            )
+            self.group_buckets.append(buckets)
+            self.buckets.extend(buckets)
+            group["params"] = [b.master for b in buckets]
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._next_to_launch = 0
+        for b in self.buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        # Lightning runs forward/backward as the closure *inside* optimizer.step, so a
+        # step pre-hook would fire before the gradients exist: wrap step instead.
+        self._optimizer_step = optimizer.step
+
+        @functools.wraps(self._optimizer_step)  # keeps the LR scheduler's "step was called" marker
+        def step(closure: Any = None) -> Any:
+            return self._step(closure)
+
+        optimizer.step = step  # type: ignore[method-assign]
+        _ENGINES[optimizer] = self
+
+    # ------------------------------------------------------------------ layout
+    def _build_buckets(self, named, bucket_bytes, compute_dtype, accumulate_dtype) -> list[_Bucket]:
+        buckets, current, size = [], [], 0
+        for name, p in named:
+            current.append((name, p))
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes:
+                buckets.append(current)
+                current, size = [], 0
+        if current:
+            buckets.append(current)
+        return [self._make_bucket(chunk, compute_dtype, accumulate_dtype) for chunk in buckets]
+
+    @torch.no_grad()
+    def _make_bucket(self, chunk, compute_dtype, accumulate_dtype) -> _Bucket:
+        params = [p for _, p in chunk]
+        offsets = [0]
+        for p in params:
+            offsets.append(offsets[-1] + p.numel())
+        numel = offsets.pop()
+        shard = math.ceil(numel / self.world)
+        master_dtype, device = params[0].dtype, params[0].device
+        dtype = compute_dtype or master_dtype
+        param_buffer = torch.zeros(shard * self.world, dtype=dtype, device=device)
+        full_master = torch.zeros(shard * self.world, dtype=master_dtype, device=device)
+        for p, offset in zip(params, offsets):
+            full_master[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+        param_buffer.copy_(full_master)
+        mine = slice(self.rank * shard, (self.rank + 1) * shard)
+        # Same dtype: the optimizer steps this rank's slice of the weights in place (no copy).
+        master_is_view = dtype == master_dtype
+        master = param_buffer[mine] if master_is_view else full_master[mine].clone()
+        for p, offset in zip(params, offsets):
+            p.data = param_buffer[offset : offset + p.numel()].view_as(p)
+            p.grad = None
+        bucket = _Bucket([n for n, _ in chunk], params, offsets, numel, shard, param_buffer, master.requires_grad_(True))
+        bucket.accumulate_dtype = accumulate_dtype or dtype
+        bucket.master_is_view = master_is_view
+        return bucket
+
+    def _grad_view(self, bucket: _Bucket, p: nn.Parameter) -> torch.Tensor:
+        if bucket.grad_buffer is None:
+            bucket.grad_buffer = torch.zeros(bucket.shard * self.world, dtype=bucket.accumulate_dtype, device=p.device)
+            bucket.views = {}
+        view = bucket.views.get(id(p))
+        if view is None:
+            offset = bucket.offsets[next(i for i, q in enumerate(bucket.params) if q is p)]
+            view = bucket.views[id(p)] = bucket.grad_buffer[offset : offset + p.numel()].view_as(p)
+        return view
+
+    # ------------------------------------------------------------------ backward
+    @torch.no_grad()
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self._backward_queued:
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        bucket = self._bucket_of[id(p)]
+        view = self._grad_view(bucket, p)
+        if p.grad is not view:
+            view.add_(p.grad)
+            # Keep accumulating in place in the bucket (DDP's gradient_as_bucket_view),
+            # unless the bucket accumulates in another dtype.
+            p.grad = view if view.dtype == p.dtype else None
+        bucket.ready += 1
+        if self.stage == 2 and self.require_backward_grad_sync:
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        # Strictly in bucket order, so every rank issues the collectives in the same order.
+        while self._next_to_launch < len(self.buckets):
+            bucket = self.buckets[self._next_to_launch]
+            if bucket.ready < len(bucket.params):
+                return
+            self._launch(bucket)
+            self._next_to_launch += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if bucket.grad_buffer is None:  # no gradient reached this bucket on this rank: it contributes zeros
+            bucket.grad_buffer = torch.zeros(
+                bucket.shard * self.world, dtype=bucket.accumulate_dtype, device=bucket.param_buffer.device
+            )
+        out = torch.empty(bucket.shard, dtype=bucket.grad_buffer.dtype, device=bucket.grad_buffer.device)
+        work = _reduce_scatter(out, bucket.grad_buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        bucket.pending = (work, out)
+
+    @torch.no_grad()
+    def _finish_backward(self) -> None:
+        self._backward_queued = False
+        if not self.require_backward_grad_sync:  # accumulation micro-batch: keep the local sums, no communication
+            for bucket in self.buckets:
+                bucket.ready = 0
+            return
+        while self._next_to_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_to_launch])
+            self._next_to_launch += 1
+        self._next_to_launch = 0
+        for bucket in self.buckets:
+            work, out = bucket.pending
+            work.wait()
+            bucket.pending = None
+            bucket.ready = 0
+            out.div_(self.world)
+            if self.replicate_group is not None:
+                dist.all_reduce(out, group=self.replicate_group)
+                out.div_(self.replicate_group.size())
+            if self.stage == 1:
+                # ZeRO-1 keeps the full gradients; this rank's reduced slice lives in its own region.
+                region = bucket.grad_buffer[self.rank * bucket.shard : (self.rank + 1) * bucket.shard]
+                region.copy_(out)
+                bucket.grad_shard = region
+            else:
+                bucket.grad_shard = out
+                bucket.grad_buffer, bucket.views = None, {}
+                for p in bucket.params:
+                    p.grad = None
+
+    # ------------------------------------------------------------------ step
+    def _step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for bucket in self.buckets:  # the optimizer sees this rank's reduced slices (cast to the masters' dtype)
+            bucket.master.grad = None if bucket.grad_shard is None else bucket.grad_shard.to(bucket.master.dtype)
+        self._optimizer_step()
+        self._after_step()
+        return loss
+
+    @torch.no_grad()
+    def _after_step(self) -> None:
+        for bucket in self.buckets:
+            mine = bucket.param_buffer[self.rank * bucket.shard : (self.rank + 1) * bucket.shard]
+            if not bucket.master_is_view:
+                mine.copy_(bucket.master)
+            _all_gather(bucket.param_buffer, mine, group=self.group)
+            bucket.master.grad = None
+            bucket.grad_shard = None
+            if bucket.grad_buffer is not None:
+                bucket.grad_buffer.zero_()
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create the optimizer's state tensors without changing the weights (a zero-lr step on
+        zero gradients), so that a checkpoint can be loaded into them."""
+        if all(b.master in self.optimizer.state for b in self.buckets):
+            return
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        try:
+            for group in self.optimizer.param_groups:
+                group["lr"] = 0.0
+            for bucket in self.buckets:
+                bucket.master.grad = torch.zeros_like(bucket.master)
+            self._optimizer_step()  # the unwrapped step: no all-gather, weights unchanged
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, lrs):
+                group["lr"] = lr
+            for bucket in self.buckets:
+                bucket.master.grad = None
+
+    # ------------------------------------------------------------------ clipping
+    def grad_shards(self) -> Iterator[torch.Tensor]:
+        return (b.grad_shard for b in self.buckets if b.grad_shard is not None)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global norm: the slices are disjoint, so ||g||^p = all-reduce(sum |slice|^p)."""
+        shards = list(self.grad_shards())
+        if not shards:
+            return torch.tensor(0.0)
+        if math.isinf(norm_type):
+            total = torch.stack([s.abs().max().float() for s in shards]).max()
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
+        else:
+            total = torch.stack([torch.linalg.vector_norm(s.float(), norm_type) ** norm_type for s in shards]).sum()
+            dist.all_reduce(total, group=self.group)
+            total = total ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for s in shards:
+            s.mul_(coef.to(s.dtype))
+        return total
+
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        for s in self.grad_shards():
+            s.clamp_(-clip_value, clip_value)
+
+    # ------------------------------------------------------------------ inspection
+    @torch.no_grad()
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """All reduced gradients, gathered and unflattened per parameter name (for tests and debugging)."""
+        out = {}
+        for bucket in self.buckets:
+            if bucket.grad_shard is None:
+                continue
+            full = torch.empty(bucket.shard * self.world, dtype=bucket.grad_shard.dtype, device=bucket.grad_shard.device)
+            _gather_for_inspection(full, bucket.grad_shard.contiguous(), group=self.group)
+            for name, p, offset in zip(bucket.names, bucket.params, bucket.offsets):
+                out[name] = full[offset : offset + p.numel()].view_as(p).clone()
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def _chunk_layout(self) -> tuple[list[tuple[str, int]], dict[str, list[int]], list[int]]:
+        """The N-independent layout: each flattened parameter split like DTensor Shard(0)
+        (chunk = ceil(numel / N)); per rank, its chunks concatenated in parameter order.
+        Returns (name, numel) per parameter, each parameter's chunk offset on every rank, and each rank's total."""
+        params = [(name, p.numel()) for b in self.buckets for name, p in zip(b.names, b.params)]
+        bases: dict[str, list[int]] = {}
+        totals = [0] * self.world
+        for name, numel in params:
+            bases[name] = list(totals)
+            for q in range(self.world):
+                totals[q] += _chunk_size(numel, self.world, q)
+        return params, bases, totals
+
+    def _slice_to_chunks(self, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For every element of rank `rank`'s bucket slices (concatenated in bucket order): the rank
+        holding it in the chunk layout, its position there, and whether it is real (not padding)."""
+        _, bases, _ = self._chunk_layout()
+        owners, positions, reals = [], [], []
+        for bucket in self.buckets:
+            pos = torch.arange(rank * bucket.shard, (rank + 1) * bucket.shard)
+            offsets = torch.tensor(bucket.offsets)
+            index = (torch.searchsorted(offsets, pos, right=True) - 1).clamp(max=len(bucket.params) - 1)
+            within = pos - offsets[index]
+            chunk = torch.tensor([math.ceil(p.numel() / self.world) for p in bucket.params])[index]
+            real = pos < bucket.numel
+            owner = torch.where(real, within // chunk, 0)
+            base = torch.tensor([bases[name] for name in bucket.names])[index, owner]
+            owners.append(owner)
+            positions.append(torch.where(real, base + within - owner * chunk, 0))
+            reals.append(real)
+        return torch.cat(owners), torch.cat(positions), torch.cat(reals)
+
+    def _exchange(self, values: torch.Tensor, rank_of: torch.Tensor, pos_of: torch.Tensor, out_numel: int) -> torch.Tensor:
+        """Send values[i] to rank rank_of[i], position pos_of[i] of a fresh (out_numel,) tensor there (one all-to-all)."""
+        order = torch.argsort(rank_of, stable=True)
+        send_counts = torch.bincount(rank_of, minlength=self.world)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+        received = torch.empty(sum(recv), dtype=values.dtype)
+        positions = torch.empty(sum(recv), dtype=torch.long)
+        dist.all_to_all_single(received, values[order].contiguous(), recv, send, group=self.group)
+        dist.all_to_all_single(positions, pos_of[order].contiguous(), recv, send, group=self.group)
+        out = torch.zeros(out_numel, dtype=values.dtype)
+        out[positions] = received
+        return out
+
+    def _to_dtensor(self, local: torch.Tensor, numel: int) -> DTensor:
+        placements = [Shard(0)] if self.dp_mesh.ndim == 1 else [Replicate(), Shard(0)]
+        return DTensor.from_local(local, self.dp_mesh, placements, run_check=False, shape=torch.Size([numel]), stride=(1,))
+
+    def _elementwise_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's slices of every elementwise state (and the master weights if they are a copy), concatenated."""
+        keys = sorted({k for b in self.buckets for k, v in self.optimizer.state.get(b.master, {}).items() if _elementwise(v, b)})
+        tensors = {key: torch.cat([self.optimizer.state[b.master][key].reshape(-1) for b in self.buckets]) for key in keys}
+        if self.buckets and not self.buckets[0].master_is_view:
+            tensors["master"] = torch.cat([b.master.detach().reshape(-1) for b in self.buckets])
+        return tensors
+
+    @torch.no_grad()
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Optimizer state per parameter name, as 1-D DTensors sharded over the dp ranks (N-independent)."""
+        params, bases, totals = self._chunk_layout()
+        rank_of, pos_of, real = self._slice_to_chunks(self.rank)
+        state: dict[str, dict[str, Any]] = {name: {} for name, _ in params}
+        for key, values in self._elementwise_tensors().items():
+            laid = self._exchange(values[real], rank_of[real], pos_of[real], totals[self.rank])
+            for name, numel in params:
+                base, size = bases[name][self.rank], _chunk_size(numel, self.world, self.rank)
+                state[name][key] = self._to_dtensor(laid[base : base + size].clone(), numel)
+        groups = []
+        for group, buckets in zip(self.optimizer.param_groups, self.group_buckets):
+            first = self.optimizer.state.get(buckets[0].master, {}) if buckets else {}
+            scalars = {k: v for k, v in first.items() if not _elementwise(v, buckets[0])}
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append({"hyper": hyper, "scalars": scalars, "params": [n for b in buckets for n in b.names]})
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, saved: dict[str, Any]) -> None:
+        """Inverse of `sharded_state_dict`; the DTensors may have been written at any world size."""
+        params, _, totals = self._chunk_layout()
+        # Invert every rank's slice -> chunk map to find, for each element of this rank's
+        # chunks, which rank's bucket slice (and where) it belongs to.
+        back_rank = torch.zeros(totals[self.rank], dtype=torch.long)
+        back_pos = torch.zeros(totals[self.rank], dtype=torch.long)
+        for r in range(self.world):
+            rank_of, pos_of, real = self._slice_to_chunks(r)
+            mine = (rank_of == self.rank) & real
+            back_rank[pos_of[mine]] = r
+            back_pos[pos_of[mine]] = torch.nonzero(mine).flatten()
+        slice_numel = sum(b.shard for b in self.buckets)
+        keys = sorted({k for entry in saved["state"].values() for k in entry})
+        for key in keys:
+            local = torch.cat([saved["state"][name][key].to_local().reshape(-1) for name, _ in params])
+            laid = self._exchange(local, back_rank, back_pos, slice_numel)
+            for bucket, piece in zip(self.buckets, laid.split([b.shard for b in self.buckets])):
+                if key == "master":
+                    bucket.master.copy_(piece)
+                else:
+                    self.optimizer.state.setdefault(bucket.master, {})[key] = piece.to(bucket.master.dtype).clone()
+        for group, buckets, saved_group in zip(self.optimizer.param_groups, self.group_buckets, saved["param_groups"]):
+            group.update(saved_group["hyper"])
+            for bucket in buckets:
+                for k, v in saved_group["scalars"].items():
+                    self.optimizer.state.setdefault(bucket.master, {})[k] = v.clone() if isinstance(v, torch.Tensor) else v
+        if "master" in keys:  # the weights follow the (fp32) masters
+            for bucket in self.buckets:
+                mine = bucket.param_buffer[self.rank * bucket.shard : (self.rank + 1) * bucket.shard]
+                mine.copy_(bucket.master)
+                _all_gather(bucket.param_buffer, mine, group=self.group)
+
+    def sync_master_from_params(self) -> None:
+        """After the model weights were loaded without master weights: masters = weights."""
+        for bucket in self.buckets:
+            if not bucket.master_is_view:
+                bucket.master.copy_(bucket.param_buffer[self.rank * bucket.shard : (self.rank + 1) * bucket.shard])
+
+
+def _chunk_size(numel: int, world: int, rank: int) -> int:
+    chunk = math.ceil(numel / world)
+    return max(0, min(chunk, numel - rank * chunk))
+
+
+def _elementwise(value: Any, bucket: _Bucket) -> bool:
+    return isinstance(value, torch.Tensor) and value.shape == bucket.master.shape and value.dim() > 0
