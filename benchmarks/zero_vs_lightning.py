@@ -12,43 +12,19 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
-import time
+import sys
 from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
-from torch.utils.data import DataLoader, Dataset
 
-import ultrascale  # noqa: F401
-from ultrascale.data import ResumableBlockSampler
-from ultrascale.models.llama import LlamaLM
-from ultrascale.parallel.local_launch import run_ranks
-
-WARMUP_STEPS = 3
-
-
-class RandomTokens(Dataset):
-    def __init__(self, n: int, seq_len: int, vocab: int) -> None:
-        self.blocks = torch.randint(0, vocab, (n, seq_len + 1), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.blocks)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.blocks[i, :-1], "labels": self.blocks[i, 1:]}
-
-
-class Data(L.LightningDataModule):
-    def __init__(self, n: int, seq_len: int, vocab: int, global_batch: int) -> None:
-        super().__init__()
-        self.dataset, self.global_batch = RandomTokens(n, seq_len, vocab), global_batch
-
-    def train_dataloader(self) -> DataLoader:
-        layout = self.trainer.strategy.distributed_sampler_kwargs
-        sampler = ResumableBlockSampler(self.dataset, self.global_batch, shuffle=False, **layout)
-        return DataLoader(self.dataset, batch_size=sampler.local_batch_size, sampler=sampler)
+sys.path.insert(0, str(Path(__file__).parent))
+import ultrascale  # noqa: E402,F401
+from _common import WARMUP_STEPS, Data, Throughput  # noqa: E402
+from ultrascale.models.llama import LlamaLM  # noqa: E402
+from ultrascale.parallel.local_launch import run_ranks  # noqa: E402
 
 
 class HandShardedLlama(LlamaLM):
@@ -60,20 +36,6 @@ class HandShardedLlama(LlamaLM):
         for block in self.model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
-
-
-class Throughput(L.Callback):
-    def __init__(self) -> None:
-        self.start = self.end = 0.0
-        self.steps = 0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == WARMUP_STEPS:
-            self.start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if batch_idx >= WARMUP_STEPS:
-            self.end, self.steps = time.perf_counter(), self.steps + 1
 
 
 def _run(rank, world_size, variant, preset, steps, seq_len, global_batch):

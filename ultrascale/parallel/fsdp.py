@@ -37,8 +37,10 @@ def apply_fsdp(
         # resharding them after forward would only cost one extra all-gather.
         last = index == len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward and not last)
+    # The root units (embeddings, final norm, head) are not resharded after forward: backward
+    # starts with the head, so resharding would cost an all-gather of them right away.
     if module_forward_is_called:
-        fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
         return
     own = [name for name, _ in module.named_parameters(recurse=False)]
     if own:
@@ -48,7 +50,7 @@ def apply_fsdp(
         )
     for child in module.children():
         if _has_unmanaged_parameters(child):
-            fully_shard(child, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+            fully_shard(child, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
 
 
 def fsdp_modules(module: nn.Module) -> Iterator[FSDPModule]:
