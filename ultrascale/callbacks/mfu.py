@@ -1,0 +1,276 @@
+"""Throughput and model FLOPs utilisation (MFU / HFU), counted once per data-parallel group.
+
+    MFU = (model FLOPs per token x tokens/s per device) / peak FLOP/s per device
+    HFU = the same with the FLOPs recomputed by activation checkpointing added
+
+Model FLOPs per token come from the model's config (`ultrascale.estimate.flops_per_token`,
+6N + 12 L h s). Tokens: ranks that differ only in tp or pp see the same batch, and cp ranks
+see chunks of one batch, so a step processes `local tokens x dp x cp` tokens however large
+tp and pp are (Lightning's ThroughputMonitor multiplies by the world size instead).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.nn as nn
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from ultrascale.callbacks._common import parallel_dims_of
+from ultrascale.estimate import active_params, find_peak_tflops, flops_per_token, matmul_params, recompute_flops_per_token
+
+__all__ = ["MFUMonitor", "ModelFlops", "measure_matmul_tflops", "model_flops"]
+
+PeakDtype = Literal["bf16", "fp16", "fp8", "tf32", "fp32"]
+
+
+class ModelFlops:
+    """FLOPs per token of one model as a function of the sequence length."""
+
+    def __init__(self, n_matmul_params: float, n_layers: int, hidden: int, source: str) -> None:
+        self.n_matmul_params, self.n_layers, self.hidden, self.source = n_matmul_params, n_layers, hidden, source
+
+    def per_token(self, seq_len: int) -> float:
+        return flops_per_token(self.n_matmul_params, self.n_layers, self.hidden, seq_len)
+
+
+def model_flops(module: nn.Module) -> Optional[ModelFlops]:
+    """FLOPs model of the built-in Llama or a Hugging Face model found inside `module`; None if neither."""
+    from ultrascale.models.llama import Llama
+
+    for sub in module.modules():
+        if isinstance(sub, Llama):
+            c = sub.config
+            n = sub.num_params(exclude_embedding=True) + (sub.output.weight.numel() if c.tie_embeddings else 0)
+            return ModelFlops(n, c.n_layers, c.n_heads * c.head_dim, "Llama config")
+    try:
+        from transformers import PretrainedConfig
+    except ImportError:  # transformers is a dependency, but the formula must not need it
+        return None
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if not isinstance(config, PretrainedConfig) or not hasattr(config, "num_hidden_layers"):
+            continue
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+        top_k = getattr(config, "num_experts_per_tok", None)
+        if experts and top_k:
+            n = active_params(sub, experts_per_token=top_k, num_experts=experts)
+            source = f"{type(config).__name__} (MoE: {top_k} of {experts} experts active)"
+        else:
+            n, source = matmul_params(sub), type(config).__name__
+        # A tied LM head shares the embedding matrix that `matmul_params` skips, but it is a matmul.
+        if getattr(config, "tie_word_embeddings", False) and hasattr(sub, "get_output_embeddings"):
+            head = sub.get_output_embeddings()
+            n += head.weight.numel() if head is not None else 0
+        return ModelFlops(n, config.num_hidden_layers, heads * head_dim, source)
+    return None
+
+
+def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, size: int = 1024, repeats: int = 5) -> float:
+    """Best-of-`repeats` TFLOP/s of a `size`^3 matmul (2 size^3 FLOPs): the CPU peak that MFU is relative to."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    torch.mm(a, b)  # warm-up (allocations, kernel selection)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e12
+
+
+class MFUMonitor(Callback):
+    """Logs tokens/s (per device and global), TFLOP/s per device, MFU, HFU, step and data-loading time.
+
+    Metrics (logger and progress bar): `throughput/tokens_per_sec`, `throughput/tokens_per_sec_per_device`,
+    `throughput/tokens_seen`, `throughput/tflops_per_device`, `throughput/mfu`, `throughput/hfu`,
+    `time/step`, `time/data`. Rates are averaged over the last `window_size` batches.
+
+    Example::
+
+        trainer = L.Trainer(strategy="ultrascale_tp", callbacks=[MFUMonitor()])
+    """
+
+    def __init__(
+        self,
+        window_size: int = 10,
+        flops_per_token: Optional[float] = None,
+        peak_tflops: Optional[float] = None,
+        peak_dtype: Optional[PeakDtype] = None,
+        input_key: str = "input_ids",
+        prog_bar: bool = True,
+    ) -> None:
+        """
+        Args:
+            window_size: batches over which tokens/s, TFLOP/s and MFU are averaged; >= 1.
+            flops_per_token: training FLOPs per token, for models that are neither the built-in Llama nor a
+                Hugging Face model (whose configs give it); None derives it from the model's config.
+            peak_tflops: peak TFLOP/s of one device, overriding the table (GPU) or the measured matmul (CPU).
+            peak_dtype: which column of the peak table MFU is relative to (`bf16`, `fp16`, `fp8`, `tf32`, `fp32`).
+                None: from the trainer precision (bf16 / fp16; tf32 for 32-bit on CUDA), also under
+                Float8Training, where `fp8` gives MFU against the fp8 peak instead.
+            input_key: key of the token ids `(B, T)` in a dict batch (a tensor batch is used as is).
+            prog_bar: also show tokens/s and MFU in the progress bar.
+        """
+        super().__init__()
+        if not isinstance(window_size, int) or window_size < 1:
+            raise ValueError(f"MFUMonitor: `window_size={window_size!r}` must be an integer >= 1")
+        if flops_per_token is not None and flops_per_token <= 0:
+            raise ValueError(f"MFUMonitor: `flops_per_token={flops_per_token!r}` must be positive (or None)")
+        if peak_tflops is not None and peak_tflops <= 0:
+            raise ValueError(f"MFUMonitor: `peak_tflops={peak_tflops!r}` must be positive (or None)")
+        valid = ("bf16", "fp16", "fp8", "tf32", "fp32")
+        if peak_dtype is not None and peak_dtype not in valid:
+            raise ValueError(f"MFUMonitor: unknown `peak_dtype={peak_dtype!r}`; valid: {', '.join(valid)}")
+        self.window_size = window_size
+        self.flops_per_token = flops_per_token
+        self.peak_tflops = peak_tflops
+        self.peak_dtype = peak_dtype
+        self.input_key = input_key
+        self.prog_bar = prog_bar
+        self.peak: Optional[float] = None
+        """Peak TFLOP/s per device that MFU is relative to (resolved at fit start)."""
+        self.peak_source = ""
+        """Where `peak` came from, e.g. 'table: H100 SXM bf16 dense' or 'measured fp32 matmul'."""
+        self.tokens_seen = 0
+        self._model: Optional[ModelFlops] = None
+        self._ac: Any = None
+        self._window: deque[tuple[int, float, float]] = deque(maxlen=window_size)
+        self._batch_start = self._prev_end = 0.0
+        self._data_time = 0.0
+
+    # ------------------------------------------------------------------ resolution
+    def _resolve_dtype(self, trainer: "pl.Trainer", device: torch.device) -> str:
+        if self.peak_dtype is not None:
+            return self.peak_dtype
+        precision = str(trainer.precision)
+        if "bf16" in precision:
+            return "bf16"
+        if precision.startswith("16"):
+            return "fp16"
+        if device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+            return "tf32"
+        return "fp32"
+
+    def _resolve_peak(self, trainer: "pl.Trainer") -> None:
+        device = trainer.strategy.root_device
+        dtype = self._resolve_dtype(trainer, device)
+        if self.peak_tflops is not None:
+            self.peak, self.peak_source = self.peak_tflops, f"`peak_tflops={self.peak_tflops}` ({dtype})"
+        elif device.type == "cuda":
+            name = torch.cuda.get_device_name(device)
+            found = find_peak_tflops(name, dtype)
+            if found is None:
+                raise ValueError(
+                    f"MFUMonitor: no {dtype} peak for device {name!r} in ultrascale.estimate.PEAK_TFLOPS "
+                    f"(devices: {', '.join(sorted(_table_keys()))}); set `peak_tflops=` to its dense {dtype} TFLOP/s"
+                )
+            self.peak, self.peak_source = found[1], f"table: {found[0]} {dtype} dense"
+        elif device.type == "cpu":
+            torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+            if dtype == "fp8":
+                raise ValueError("MFUMonitor: `peak_dtype='fp8'` has no measured CPU peak; set `peak_tflops=`")
+            self.peak = measure_matmul_tflops(torch_dtype, device)
+            self.peak_source = f"measured {dtype} 1024^3 matmul on this process ({torch.get_num_threads()} threads)"
+        else:
+            raise ValueError(f"MFUMonitor: no peak FLOP/s for device type {device.type!r}; set `peak_tflops=`")
+        from ultrascale.callbacks.float8 import Float8Training
+
+        if any(isinstance(cb, Float8Training) for cb in trainer.callbacks):
+            rank_zero_info(
+                f"MFUMonitor: Float8Training is on; MFU is relative to the {dtype} peak "
+                f"({self.peak:.4g} TFLOP/s per device){'' if dtype == 'fp8' else '; set peak_dtype=fp8 for the fp8 peak'}"
+            )
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        from ultrascale.callbacks.activation_checkpointing import ActivationCheckpointing
+
+        if self.flops_per_token is None:
+            self._model = model_flops(pl_module)
+            if self._model is None:
+                raise ValueError(
+                    f"MFUMonitor: cannot derive FLOPs per token for {type(pl_module).__name__} (neither the built-in "
+                    "Llama nor a Hugging Face model with a config); set `flops_per_token=` (6 N + 12 L h s)"
+                )
+        self._ac = next((cb for cb in trainer.callbacks if isinstance(cb, ActivationCheckpointing)), None)
+        self._resolve_peak(trainer)
+        rank_zero_info(f"MFUMonitor: peak {self.peak:.4g} TFLOP/s per device ({self.peak_source})")
+
+    # ------------------------------------------------------------------ per step
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._prev_end = time.perf_counter()
+
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        self._batch_start = time.perf_counter()
+        self._data_time = self._batch_start - self._prev_end  # fetching the batch + Lightning between steps
+
+    def _tokens(self, batch: Any) -> torch.Tensor:
+        ids = batch.get(self.input_key) if isinstance(batch, dict) else batch
+        if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
+            raise ValueError(
+                f"MFUMonitor: expected the token ids (B, T) under `input_key={self.input_key!r}` of a dict batch, "
+                f"or a (B, T) tensor batch; got {type(ids).__name__}"
+            )
+        return ids
+
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()  # kernels are asynchronous: time what the GPU did, not what was queued
+        end = time.perf_counter()
+        iteration, step = end - self._prev_end, end - self._batch_start
+        self._prev_end = end
+        ids = self._tokens(batch)
+        dims = parallel_dims_of(trainer.strategy)
+        dp = dims.dp if dims is not None else trainer.world_size
+        cp = dims.cp if dims is not None else 1
+        # tp/pp ranks repeat their dp group's batch and are not counted; cp ranks hold 1/cp of each sequence.
+        global_tokens = ids.numel() * dp * cp
+        seq_len = ids.shape[-1] * cp
+        self.tokens_seen += global_tokens
+        self._window.append((global_tokens, iteration, seq_len))
+        tokens = sum(t for t, _, _ in self._window)
+        seconds = sum(s for _, s, _ in self._window)
+        tokens_per_sec = tokens / seconds
+        per_device = tokens_per_sec / trainer.world_size
+        model_fpt = self.flops_per_token if self.flops_per_token is not None else self._model.per_token(seq_len)
+        tflops = model_fpt * per_device / 1e12
+        metrics = {
+            "throughput/tokens_per_sec": tokens_per_sec,
+            "throughput/tokens_per_sec_per_device": per_device,
+            "throughput/tokens_seen": float(self.tokens_seen),
+            "throughput/tflops_per_device": tflops,
+            "throughput/mfu": tflops / self.peak,
+            "time/step": step,
+            "time/data": self._data_time,
+        }
+        extra = self.recompute_flops_per_token(seq_len)
+        if extra is not None:
+            metrics["throughput/hfu"] = (model_fpt + extra) * per_device / 1e12 / self.peak
+        for name, value in metrics.items():
+            shown = self.prog_bar and name in ("throughput/tokens_per_sec", "throughput/mfu")
+            pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=shown, batch_size=1)
+
+    def recompute_flops_per_token(self, seq_len: int) -> Optional[float]:
+        """FLOPs per token re-run by activation checkpointing (0 without it); None if they cannot be derived."""
+        summary = getattr(self._ac, "summary", None) if self._ac is not None else None
+        if summary is None:
+            return 0.0
+        if self._model is None and summary.attention_layers:
+            return None  # no hidden size for the attention term of a model given only by `flops_per_token`
+        hidden = self._model.hidden if self._model is not None else 0
+        return recompute_flops_per_token(summary.matmul_params, summary.attention_layers, hidden, seq_len)
+
+
+def _table_keys() -> list[str]:
+    from ultrascale.estimate import PEAK_TFLOPS
+
+    return list(PEAK_TFLOPS)
