@@ -1,0 +1,148 @@
+"""Float8Training (torchao): which layers convert, loss tracks bf16, fp8 all-gather under ZeRO-3 at world 2.
+
+torch's CPU `_scaled_mm` is a reference kernel (~10 ms for a 64x64x64 product), so these
+models are narrow (dim 32) and the batches short.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import ultrascale  # noqa: F401
+from tests._dist import run_ranks
+from tests._parity import ParityData, Recorder
+from ultrascale.callbacks import Float8Training
+from ultrascale.callbacks.float8 import float8_module_filter
+from ultrascale.models.llama import Llama, LlamaConfig, LlamaLM
+
+# 4 blocks so that skipping the first and last leaves two; every linear is a multiple of 16.
+CONFIG = LlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=2, n_kv_heads=2, ffn_hidden_dim=64, max_seq_len=16)
+BLOCK_LINEARS = ["attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+
+
+class Memorise(Dataset):
+    """Repeats of 8 fixed random sequences: learnable, so the loss falls well below ln(vocab)."""
+
+    def __init__(self, n: int, seq_len: int = 16) -> None:
+        g = torch.Generator().manual_seed(0)
+        patterns = torch.randint(0, CONFIG.vocab_size, (8, seq_len + 1), generator=g)
+        self.blocks = patterns[torch.randint(0, 8, (n,), generator=g)]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.blocks[i, :-1], "labels": self.blocks[i, 1:]}
+
+
+def make_model() -> LlamaLM:
+    return LlamaLM(config=CONFIG, learning_rate=1e-2, warmup_steps=5, max_steps=50, min_lr_ratio=0.1)
+
+
+# --------------------------------------------------------------------------- errors and selection
+
+
+def test_bad_knobs_raise():
+    with pytest.raises(ValueError, match=r"unknown `recipe='delayed'`; valid recipes: tensorwise, rowwise"):
+        Float8Training(recipe="delayed")
+    with pytest.raises(ValueError, match=r"`fsdp_float8_all_gather=True` needs `recipe='tensorwise'`"):
+        Float8Training(recipe="rowwise", fsdp_float8_all_gather=True)
+    with pytest.raises(ValueError, match="no linear layer .* qualifies for fp8"):
+        Float8Training().transform_model(Llama(LlamaConfig.from_preset("tiny")), Llama(LlamaConfig.from_preset("tiny")).layers[:2])
+
+
+def test_missing_torchao_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # makes `import torchao.float8` raise ImportError
+    with pytest.raises(ImportError, match=r"Float8Training needs torchao \(`pip install torchao`"):
+        Float8Training()
+
+
+def test_filter_skips_first_last_blocks_head_and_odd_dims():
+    model = Llama(CONFIG)
+    model.layers[1].feed_forward.w2 = torch.nn.Linear(64, 24, bias=False)  # 24 is not a multiple of 16
+    decision = float8_module_filter(model, list(model.layers), skip_first_last=True, skip_modules=())
+    expected = {f"layers.{i}.{name}" for i in (1, 2) for name in BLOCK_LINEARS} - {"layers.1.feed_forward.w2"}
+    assert {path for path, convert in decision.items() if convert} == expected
+    assert decision["output"] is False and decision["layers.0.attention.wq"] is False
+    decision = float8_module_filter(model, list(model.layers), skip_first_last=False, skip_modules=("attention",))
+    assert {p for p, c in decision.items() if c} == {f"layers.{i}.{n}" for i in range(4) for n in BLOCK_LINEARS[4:]} - {
+        "layers.1.feed_forward.w2"
+    } | {"output"}
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _fit_single(fp8: bool, recipe: str = "tensorwise"):
+    recorder = Recorder()
+    callback = Float8Training(recipe=recipe)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=50, precision="bf16-mixed", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder] + ([callback] if fp8 else []),
+    )
+    model = make_model()
+    trainer.fit(model, DataLoader(Memorise(200), batch_size=4, shuffle=False))
+    from torchao.float8.float8_linear import Float8Linear
+
+    converted = sorted(name for name, m in model.named_modules() if isinstance(m, Float8Linear))
+    return recorder.losses, converted, callback.converted
+
+
+def test_fp8_tracks_bf16_over_50_steps():
+    bf16, none, _ = _fit_single(False)
+    fp8, converted, reported = _fit_single(True)
+    assert none == []
+    assert converted == sorted(f"model.layers.{i}.{name}" for i in (1, 2) for name in BLOCK_LINEARS) == sorted(reported)
+    assert bf16[-1] < 0.5 * bf16[0]  # it learns, so the comparison means something
+    final_bf16, final_fp8 = statistics.mean(bf16[-5:]), statistics.mean(fp8[-5:])
+    assert abs(final_fp8 - final_bf16) / final_bf16 < 0.02, (final_bf16, final_fp8)
+    assert fp8 != bf16  # fp8 rounding really changed the numerics
+
+
+def _fit_zero3(rank, world_size, fp8):
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    L.seed_everything(rank, verbose=False)
+    recorder = Recorder()
+    callback = Float8Training()
+    calls = {"precompute": 0}
+    import torchao.float8 as float8
+
+    original = float8.precompute_float8_dynamic_scale_for_fsdp
+
+    def counting(module):
+        calls["precompute"] += 1
+        return original(module)
+
+    float8.precompute_float8_dynamic_scale_for_fsdp = counting
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy="ultrascale_zero3", max_steps=4, precision="bf16-mixed",
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[recorder] + ([callback] if fp8 else []),
+    )
+    model = make_model()
+    trainer.fit(model, ParityData(Memorise(32), 8))
+    float8.precompute_float8_dynamic_scale_for_fsdp = original
+    fp8_weights = [
+        name for name, p in model.named_parameters()
+        if isinstance(getattr(p, "_local_tensor", None), WeightWithDynamicFloat8CastTensor)
+    ]  # fmt: skip
+    return {"losses": recorder.losses, "fp8_weights": fp8_weights, "precompute": calls["precompute"]}
+
+
+def test_fp8_with_zero3_world2_all_gathers_in_fp8():
+    fp8 = run_ranks(_fit_zero3, 2, True)
+    plain = run_ranks(_fit_zero3, 2, False)
+    assert len(fp8[0]["fp8_weights"]) == 14  # blocks 1 and 2: 7 linears each, sharded DTensors of fp8-cast weights
+    assert all(".layers.1." in n or ".layers.2." in n for n in fp8[0]["fp8_weights"])
+    assert fp8[0]["precompute"] == 4 and plain[0]["precompute"] == 0  # once per optimizer step
+    fp8_losses = torch.tensor([sum(x) / 2 for x in zip(fp8[0]["losses"], fp8[1]["losses"])])
+    plain_losses = torch.tensor([sum(x) / 2 for x in zip(plain[0]["losses"], plain[1]["losses"])])
+    assert torch.isfinite(fp8_losses).all()
+    torch.testing.assert_close(fp8_losses, plain_losses, rtol=0.02, atol=0)
