@@ -2,6 +2,7 @@
 
     ultrascale fit --config recipes/tiny_cpu.yaml
     ultrascale fit --config recipes/tiny_cpu.yaml --trainer.devices 4 --trainer.strategy ultrascale_hsdp
+    ultrascale export-hf --checkpoint runs/.../last.ckpt --out my_hf_model
 
 Any LightningModule / LightningDataModule can be named with `class_path`; the recipes
 use `ultrascale.models.llama.LlamaLM` and `ultrascale.data.CausalLMDataModule`.
@@ -43,8 +44,30 @@ class UltraScaleCLI(LightningCLI):
         )
 
 
+def export_hf_main(args: list[str]) -> None:
+    import argparse
+
+    from ultrascale.models.hf import export_hf_checkpoint
+
+    parser = argparse.ArgumentParser(
+        prog="ultrascale export-hf",
+        description="Write an HFCausalLM training checkpoint (any layout) as a Hugging Face folder: "
+        "sharded safetensors, config.json, generation config and the tokenizer files.",
+    )
+    parser.add_argument("--checkpoint", required=True, help="ultrascale checkpoint directory (e.g. .../last.ckpt)")
+    parser.add_argument("--out", required=True, help="folder to write (loadable with from_pretrained)")
+    parser.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (default 2GB)")
+    options = parser.parse_args(args)
+    out = export_hf_checkpoint(options.checkpoint, options.out, options.max_shard_size)
+    print(f"wrote {out}")
+
+
 def main(args: list[str] | None = None) -> None:
-    UltraScaleCLI(args=args if args is not None else sys.argv[1:])
+    args = list(args if args is not None else sys.argv[1:])
+    if args and args[0] == "export-hf":
+        export_hf_main(args[1:])
+        return
+    UltraScaleCLI(args=args)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,13 @@ def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
         fsdp_module.set_requires_gradient_sync(enabled, recurse=False)
 
 
+def reshard(module: nn.Module) -> None:
+    """Free gathered parameters. Units that skip resharding after forward (the root, the last
+    block) stay gathered after a no-grad forward (validation), since no backward reshards them."""
+    for fsdp_module in fsdp_modules(module):
+        fsdp_module.reshard()
+
+
 def is_fsdp_sharded(module: nn.Module) -> bool:
     return any(True for _ in fsdp_modules(module))
 

@@ -39,7 +39,7 @@ import lightning.pytorch as pl
 from ultrascale.models.adapters import ModelAdapter, get_adapter
 from ultrascale.parallel.checkpoint import check_checkpoint_dir, load_sharded_checkpoint, save_sharded_checkpoint
 from ultrascale.parallel.dims import ParallelDims, ParallelMesh, build_mesh
-from ultrascale.parallel.fsdp import is_fsdp_sharded, set_gradient_sync
+from ultrascale.parallel.fsdp import is_fsdp_sharded, reshard, set_gradient_sync
 from ultrascale.parallel.init import broadcast_module_state, has_meta_tensors, materialize_meta_module
 from ultrascale.parallel.parallelize import parallelize
 from ultrascale.parallel.tensor import maybe_loss_parallel, resolve_plan
@@ -308,7 +308,9 @@ class UltraScaleStrategy(ParallelStrategy):
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         # Materialisation happens in `setup()`, after sharding, so no rank ever holds the full model.
-        device = torch.device("meta") if (self.meta_init or empty_init) else nullcontext()
+        # A module that loads its weights after sharding (HFCausalLM) asks for meta itself.
+        prefers_meta = bool(getattr(self.lightning_module, "prefers_meta_init", False))
+        device = torch.device("meta") if (self.meta_init or empty_init or prefers_meta) else nullcontext()
         with device, self.precision_plugin.tensor_init_context():
             yield
 
@@ -475,12 +477,28 @@ class UltraScaleStrategy(ParallelStrategy):
             for engine in self._zero_engines:
                 engine.require_backward_grad_sync = True
 
+    # Evaluation runs forward without backward: give back the memory of the units that stay
+    # gathered between forward and backward.
+    @override
+    def on_validation_end(self) -> None:
+        if self.model is not None:
+            reshard(self.model)
+
+    @override
+    def on_test_end(self) -> None:
+        self.on_validation_end()
+
+    @override
+    def on_predict_end(self) -> None:
+        self.on_validation_end()
+
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         assert self.model is not None
+        reshard(self.model)  # a checkpoint written from on_validation_end runs before the strategy hook
         return get_model_state_dict(self.model)
 
     @override

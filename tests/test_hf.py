@@ -1,0 +1,163 @@
+"""Hugging Face checkpoints: load under ZeRO-3 and TP (each rank reads its slices), fine-tune, export, reload."""
+
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from torch.testing import assert_close
+
+import ultrascale
+from tests._dist import run_ranks
+from tests._parity import ParityData, Recorder, TokenDataset
+from ultrascale.models.hf import HFCausalLM, export_hf_checkpoint
+
+VOCAB, SEQ = 128, 16
+CONFIGS = {
+    "llama": transformers.LlamaConfig,
+    "mistral": transformers.MistralConfig,
+    "qwen2": transformers.Qwen2Config,
+}
+
+
+def make_checkpoint(folder: Path, arch: str = "llama", tied: bool = False, dtype=torch.float32) -> Path:
+    config = CONFIGS[arch](vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                           tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    with torch.no_grad():  # non-trivial weights everywhere (HF inits norms to 1 and biases to 0)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(folder, max_shard_size="100KB")  # several safetensors shards
+    return folder
+
+
+def tokens(n: int = 2) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def _logits(rank, world_size, path, strategy_kwargs):
+    module = HFCausalLM(path)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ultrascale.UltraScaleStrategy(**strategy_kwargs),
+                        logger=False, enable_progress_bar=False, enable_model_summary=False, max_steps=0)
+    trainer.validate(module, torch.utils.data.DataLoader(TokenDataset(4, SEQ, VOCAB), batch_size=2), verbose=False)
+    with torch.no_grad():
+        logits = module(tokens())
+    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    q = module.model.model.layers[0].self_attn.q_proj.weight
+    return {"logits": logits, "q_local": tuple(q.to_local().shape), "meta_built": module.prefers_meta_init}
+
+
+@pytest.mark.parametrize(
+    "arch, tied, layout",
+    [("llama", False, "zero3"), ("llama", False, "tp2"), ("qwen2", False, "zero3"), ("qwen2", False, "tp2"),
+     ("mistral", False, "tp2"), ("llama", True, "zero3")],
+    ids=["llama-zero3", "llama-tp2", "qwen2-zero3", "qwen2-tp2", "mistral-tp2", "llama-tied-zero3"],
+)
+def test_loaded_logits_equal_from_pretrained(tmp_path, arch, tied, layout):
+    path = make_checkpoint(tmp_path / "ckpt", arch, tied)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    with torch.no_grad():
+        expected = reference(input_ids=tokens()).logits
+    kwargs = {"tensor_parallel": 2, "data_parallel_shard": 1} if layout == "tp2" else {}
+    results = run_ranks(_logits, 2, str(path), kwargs)
+    for result in results:
+        assert result["meta_built"] is (not tied)
+        assert result["q_local"] == ((32, 64) if layout == "tp2" else (32, 64))  # 64x64 split in 2 either way
+        assert_close(result["logits"], expected, rtol=1e-5, atol=1e-5)
+
+
+def make_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(VOCAB - 2)} | {"<unk>": VOCAB - 2, "</s>": VOCAB - 1}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>").save_pretrained(folder)
+
+
+def _finetune(rank, world_size, path, ckpt_dir, export_dir):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    module = HFCausalLM(path, learning_rate=3e-3, warmup_steps=1, max_steps=100, export_dir=export_dir)
+    recorder = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy="ultrascale_zero3", max_steps=10, logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[recorder, ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=10)],
+    )
+    trainer.fit(module, ParityData(TokenDataset(80, SEQ, VOCAB, seed=8), 8))
+    plain = [n for n, p in module.named_parameters() if not hasattr(p, "full_tensor")]
+    assert not plain, plain  # every weight is still sharded after fit
+    weights = {n[len("model."):]: p.full_tensor().detach().clone() for n, p in module.named_parameters()}
+    batch = {"input_ids": tokens(4), "labels": tokens(4).roll(-1, dims=1)}
+    with torch.no_grad():
+        loss = float(module._loss(batch))
+    return {"losses": recorder.losses, "loss_after": loss, "weights": weights}
+
+
+def test_finetune_export_reload(tmp_path):
+    source = make_checkpoint(tmp_path / "source")
+    make_tokenizer(source)
+    results = run_ranks(_finetune, 2, str(source), str(tmp_path / "ckpts"), str(tmp_path / "exported_at_fit_end"))
+    trained = results[0]["weights"]
+    original = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True).state_dict()
+    assert all(not torch.equal(original[name], value) for name, value in trained.items())  # every weight trained
+    # Offline export from the sharded training checkpoint, through the CLI.
+    from ultrascale.cli import main
+
+    main(["export-hf", "--checkpoint", str(tmp_path / "ckpts" / "last.ckpt"), "--out", str(tmp_path / "exported_cli")])
+    batch = {"input_ids": tokens(4), "labels": tokens(4).roll(-1, dims=1)}
+    for folder in ("exported_at_fit_end", "exported_cli"):
+        out = tmp_path / folder
+        assert (out / "config.json").is_file() and list(out.glob("*.safetensors"))
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+        for name, value in reloaded.state_dict().items():
+            assert torch.equal(value, trained[name]), (folder, name)  # bit-exact
+        with torch.no_grad():
+            logits = reloaded(input_ids=batch["input_ids"]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+        assert_close(float(loss), results[0]["loss_after"], rtol=1e-6, atol=1e-6)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+        assert tokenizer("t1 t2")["input_ids"] == [1, 2]
+        assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_bad_checkpoint_folders(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        HFCausalLM(str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        HFCausalLM(str(tmp_path / "empty"))
+    source = make_checkpoint(tmp_path / "noweights")
+    for file in source.glob("*.safetensors"):
+        file.unlink()
+    (source / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"no \*.safetensors weights \(.bin weights are not supported"):
+        HFCausalLM(str(source))
+    with pytest.raises(ValueError, match="dtype='float16'"):
+        HFCausalLM(str(make_checkpoint(tmp_path / "ok")), dtype="float16")
+
+
+def _vocab_error(rank, world_size, path):
+    module = HFCausalLM(path)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False,
+                        strategy=ultrascale.UltraScaleStrategy(tensor_parallel=4, data_parallel_shard=1), max_steps=1)
+    try:
+        trainer.fit(module, ParityData(TokenDataset(8, SEQ, 100), 8))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_tp_not_dividing_vocab(tmp_path):
+    config_dir = tmp_path / "odd_vocab"
+    config = transformers.LlamaConfig(vocab_size=102, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=4)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(config_dir)
+    for message in run_ranks(_vocab_error, 4, str(config_dir)):
+        assert "`tensor_parallel=4` must divide vocab_size=102 of LlamaForCausalLM" in message

@@ -1,0 +1,318 @@
+"""Fine-tuning Hugging Face causal LMs: safetensors in, safetensors out, under any layout.
+
+Load: the model is built on the meta device, the strategy parallelises it (TP plan from
+the model's adapter, FSDP/ZeRO), and only then is each rank's part of every weight read
+from the safetensors shards (`torch.distributed.checkpoint.HuggingFaceStorageReader`
+slices the files), so no rank ever holds the full model. Save: training checkpoints are
+ultrascale's sharded DCP directories; `export_hf_checkpoint` turns one (from any layout)
+into a Hugging Face folder (sharded safetensors + config + generation config + tokenizer).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any, Dict, Literal, Optional, Tuple
+
+import lightning
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from ultrascale.models.llama import warmup_cosine
+
+WEIGHT_SUFFIX = ".safetensors"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def check_hf_folder(path: str | Path) -> Path:
+    """A Hugging Face checkpoint folder with config.json and safetensors weights, or a clear error."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"Hugging Face checkpoint folder not found: {path}")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint folder")
+    if not list(path.glob(f"*{WEIGHT_SUFFIX}")):
+        found = sorted(p.name for p in path.iterdir())
+        hint = " (.bin weights are not supported: convert them with `save_pretrained(safe_serialization=True)`)" if any(
+            n.endswith(".bin") for n in found
+        ) else ""
+        raise FileNotFoundError(f"{path} has no *.safetensors weights{hint}; files: {found}")
+    return path
+
+
+def safetensors_keys(path: Path) -> set[str]:
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for file in sorted(path.glob(f"*{WEIGHT_SUFFIX}")):
+        with safe_open(str(file), framework="pt") as f:
+            keys.update(f.keys())
+    return keys
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Fill `model`'s (possibly sharded DTensor) parameters from the safetensors of `path`.
+
+    Each rank reads only the slices its shards cover. Works with or without a process group.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    path = check_hf_folder(path)
+    available = safetensors_keys(path)
+    state = model.state_dict()
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    wanted = {k: v for k, v in state.items() if k in available}
+    missing = sorted(k for k in state if k not in available and not (tied and k.endswith("lm_head.weight")))
+    if missing:
+        raise ValueError(f"{path} lacks weights for {len(missing)} parameter(s) of the model, e.g. {missing[:5]}")
+    dcp.load(wanted, storage_reader=HuggingFaceStorageReader(str(path)))
+    if any(isinstance(v, DTensor) for v in wanted.values()):
+        return
+    # Plain tensors: DCP may load into copies; make sure the module holds the values.
+    model.load_state_dict(wanted, strict=False)
+
+
+@torch.no_grad()
+def recompute_nonpersistent_buffers(model: torch.nn.Module) -> None:
+    """Rebuild buffers that are not in the checkpoint (RoPE `inv_freq`): after a meta-device
+    build and `to_empty` they hold garbage. Each owning module is re-created from its config."""
+    for module in model.modules():
+        names = getattr(module, "_non_persistent_buffers_set", set())
+        if not names or not hasattr(module, "config"):
+            continue
+        device = next(iter(module.buffers())).device
+        with torch.device(device):
+            fresh = type(module)(config=module.config)
+        for name in names:
+            getattr(module, name).copy_(getattr(fresh, name))
+
+
+class HFCausalLM(lightning.LightningModule):
+    """Fine-tune a local Hugging Face `AutoModelForCausalLM` checkpoint folder.
+
+    Under ultrascale strategies the model is built on the meta device and each rank loads
+    only its shards of the weights after parallelisation; under Lightning's own strategies
+    it is loaded with `from_pretrained`. Batches are `{"input_ids", "labels"}` with labels
+    already shifted and -100 ignored (`ultrascale.data` data modules).
+    """
+
+    supports_loss_parallel = True
+    """`training_step` accepts vocab-sharded DTensor logits."""
+
+    def __init__(
+        self,
+        pretrained_path: str,
+        dtype: Literal["float32", "bfloat16"] = "float32",
+        learning_rate: float = 2e-5,
+        weight_decay: float = 0.0,
+        betas: Tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        warmup_steps: int = 0,
+        max_steps: Optional[int] = None,
+        min_lr_ratio: float = 0.1,
+        attn_implementation: str = "sdpa",
+        export_dir: Optional[str] = None,
+    ) -> None:
+        """
+        Args:
+            pretrained_path: local Hugging Face checkpoint folder (config.json + *.safetensors).
+            dtype: dtype the weights are held in; precision="bf16-mixed" still computes in bf16.
+            learning_rate: peak AdamW learning rate.
+            weight_decay: AdamW decoupled weight decay for matrices (norms and biases get none).
+            betas: AdamW betas.
+            eps: AdamW eps.
+            warmup_steps: linear warm-up steps.
+            max_steps: end of the cosine decay; None uses the trainer's estimated_stepping_batches.
+            min_lr_ratio: final learning rate as a fraction of `learning_rate`.
+            attn_implementation: Hugging Face attention kernel ("sdpa", "eager", "flash_attention_2").
+            export_dir: if set, the trained model is written there as a Hugging Face folder when fit ends.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        from transformers import AutoConfig
+
+        if dtype not in DTYPES:
+            raise ValueError(f"HFCausalLM: `dtype={dtype!r}`; choose one of {sorted(DTYPES)}")
+        self.pretrained_path = str(check_hf_folder(pretrained_path))
+        self.config = AutoConfig.from_pretrained(self.pretrained_path, local_files_only=True)
+        self.model: Optional[torch.nn.Module] = None
+
+    @property
+    def tokenizer_path(self) -> str:
+        """Where the tokenizer lives (data modules may default to it)."""
+        return self.pretrained_path
+
+    @property
+    def prefers_meta_init(self) -> bool:
+        """Ask ultrascale strategies to build the model on the meta device (weights are loaded after sharding).
+
+        Tied input/output embeddings would be untied by materialising after sharding, so
+        those models are built for real (then sharded, then loaded)."""
+        return not bool(getattr(self.config, "tie_word_embeddings", False))
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from transformers import AutoModelForCausalLM
+
+        dtype = DTYPES[self.hparams.dtype]
+        meta = torch.empty(()).device.type == "meta"  # the strategy's init context asked for meta
+        if meta or self._sharding_strategy():
+            self.model = AutoModelForCausalLM.from_config(
+                self.config, torch_dtype=dtype, attn_implementation=self.hparams.attn_implementation
+            )
+            # Not meta (tied embeddings): the weights are loaded by `init_weights` after sharding too.
+            self._weights_pending = True
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                self.pretrained_path, torch_dtype=dtype, local_files_only=True,
+                attn_implementation=self.hparams.attn_implementation,
+            )
+            self._weights_pending = False
+
+    def _sharding_strategy(self) -> bool:
+        trainer = self._trainer
+        return trainer is not None and hasattr(trainer.strategy, "parallel_mesh")
+
+    def init_weights(self) -> None:
+        """Called by ultrascale strategies after sharding: each rank reads its slices of the weights."""
+        assert self.model is not None
+        recompute_nonpersistent_buffers(self.model)
+        load_hf_weights(self.model, self.pretrained_path)
+        self._weights_pending = False
+
+    def on_fit_start(self) -> None:
+        if getattr(self, "_weights_pending", False):  # built for real (tied embeddings): load after sharding
+            self.init_weights()
+
+    on_validation_start = on_test_start = on_predict_start = on_fit_start
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.model is None:
+            raise ValueError("HFCausalLM: the model is built in `configure_model()`; call it first")
+        return self.model(input_ids=input_ids).logits
+
+    def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self(batch["input_ids"])  # (B, T, V), or vocab-sharded (B, T, V/tp) under loss parallel
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        return loss.to_local() if isinstance(loss, DTensor) else loss
+
+    def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> Dict[str, Any]:
+        hp = self.hparams
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": hp.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps, foreach=True)
+        max_steps = hp.max_steps if hp.max_steps is not None else self.trainer.estimated_stepping_batches
+        if not math.isfinite(max_steps):
+            raise ValueError("HFCausalLM: set `max_steps` on the module or the Trainer to size the LR schedule")
+        schedule = functools.partial(warmup_cosine, warmup_steps=max(hp.warmup_steps, 1), max_steps=int(max_steps),
+                                     min_lr_ratio=hp.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        # `export-hf` rebuilds the model from this even if the original folder has moved.
+        checkpoint["hf_config"] = self.config.to_dict()
+
+    def on_fit_end(self) -> None:
+        if self.hparams.export_dir:
+            export_hf_from_module(self, self.hparams.export_dir)
+
+
+def _hf_state_dict_from_module(module: HFCausalLM) -> Optional[dict[str, torch.Tensor]]:
+    """Full (unsharded) HF-named weights on global rank 0 (None elsewhere); every rank must call it."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    assert module.model is not None
+    if dist.is_initialized():
+        state = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if dist.get_rank() == 0 else None
+    return {k: v.detach().cpu() for k, v in module.model.state_dict().items()}
+
+
+def export_hf_from_module(module: HFCausalLM, out_dir: str | Path) -> None:
+    state = _hf_state_dict_from_module(module)
+    if state is not None:
+        write_hf_folder(state, module.config, module.pretrained_path, out_dir)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def write_hf_folder(state: dict[str, torch.Tensor], config: Any, source_dir: Optional[str], out_dir: str | Path,
+                    max_shard_size: str = "2GB") -> Path:
+    """Write HF-named weights as a Hugging Face folder: sharded safetensors, config, generation config, tokenizer."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if tied:
+        state = {k: v for k, v in state.items() if not k.endswith("lm_head.weight")}
+    model.load_state_dict(state, strict=not tied, assign=True)
+    if tied:
+        model.tie_weights()
+    if source_dir and (Path(source_dir) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(source_dir, local_files_only=True)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
+    if source_dir:
+        for name in TOKENIZER_FILES:
+            if (Path(source_dir) / name).is_file():
+                shutil.copy2(Path(source_dir) / name, out / name)
+    return out
+
+
+def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "2GB") -> Path:
+    """Turn an ultrascale training checkpoint of an `HFCausalLM` (any layout) into a Hugging Face folder.
+
+    Runs in one process, without a process group: DCP reassembles every tensor from the shards.
+    """
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig
+
+    from ultrascale.parallel.checkpoint import METADATA_FILE, check_checkpoint_dir
+
+    path = check_checkpoint_dir(checkpoint)
+    meta = torch.load(path / METADATA_FILE, map_location="cpu", weights_only=False)
+    hparams = meta.get("hyper_parameters", {})
+    if "hf_config" not in meta:
+        raise ValueError(f"{path} was not written by an HFCausalLM (no Hugging Face config in it); cannot export")
+    config_dict = dict(meta["hf_config"])
+    model_type = config_dict.pop("model_type")
+    config = AutoConfig.for_model(model_type, **config_dict)
+    prefix = "state_dict.model."
+    tensors = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    names = [key for key in tensors if key.startswith(prefix)]
+    state = {key[len("state_dict.") :]: torch.empty(tensors[key].size, dtype=tensors[key].properties.dtype) for key in names}
+    dcp.load({"state_dict": state}, checkpoint_id=str(path), no_dist=True)
+    hf_state = {key[len("model.") :]: value for key, value in state.items()}
+    source = hparams.get("pretrained_path")
+    source = source if source and Path(source).is_dir() else None
+    return write_hf_folder(hf_state, config, source, out_dir, max_shard_size)
+
+
+def hf_config_summary(path: str | Path) -> dict[str, Any]:
+    return json.loads((check_hf_folder(path) / "config.json").read_text())
