@@ -47,7 +47,7 @@ class MemoryMonitor(Callback):
     """Logs memory after every training batch, and dumps CUDA memory snapshots on demand or on OOM.
 
     Metrics: `memory/model_state_gib` (parameters + gradients + optimizer state held by this
-    rank, measured on the live, sharded tensors) and `memory/model_state_estimate_gib` (ZeRO
+    rank, measured on the live, sharded tensors just before the optimizer step, where it peaks) and `memory/model_state_estimate_gib` (ZeRO
     formula, see `ultrascale.estimate.estimate_model_state_bytes`); on CUDA
     `memory/max_allocated_gib`, `memory/max_reserved_gib`, `memory/max_allocated_pct`,
     `memory/max_reserved_pct` (of the device's memory), `memory/alloc_retries`, `memory/ooms`;
@@ -88,6 +88,7 @@ class MemoryMonitor(Callback):
         """Paths of the snapshots this rank wrote."""
         self._recording = False
         self._warned_estimate = False
+        self._measured: Optional[int] = None
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         cuda = trainer.strategy.root_device.type == "cuda"
@@ -136,11 +137,17 @@ class MemoryMonitor(Callback):
         )
 
     # ------------------------------------------------------------------ per step
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
+        # Model state peaks here: the gradients exist (ZeRO-2 frees its slices after the step) and
+        # the optimizer state exists from the step before (from the second step on).
+        self._measured = model_state_bytes(pl_module, trainer.optimizers).total
+
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        measured = model_state_bytes(pl_module, trainer.optimizers)
-        metrics = {"memory/model_state_gib": measured.total / GiB}
+        measured = self._measured if self._measured is not None else model_state_bytes(pl_module, trainer.optimizers).total
+        self._measured = None
+        metrics = {"memory/model_state_gib": measured / GiB}
         estimate = self.estimate(trainer, pl_module)
         if estimate is not None:
             metrics["memory/model_state_estimate_gib"] = estimate.total / GiB

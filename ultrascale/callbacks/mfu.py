@@ -233,8 +233,8 @@ class MFUMonitor(Callback):
         dp = dims.dp if dims is not None else trainer.world_size
         cp = dims.cp if dims is not None else 1
         # tp/pp ranks repeat their dp group's batch and are not counted; cp ranks hold 1/cp of each sequence.
-        global_tokens = ids.numel() * dp * cp
-        seq_len = ids.shape[-1] * cp
+        global_tokens = ids.shape[0] * ids.shape[1] * dp * cp  # (B, T, ...): B x T tokens
+        seq_len = ids.shape[1] * cp
         self.tokens_seen += global_tokens
         self._window.append((global_tokens, iteration, seq_len))
         tokens = sum(t for t, _, _ in self._window)
