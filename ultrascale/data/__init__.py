@@ -20,3 +20,12 @@ __all__ = [
     "stdlib_files",
     "tokenize_corpus",
 ]
+from ultrascale.data.instruct import (  # noqa: E402
+    InstructionBlockDataset,
+    InstructionDataModule,
+    PackedBlocks,
+    pack_examples,
+    read_examples,
+)
+
+__all__ += ["InstructionBlockDataset", "InstructionDataModule", "PackedBlocks", "pack_examples", "read_examples"]

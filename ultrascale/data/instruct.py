@@ -1,0 +1,492 @@
+"""Instruction (prompt/response) data for supervised fine-tuning, loss masked on the prompt.
+
+Each example becomes one token sequence::
+
+    ids    = [bos?] + tokenize(template(prompt)) + tokenize(response) + [eos]
+    input  = ids[:-1]
+    labels = ids[1:], with -100 wherever the target token belongs to the prompt
+
+so only the response tokens and the final EOS are learned. Labels are built per
+example *before* packing; when several examples share a block, the last position
+of example A keeps A's own target (its EOS) and the first token of example B is
+never a target of anything. No label crosses a document boundary.
+
+Examples are packed whole into blocks of ``seq_len`` positions (next-fit, in data
+order), the rest of a block padded with labels -100. The blocks then follow
+exactly the layout of :class:`~ultrascale.data.datamodule.CausalLMDataModule`:
+validation blocks from the end, :class:`ResumableBlockSampler` global batches
+(identical at any dp size), and the same mid-epoch resume state.
+
+Within a packed block attention is still causal over the whole block: a later
+example can attend to an earlier one. The batch format (``input_ids``/``labels``
+only) has no document mask; the loss is unaffected, the context is not.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import Dataset
+
+from ultrascale.data.datamodule import CausalLMDataModule
+from ultrascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+__all__ = ["InstructionBlockDataset", "InstructionDataModule", "PackedBlocks", "pack_examples", "read_examples"]
+
+IGNORE_INDEX = -100
+"""Label of positions without a loss (prompt targets, padding); ``cross_entropy``'s default ``ignore_index``."""
+
+# Files `Dataset.save_to_disk` / `DatasetDict.save_to_disk` always write.
+_SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
+# Files that make a folder loadable by `AutoTokenizer` (fast, sentencepiece, BPE vocab, config).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _read_jsonl(files: Sequence[Path], fields: tuple[str, str]) -> Iterator[tuple[str, str]]:
+    for f in files:
+        with f.open(encoding="utf-8") as lines:
+            for lineno, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{f}:{lineno}: not valid JSON ({e.msg})") from None
+                if not isinstance(record, dict):
+                    raise ValueError(f"{f}:{lineno}: expected a JSON object per line, got {type(record).__name__}")
+                yield _fields_of(record, fields, where=f"{f}:{lineno}")
+
+
+def _read_saved_dataset(folder: Path, fields: tuple[str, str]) -> Iterator[tuple[str, str]]:
+    import datasets  # imported lazily: only needed for this input kind
+
+    ds = datasets.load_from_disk(str(folder))
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise ValueError(
+                f"`data_path={str(folder)!r}` holds a DatasetDict without a 'train' split (splits: {sorted(ds)}); "
+                "save a single Dataset or one with a 'train' split"
+            )
+        # The validation split is carved from the tail of the packed blocks, so only one split is read.
+        ds = ds["train"]
+    missing = [name for name in fields if name not in ds.column_names]
+    if missing:
+        raise ValueError(
+            f"field `{missing[0]}` is not a column of `data_path={str(folder)!r}`; columns: {ds.column_names}"
+        )
+    # Batched so `max_examples` can stop early without materialising the whole dataset.
+    for b, batch in enumerate(ds.select_columns(list(fields)).iter(batch_size=1000)):
+        for i, pair in enumerate(zip(batch[fields[0]], batch[fields[1]])):
+            yield _check_strings(pair, fields, where=f"{folder} row {b * 1000 + i}")
+
+
+def _fields_of(record: dict[str, Any], fields: tuple[str, str], where: str) -> tuple[str, str]:
+    for name in fields:
+        if name not in record:
+            raise ValueError(f"{where}: field `{name}` is missing; fields present: {sorted(record)}")
+    return _check_strings((record[fields[0]], record[fields[1]]), fields, where)
+
+
+def _check_strings(pair: tuple[Any, Any], fields: tuple[str, str], where: str) -> tuple[str, str]:
+    for name, value in zip(fields, pair):
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: field `{name}` must be a string, got {type(value).__name__}")
+    return pair
+
+
+def read_examples(
+    data_path: str, prompt_field: str = "prompt", response_field: str = "response"
+) -> Iterator[tuple[str, str]]:
+    """Yield ``(prompt, response)`` strings from a ``.jsonl`` file, a folder of them, or a saved dataset.
+
+    A folder holding ``state.json`` or ``dataset_dict.json`` is read with
+    ``datasets.load_from_disk`` (its ``train`` split for a ``DatasetDict``);
+    any other folder contributes its ``*.jsonl`` files (not recursive), in
+    sorted name order so every rank reads the same sequence.
+    """
+    path = Path(data_path)
+    fields = (prompt_field, response_field)
+    if path.is_file():
+        return _read_jsonl([path], fields)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"`data_path={data_path!r}` does not exist; expected a .jsonl file, a folder of .jsonl files "
+            "or a folder written by `Dataset.save_to_disk`"
+        )
+    if any((path / marker).is_file() for marker in _SAVED_DATASET_MARKERS):
+        return _read_saved_dataset(path, fields)
+    files = sorted(p for p in path.glob("*.jsonl") if p.is_file())
+    if not files:
+        raise ValueError(
+            f"`data_path={data_path!r}` is a folder with no *.jsonl files and is not a saved `datasets` "
+            f"dataset (no {' / '.join(_SAVED_DATASET_MARKERS)}); it is empty for instruction data"
+        )
+    return _read_jsonl(files, fields)
+
+
+# --------------------------------------------------------------------------- packing
+
+
+@dataclass(frozen=True)
+class PackedBlocks:
+    """Fixed-length blocks of whole examples, ready to batch."""
+
+    input_ids: np.ndarray
+    """``(num_blocks, seq_len)`` int32 model inputs; the tail of each block is the pad id."""
+    labels: np.ndarray
+    """``(num_blocks, seq_len)`` int32 targets of ``input_ids`` (already shifted); -100 = no loss."""
+    examples: list[list[int]]
+    """Per block, the indices (into the ``examples`` argument) of the examples it holds, in order."""
+    num_truncated: int
+    """Examples longer than ``seq_len`` whose response tail was cut (including the dropped ones)."""
+    num_dropped: int
+    """Truncated examples left without a single response token (the prompt alone fills a block)."""
+    num_empty: int
+    """Examples of fewer than two tokens: nothing to predict."""
+    num_tokens: int
+    """Block positions holding example tokens (the rest is padding)."""
+
+    @property
+    def num_blocks(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def density(self) -> float:
+        """Fraction of block positions that hold example tokens, not padding."""
+        return self.num_tokens / self.input_ids.size if self.input_ids.size else 0.0
+
+
+def pack_examples(
+    examples: Sequence[tuple[Sequence[int], int]], seq_len: int, pad_id: int, *, pack: bool = True
+) -> PackedBlocks:
+    """Turn tokenized examples into blocks of ``seq_len`` inputs with prompt-masked, shifted labels.
+
+    Args:
+        examples: ``(ids, num_prompt)`` per example: ``ids`` is the whole sequence
+            (BOS if any, prompt, response, EOS) and its first ``num_prompt`` ids
+            are the prompt, whose positions are never targets.
+        seq_len: Input positions per block.
+        pad_id: Input id of the padding (its labels are -100).
+        pack: Put as many whole examples as fit in a block, next-fit in the given
+            order; ``False`` gives every example its own block.
+
+    An example of more than ``seq_len + 1`` ids keeps its first ``seq_len + 1``
+    (the head of the prompt; the response tail and the EOS are cut). One that is
+    then left with no response target is dropped.
+    """
+    if seq_len < 1:
+        raise ValueError(f"pack_examples: `seq_len={seq_len}` must be >= 1")
+    segments: list[tuple[int, np.ndarray, np.ndarray]] = []  # (example index, input, labels)
+    num_truncated = num_dropped = num_empty = 0
+    for index, (ids, num_prompt) in enumerate(examples):
+        ids = np.asarray(ids, dtype=np.int32)
+        if ids.size < 2:
+            num_empty += 1
+            continue
+        if ids.size - 1 > seq_len:
+            ids = ids[: seq_len + 1]
+            num_truncated += 1
+        labels = ids[1:].copy()
+        # labels[j] is ids[j + 1]: a prompt target when j + 1 < num_prompt.
+        labels[: max(num_prompt - 1, 0)] = IGNORE_INDEX
+        if (labels == IGNORE_INDEX).all():
+            num_dropped += 1
+            continue
+        segments.append((index, ids[:-1], labels))
+
+    # Next-fit: close the block as soon as the next example does not fit in it.
+    blocks: list[list[int]] = []  # segment positions per block
+    fill = seq_len + 1  # forces a new block for the first segment
+    for s, (_, inputs, _) in enumerate(segments):
+        if not pack or fill + inputs.size > seq_len:
+            blocks.append([])
+            fill = 0
+        blocks[-1].append(s)
+        fill += inputs.size
+
+    input_ids = np.full((len(blocks), seq_len), pad_id, dtype=np.int32)  # (num_blocks, seq_len)
+    labels = np.full((len(blocks), seq_len), IGNORE_INDEX, dtype=np.int32)  # (num_blocks, seq_len)
+    for b, block in enumerate(blocks):
+        pos = 0
+        for s in block:
+            _, seg_in, seg_lab = segments[s]
+            input_ids[b, pos : pos + seg_in.size] = seg_in
+            labels[b, pos : pos + seg_in.size] = seg_lab
+            pos += seg_in.size
+    return PackedBlocks(
+        input_ids=input_ids,
+        labels=labels,
+        examples=[[segments[s][0] for s in block] for block in blocks],
+        num_truncated=num_truncated,
+        num_dropped=num_dropped,
+        num_empty=num_empty,
+        num_tokens=sum(seg_in.size for _, seg_in, _ in segments),
+    )
+
+
+class InstructionBlockDataset(Dataset):
+    """Rows of packed blocks as ``{"input_ids": (seq_len,), "labels": (seq_len,)}`` int64 tensors.
+
+    Args:
+        input_ids: ``(num_blocks, seq_len)`` model inputs.
+        labels: ``(num_blocks, seq_len)`` shifted targets, -100 where there is no loss.
+    """
+
+    def __init__(self, input_ids: np.ndarray, labels: np.ndarray) -> None:
+        if input_ids.shape != labels.shape or input_ids.ndim != 2:
+            raise ValueError(
+                f"{type(self).__name__}: `input_ids` {input_ids.shape} and `labels` {labels.shape} must be "
+                "equal (num_blocks, seq_len) shapes"
+            )
+        self.input_ids = input_ids
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"block {index} out of range for {len(self)} blocks")
+        return {
+            "input_ids": torch.from_numpy(self.input_ids[index].astype(np.int64)),
+            "labels": torch.from_numpy(self.labels[index].astype(np.int64)),
+        }
+
+
+# --------------------------------------------------------------------------- data module
+
+
+class InstructionDataModule(L.LightningDataModule):
+    """Supervised fine-tuning data: prompt/response pairs, loss on the response only, packed.
+
+    Every rank reads and tokenizes the data itself in :meth:`setup` (deterministic,
+    no cache to share). Batches are ``{"input_ids": (B, seq_len), "labels":
+    (B, seq_len)}`` with labels already shifted and -100 on prompt targets and
+    padding, the format of ``LlamaLM`` and the Hugging Face module. Layout, split,
+    shuffling and resume are those of :class:`CausalLMDataModule`.
+
+    Tokenization: the templated prompt and the response are encoded separately,
+    without special tokens, so the prompt/response boundary is exact; EOS is
+    appended. If the tokenizer has a BOS token *and* adds it by itself (e.g.
+    Llama's), one BOS starts every example (a prompt token: never a target).
+    Encoding the response on its own can differ from encoding it inside the full
+    text at the seam (e.g. SentencePiece's leading-space marker); the model sees
+    the separately encoded form at training time.
+
+    Args:
+        data_path: A ``.jsonl`` file (one JSON object per line), a folder of
+            ``*.jsonl`` files (sorted by name), or a folder written by
+            ``datasets.Dataset.save_to_disk`` (its ``train`` split for a ``DatasetDict``).
+        tokenizer_path: Local folder of a Hugging Face tokenizer, usually the
+            checkpoint folder; read offline with ``AutoTokenizer``. Needs an EOS token.
+        prompt_field: Field (column) holding the prompt.
+        response_field: Field (column) holding the response to learn.
+        prompt_template: Format string applied to the prompt, with one ``{prompt}``
+            placeholder, e.g. ``"### Instruction:\\n{prompt}\\n### Response:\\n"``;
+            the whole result is masked. Write literal braces as ``{{`` and ``}}``.
+        seq_len: Input positions per block; longer examples are truncated (response
+            tail cut, counted and warned about).
+        global_batch_size: Blocks per micro-step summed over all data-parallel
+            ranks; must be divisible by the data-parallel size.
+        pack: Pack several whole examples per block (next-fit, data order);
+            ``False`` puts one example per block.
+        val_fraction: Fraction of blocks (taken from the end) held out for
+            validation; 0 disables validation.
+        seed: Seed of the per-epoch shuffle of blocks (epoch ``e`` uses ``seed + e``).
+        num_workers: DataLoader worker processes; 0 loads in the main process.
+        max_examples: Read at most this many examples (in file order); ``None`` reads all.
+    """
+
+    def __init__(
+        self,
+        data_path: str,
+        tokenizer_path: str,
+        prompt_field: str = "prompt",
+        response_field: str = "response",
+        prompt_template: str = "{prompt}",
+        seq_len: int = 512,
+        global_batch_size: int = 8,
+        pack: bool = True,
+        val_fraction: float = 0.05,
+        seed: int = 1234,
+        num_workers: int = 0,
+        max_examples: int | None = None,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        if seq_len < 1:
+            raise ValueError(f"{name}: `seq_len={seq_len}` must be >= 1")
+        if global_batch_size < 1:
+            raise ValueError(f"{name}: `global_batch_size={global_batch_size}` must be >= 1")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"{name}: `val_fraction={val_fraction}` must be in [0, 1)")
+        if num_workers < 0:
+            raise ValueError(f"{name}: `num_workers={num_workers}` must be >= 0")
+        if max_examples is not None and max_examples < 1:
+            raise ValueError(f"{name}: `max_examples={max_examples}` must be >= 1 or None (all)")
+        if prompt_field == response_field:
+            raise ValueError(f"{name}: `prompt_field` and `response_field` are both {prompt_field!r}")
+        _check_template(name, prompt_template)
+        self.save_hyperparameters()
+        self.data_path = data_path
+        self.tokenizer_path = tokenizer_path
+        self.prompt_field = prompt_field
+        self.response_field = response_field
+        self.prompt_template = prompt_template
+        self.seq_len = seq_len
+        self.global_batch_size = global_batch_size
+        self.pack = pack
+        self.val_fraction = val_fraction
+        self.seed = seed
+        self.num_workers = num_workers
+        self.max_examples = max_examples
+        # Loaded eagerly: `vocab_size` must be readable right after construction,
+        # when LightningCLI links it to the model's arguments.
+        self.tokenizer = _load_hf_tokenizer(tokenizer_path)
+        self.add_bos = _adds_bos(self.tokenizer)
+        self.pad_id = _pad_id(self.tokenizer)
+        self.train_dataset: InstructionBlockDataset | None = None
+        self.val_dataset: InstructionBlockDataset | None = None
+        self.packed: PackedBlocks | None = None
+        # Set by `load_state_dict` when resuming: skip this many global batches of that epoch.
+        self._resume_epoch = 0
+        self._skip_batches = 0
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size of the tokenizer (special tokens included)."""
+        return self.tokenizer.vocab_size
+
+    # ---------------------------------------------------------------- examples
+
+    def encode_examples(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[np.ndarray, int]]:
+        """``(ids, num_prompt)`` per ``(prompt, response)``: the input of :func:`pack_examples`."""
+        # One `encode` per text: the fast tokenizer's batched `__call__` measured slower here (BatchEncoding overhead).
+        head = [self.tokenizer.bos_id] if self.add_bos else []
+        tail = [self.tokenizer.eos_id]
+        out = []
+        for prompt, response in pairs:
+            prompt_ids = head + self.tokenizer.encode(self.prompt_template.format(prompt=prompt))
+            ids = prompt_ids + self.tokenizer.encode(response) + tail
+            out.append((np.asarray(ids, dtype=np.int32), len(prompt_ids)))
+        return out
+
+    def _pairs(self) -> list[tuple[str, str]]:
+        pairs = []
+        for pair in read_examples(self.data_path, self.prompt_field, self.response_field):
+            if self.max_examples is not None and len(pairs) >= self.max_examples:
+                break
+            pairs.append(pair)
+        return pairs
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read, tokenize and pack the examples; split the blocks into train/val (once; later calls are no-ops)."""
+        if self.train_dataset is not None:
+            return
+        name = type(self).__name__
+        source = f"`data_path={self.data_path!r}`"
+        pairs = self._pairs()
+        if not pairs:
+            raise ValueError(f"{name}: {source} is empty (no examples)")
+        examples = self.encode_examples(pairs)
+        packed = pack_examples(examples, self.seq_len, self.pad_id, pack=self.pack)
+        if packed.num_truncated:
+            rank_zero_warn(
+                f"{name}: {packed.num_truncated} of {len(examples)} examples are longer than `seq_len={self.seq_len}` "
+                f"and were truncated (response tail cut); {packed.num_dropped} of them had no response token left "
+                "and were dropped. Raise `seq_len` to keep them whole."
+            )
+        if packed.num_blocks == 0:
+            raise ValueError(
+                f"{name}: {source} has {len(examples)} examples but none with a token to learn "
+                f"({packed.num_empty} empty, {packed.num_dropped} with the prompt alone filling "
+                f"`seq_len={self.seq_len}`)"
+            )
+        # Same split and the same checks as CausalLMDataModule.setup (validation blocks from the end).
+        num_blocks = packed.num_blocks
+        num_val = int(num_blocks * self.val_fraction)
+        if self.val_fraction > 0:
+            num_val = max(num_val, 1)
+        num_train = num_blocks - num_val
+        unit = "examples per block packed" if self.pack else "example per block"
+        if num_train < self.global_batch_size:
+            raise ValueError(
+                f"{name}: {source} has {len(examples)} examples = {num_blocks} blocks of `seq_len={self.seq_len}` "
+                f"({unit}), of which {num_train} are for training (`val_fraction={self.val_fraction}`): fewer than "
+                f"one global batch (`global_batch_size={self.global_batch_size}`). Use more data (`max_examples`), "
+                "or a smaller `seq_len` or `global_batch_size`."
+            )
+        if 0 < num_val < self.global_batch_size:
+            # Validation drops its tail to whole global batches, so it would silently be empty.
+            raise ValueError(
+                f"{name}: only {num_val} validation blocks (`val_fraction={self.val_fraction}` of {num_blocks}), "
+                f"fewer than one global batch (`global_batch_size={self.global_batch_size}`). "
+                "Raise `val_fraction`, use more data, or set `val_fraction=0` to disable validation."
+            )
+        self.packed = packed
+        self.train_dataset = InstructionBlockDataset(packed.input_ids[:num_train], packed.labels[:num_train])
+        self.val_dataset = InstructionBlockDataset(packed.input_ids[num_train:], packed.labels[num_train:])
+
+    # ---------------------------------------------------------------- layout and resume
+    # Borrowed unchanged from CausalLMDataModule so the dp layout, the sampler, the errors and
+    # the checkpointed position are the same code, not a copy. Not inherited: this class has its
+    # own constructor (LightningCLI reads its signature) and is not a text-corpus module.
+
+    _dp_layout = CausalLMDataModule._dp_layout
+    _dataloader = CausalLMDataModule._dataloader
+    train_dataloader = CausalLMDataModule.train_dataloader
+    val_dataloader = CausalLMDataModule.val_dataloader
+    state_dict = CausalLMDataModule.state_dict
+    load_state_dict = CausalLMDataModule.load_state_dict
+
+
+# --------------------------------------------------------------------------- tokenizer helpers
+
+
+def _check_template(name: str, template: str) -> None:
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        raise ValueError(f"{name}: `prompt_template={template!r}` is not a valid format string ({e})") from None
+    others = sorted({f for f in fields if f != "prompt"})
+    if others or "prompt" not in fields:
+        raise ValueError(
+            f"{name}: `prompt_template={template!r}` must contain `{{prompt}}` and no other placeholder "
+            f"(found {sorted(set(fields))}); write literal braces as '{{{{' and '}}}}'"
+        )
+
+
+def _load_hf_tokenizer(path: str) -> HFTokenizer | ByteTokenizer:
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        # AutoTokenizer's own message for this case talks about sentencepiece and slow tokenizers.
+        raise FileNotFoundError(
+            f"`tokenizer_path={path!r}` holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
+            f"files there: {sorted(p.name for p in folder.iterdir())[:20]}"
+        )
+    return load_tokenizer(path)  # raises FileNotFoundError naming `tokenizer_path` if the folder is missing
+
+
+def _adds_bos(tokenizer: HFTokenizer | ByteTokenizer) -> bool:
+    """Whether the tokenizer has a BOS and puts it in front of text by itself (Llama yes, GPT-2 no)."""
+    if tokenizer.bos_id is None or not isinstance(tokenizer, HFTokenizer):
+        return False
+    ids = tokenizer.tokenizer.encode("a", add_special_tokens=True)
+    return len(ids) > 0 and ids[0] == tokenizer.bos_id
+
+
+def _pad_id(tokenizer: HFTokenizer | ByteTokenizer) -> int:
+    pad = getattr(getattr(tokenizer, "tokenizer", None), "pad_token_id", None)
+    return tokenizer.eos_id if pad is None else int(pad)
