@@ -161,3 +161,34 @@ def test_tp_not_dividing_vocab(tmp_path):
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(config_dir)
     for message in run_ranks(_vocab_error, 4, str(config_dir)):
         assert "`tensor_parallel=4` must divide vocab_size=102 of LlamaForCausalLM" in message
+
+
+def test_finetune_recipe_end_to_end(tmp_path):
+    """The README's two commands: `ultrascale fit --config recipes/hf_finetune.yaml ...` then `export-hf`."""
+    import subprocess
+    import sys
+
+    source = make_checkpoint(tmp_path / "source")
+    make_tokenizer(source)
+    data = tmp_path / "train.jsonl"
+    words = [f"t{i}" for i in range(VOCAB - 2)]
+    with data.open("w") as f:
+        for i in range(200):
+            f.write(json.dumps({"prompt": " ".join(words[i % 50: i % 50 + 5]), "response": " ".join(words[i % 40: i % 40 + 8])}) + "\n")
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "hf_finetune.yaml"
+    command = [sys.executable, "-m", "ultrascale.cli"]
+    fit = subprocess.run(
+        [*command, "fit", "--config", str(recipe), "--model.pretrained_path", str(source), "--data.data_path", str(data),
+         "--data.init_args.prompt_template", "{prompt}", "--data.init_args.seq_len", "32",
+         "--trainer.max_steps", "4", "--trainer.val_check_interval", "4", "--trainer.callbacks.init_args.every_n_train_steps", "4"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+    )
+    assert fit.returncode == 0, (fit.stdout + fit.stderr)[-3000:]
+    last = tmp_path / "runs" / "hf_finetune" / "version_0" / "checkpoints" / "last.ckpt"
+    export = subprocess.run([*command, "export-hf", "--checkpoint", str(last), "--out", str(tmp_path / "out")],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert export.returncode == 0, (export.stdout + export.stderr)[-3000:]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
+    original = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True)
+    assert not torch.equal(reloaded.model.layers[0].mlp.up_proj.weight, original.model.layers[0].mlp.up_proj.weight)
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out", local_files_only=True)("t3")["input_ids"] == [3]

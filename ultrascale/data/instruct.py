@@ -291,6 +291,8 @@ class InstructionDataModule(L.LightningDataModule):
             ``datasets.Dataset.save_to_disk`` (its ``train`` split for a ``DatasetDict``).
         tokenizer_path: Local folder of a Hugging Face tokenizer, usually the
             checkpoint folder; read offline with ``AutoTokenizer``. Needs an EOS token.
+            ``None``: the LightningModule's ``tokenizer_path`` (``HFCausalLM`` points
+            it at its checkpoint folder), so a fine-tuning recipe names the folder once.
         prompt_field: Field (column) holding the prompt.
         response_field: Field (column) holding the response to learn.
         prompt_template: Format string applied to the prompt, with one ``{prompt}``
@@ -312,7 +314,7 @@ class InstructionDataModule(L.LightningDataModule):
     def __init__(
         self,
         data_path: str,
-        tokenizer_path: str,
+        tokenizer_path: str | None = None,
         prompt_field: str = "prompt",
         response_field: str = "response",
         prompt_template: str = "{prompt}",
@@ -352,17 +354,36 @@ class InstructionDataModule(L.LightningDataModule):
         self.seed = seed
         self.num_workers = num_workers
         self.max_examples = max_examples
-        # Loaded eagerly: `vocab_size` must be readable right after construction,
-        # when LightningCLI links it to the model's arguments.
-        self.tokenizer = _load_hf_tokenizer(tokenizer_path)
-        self.add_bos = _adds_bos(self.tokenizer)
-        self.pad_id = _pad_id(self.tokenizer)
+        # Loaded eagerly when the path is known (errors surface at construction), otherwise
+        # on first use from the LightningModule's `tokenizer_path`.
+        self._tokenizer: HFTokenizer | ByteTokenizer | None = None
+        if tokenizer_path is not None:
+            self._set_tokenizer(tokenizer_path)
         self.train_dataset: InstructionBlockDataset | None = None
         self.val_dataset: InstructionBlockDataset | None = None
         self.packed: PackedBlocks | None = None
         # Set by `load_state_dict` when resuming: skip this many global batches of that epoch.
         self._resume_epoch = 0
         self._skip_batches = 0
+
+    def _set_tokenizer(self, path: str) -> None:
+        self._tokenizer = _load_hf_tokenizer(path)
+        self.add_bos = _adds_bos(self._tokenizer)
+        self.pad_id = _pad_id(self._tokenizer)
+
+    @property
+    def tokenizer(self) -> HFTokenizer | ByteTokenizer:
+        if self._tokenizer is None:
+            module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+            path = getattr(module, "tokenizer_path", None)
+            if path is None:
+                raise ValueError(
+                    f"{type(self).__name__}: no `tokenizer_path`, and the LightningModule does not provide one "
+                    "(HFCausalLM does); set `tokenizer_path` to a Hugging Face tokenizer folder"
+                )
+            self._set_tokenizer(path)
+        assert self._tokenizer is not None
+        return self._tokenizer
 
     @property
     def vocab_size(self) -> int:
@@ -374,7 +395,8 @@ class InstructionDataModule(L.LightningDataModule):
     def encode_examples(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[np.ndarray, int]]:
         """``(ids, num_prompt)`` per ``(prompt, response)``: the input of :func:`pack_examples`."""
         # One `encode` per text: the fast tokenizer's batched `__call__` measured slower here (BatchEncoding overhead).
-        head = [self.tokenizer.bos_id] if self.add_bos else []
+        tokenizer = self.tokenizer  # resolves a deferred `tokenizer_path` (sets add_bos / pad_id)
+        head = [tokenizer.bos_id] if self.add_bos else []
         tail = [self.tokenizer.eos_id]
         out = []
         for prompt, response in pairs:
@@ -400,7 +422,7 @@ class InstructionDataModule(L.LightningDataModule):
         pairs = self._pairs()
         if not pairs:
             raise ValueError(f"{name}: {source} is empty (no examples)")
-        examples = self.encode_examples(pairs)
+        examples = self.encode_examples(pairs)  # resolves the tokenizer first, which sets pad_id
         packed = pack_examples(examples, self.seq_len, self.pad_id, pack=self.pack)
         if packed.num_truncated:
             rank_zero_warn(
