@@ -62,7 +62,8 @@ def find_block_list(module: nn.Module) -> tuple[str, nn.ModuleList] | None:
     for path, sub in module.named_modules():
         if not isinstance(sub, nn.ModuleList) or len(sub) == 0:
             continue
-        if len({type(child) for child in sub}) != 1:
+        # A checkpoint-wrapped block (activation checkpointing every k-th block) counts as its inner type.
+        if len({type(getattr(child, "_checkpoint_wrapped_module", child)) for child in sub}) != 1:
             continue
         numel = sum(p.numel() for p in sub.parameters())
         if numel > 0 and (best is None or numel > best[0]):
