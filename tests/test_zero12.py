@@ -151,3 +151,60 @@ def test_non_elementwise_optimizer_is_refused():
 def test_zero12_with_tensor_parallel_is_refused():
     with pytest.raises(NotImplementedError, match="ZeRO-1/2 over tensor-parallel"):
         ultrascale.UltraScaleStrategy(zero_stage=2, tensor_parallel=2)
+
+
+def _sgd_momentum(rank, world_size, stage):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests._dist import init_gloo
+
+    init_gloo(rank, world_size)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard_cp",))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    zero_module.ZeroEngine(model, optimizer, stage=stage, dp_mesh=mesh, bucket_bytes=512)
+    tokens = torch.randint(0, 32, (3, world_size, 6), generator=torch.Generator().manual_seed(1))
+    for step in range(3):
+        optimizer.zero_grad()
+        model(tokens[step, rank : rank + 1]).pow(2).mean().backward()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sgd_momentum_matches_single_process(stage):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    tokens = torch.randint(0, 32, (3, 2, 6), generator=torch.Generator().manual_seed(1))
+    for step in range(3):
+        optimizer.zero_grad()
+        model(tokens[step]).pow(2).mean().backward()  # mean over both ranks' rows = the dp average
+        optimizer.step()
+    for result in run_ranks(_sgd_momentum, 2, stage):
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(result[name], param.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _fp32_accumulation(rank, world_size, accumulate_in_fp32):
+    measure, recorder = MeasureModelState(), Recorder()
+    strategy = ultrascale.ZeRO1Strategy(zero_bucket_mb=0.5, accumulate_grads_in_fp32=accumulate_in_fp32)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, precision="bf16-mixed", max_steps=3,
+        accumulate_grad_batches=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[measure, recorder],
+    )
+    model = make_model()
+    trainer.fit(model, ParityData(TokenDataset(48, SEQ, 512, seed=9), 8))
+    return {"bytes": measure.measured, "psi": sum(p.numel() for p in model.parameters()), "losses": recorder.losses}
+
+
+def test_bf16_weights_with_fp32_gradient_accumulation():
+    bf16 = run_ranks(_fp32_accumulation, 2, False)[0]
+    fp32 = run_ranks(_fp32_accumulation, 2, True)[0]
+    psi = bf16["psi"]
+    assert abs(bf16["bytes"].grads - 2 * psi) / (2 * psi) < 0.02  # bf16 gradient buckets
+    assert abs(fp32["bytes"].grads - 4 * psi) / (4 * psi) < 0.02  # fp32 gradient buckets
+    assert all(math.isfinite(x) for x in fp32["losses"])
+    assert all(abs(a - b) < 2e-2 for a, b in zip(bf16["losses"], fp32["losses"]))

@@ -56,6 +56,19 @@ def safetensors_keys(path: Path) -> set[str]:
     return keys
 
 
+def check_sharded_loading_supported(config: Any) -> None:
+    """Sharded loading reads tensors by name; architectures whose checkpoints transformers
+    converts while loading (e.g. Mixtral's per-expert weights fused into one tensor) are refused."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    if get_checkpoint_conversion_mapping(config.model_type):
+        raise NotImplementedError(
+            f"{type(config).__name__}: transformers converts this architecture's checkpoint layout while loading "
+            "(e.g. fused MoE experts), which ultrascale's sharded loader does not do yet; it arrives with expert "
+            "parallelism. Under Lightning's own strategies HFCausalLM loads it with `from_pretrained`."
+        )
+
+
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
     """Fill `model`'s (possibly sharded DTensor) parameters from the safetensors of `path`.
@@ -66,6 +79,8 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     path = check_hf_folder(path)
+    if getattr(model, "config", None) is not None:
+        check_sharded_loading_supported(model.config)
     available = safetensors_keys(path)
     state = model.state_dict()
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
@@ -166,6 +181,7 @@ class HFCausalLM(lightning.LightningModule):
         dtype = DTYPES[self.hparams.dtype]
         meta = torch.empty(()).device.type == "meta"  # the strategy's init context asked for meta
         if meta or self._sharding_strategy():
+            check_sharded_loading_supported(self.config)
             self.model = AutoModelForCausalLM.from_config(
                 self.config, torch_dtype=dtype, attn_implementation=self.hparams.attn_implementation
             )
