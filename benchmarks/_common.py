@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -47,3 +48,11 @@ class Throughput(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx >= WARMUP_STEPS:
             self.end, self.steps = time.perf_counter(), self.steps + 1
+
+
+def write_results(text: str, out: str | Path) -> None:
+    """Print the results table and write it (markdown) for the README."""
+    print(text)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text)
+    print(f"written to {out}")

@@ -22,6 +22,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _common import write_results  # noqa: E402
 from ultrascale.models.adapters import get_adapter  # noqa: E402
 from ultrascale.models.hf import load_hf_weights, recompute_nonpersistent_buffers  # noqa: E402
 from ultrascale.parallel.dims import ParallelDims, build_mesh  # noqa: E402
@@ -104,10 +105,7 @@ def main() -> None:
         peak = max(r["peak_added_mib"] for r in per_rank)
         lines.append(f"| {name} | {seconds:.2f} | {peak:.0f} | {peak / size_mib:.2f} |")
     text = "\n".join(lines) + "\n"
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(f"written to {args.out}")
+    write_results(text, args.out)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ TorchDispatchMode on torch's functional collectives (what DTensor issues).
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -30,11 +31,13 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ultrascale.models.llama import Llama, LlamaConfig
-from ultrascale.models.tp_plans import llama_tp_plan
-from ultrascale.parallel.dims import ParallelDims, build_mesh
-from ultrascale.parallel.local_launch import init_gloo, run_ranks
-from ultrascale.parallel.tensor import apply_tp, maybe_loss_parallel
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import write_results  # noqa: E402
+from ultrascale.models.llama import Llama, LlamaConfig  # noqa: E402
+from ultrascale.models.tp_plans import llama_tp_plan  # noqa: E402
+from ultrascale.parallel.dims import ParallelDims, build_mesh  # noqa: E402
+from ultrascale.parallel.local_launch import init_gloo, run_ranks  # noqa: E402
+from ultrascale.parallel.tensor import apply_tp, maybe_loss_parallel  # noqa: E402
 
 COLLECTIVES = {
     "all_reduce": "all_reduce",
@@ -162,10 +165,7 @@ def main() -> None:
         f"activations shrink to 1/{n}.",
     ]
     text = "\n".join(lines) + "\n"
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(f"written to {args.out}")
+    write_results(text, args.out)
 
 
 if __name__ == "__main__":

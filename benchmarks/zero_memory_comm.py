@@ -32,7 +32,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ultrascale  # noqa: E402
-from _common import WARMUP_STEPS, Data, Throughput  # noqa: E402
+from _common import Data, Throughput, WARMUP_STEPS, write_results  # noqa: E402
 from ultrascale.models.llama import LlamaLM  # noqa: E402
 from ultrascale.parallel import zero as zero_module  # noqa: E402
 from ultrascale.parallel.local_launch import run_ranks  # noqa: E402
@@ -170,10 +170,7 @@ def main() -> None:
             f"{result['sent_per_step'] / mib:.2f} | {comm_formula / mib:.2f} | {result['tokens_per_s']:,.0f} |"
         )
     text = "\n".join(lines) + "\n"
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(f"written to {args.out}")
+    write_results(text, args.out)
 
 
 if __name__ == "__main__":

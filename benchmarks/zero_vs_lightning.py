@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ultrascale  # noqa: E402,F401
-from _common import WARMUP_STEPS, Data, Throughput  # noqa: E402
+from _common import Data, Throughput, WARMUP_STEPS, write_results  # noqa: E402
 from ultrascale.models.llama import LlamaLM  # noqa: E402
 from ultrascale.parallel.local_launch import run_ranks  # noqa: E402
 
@@ -95,10 +95,7 @@ def main() -> None:
         f"| **ratio ultrascale / Lightning** | **{ratio:.3f}** | | {rows['ultrascale_zero3'][1] / rows['lightning_model_parallel'][1]:.3f} |",
     ]
     text = header + "\n\n" + "\n".join(table) + "\n"
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(f"written to {args.out}")
+    write_results(text, args.out)
 
 
 if __name__ == "__main__":

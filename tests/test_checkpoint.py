@@ -1,7 +1,6 @@
 """Sharded checkpoints: resume (same and different world size) continues the same loss curve;
 saves are atomic; bad checkpoint paths fail clearly."""
 
-from pathlib import Path
 
 import lightning as L
 import pytest

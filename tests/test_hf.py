@@ -13,7 +13,7 @@ from torch.testing import assert_close
 import ultrascale
 from tests._dist import run_ranks
 from tests._parity import ParityData, Recorder, TokenDataset
-from ultrascale.models.hf import HFCausalLM, export_hf_checkpoint
+from ultrascale.models.hf import HFCausalLM
 
 VOCAB, SEQ = 128, 16
 CONFIGS = {

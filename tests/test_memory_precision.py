@@ -3,7 +3,6 @@ bf16 runs track the fp32 loss."""
 
 import lightning as L
 import pytest
-import torch
 
 import ultrascale  # noqa: F401
 from tests._dist import run_ranks

@@ -2,7 +2,6 @@
 
 import lightning as L
 import pytest
-import torch
 
 import ultrascale
 from tests._dist import run_ranks

@@ -10,19 +10,15 @@ into a Hugging Face folder (sharded safetensors + config + generation config + t
 
 from __future__ import annotations
 
-import functools
-import json
-import math
 import shutil
 from pathlib import Path
 from typing import Any, Dict, Literal, Optional, Tuple
 
 import lightning
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from ultrascale.models.llama import warmup_cosine
+from ultrascale.models.llama import adamw_warmup_cosine, causal_lm_loss
 
 WEIGHT_SUFFIX = ".safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -217,9 +213,7 @@ class HFCausalLM(lightning.LightningModule):
         return self.model(input_ids=input_ids).logits
 
     def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = self(batch["input_ids"])  # (B, T, V), or vocab-sharded (B, T, V/tp) under loss parallel
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
-        return loss.to_local() if isinstance(loss, DTensor) else loss
+        return causal_lm_loss(self(batch["input_ids"]), batch["labels"])
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -232,20 +226,7 @@ class HFCausalLM(lightning.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Dict[str, Any]:
-        hp = self.hparams
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": hp.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps, foreach=True)
-        max_steps = hp.max_steps if hp.max_steps is not None else self.trainer.estimated_stepping_batches
-        if not math.isfinite(max_steps):
-            raise ValueError("HFCausalLM: set `max_steps` on the module or the Trainer to size the LR schedule")
-        schedule = functools.partial(warmup_cosine, warmup_steps=max(hp.warmup_steps, 1), max_steps=int(max_steps),
-                                     min_lr_ratio=hp.min_lr_ratio)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_warmup_cosine(self)
 
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         # `export-hf` rebuilds the model from this even if the original folder has moved.
@@ -328,7 +309,3 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path, max_shard_
     source = hparams.get("pretrained_path")
     source = source if source and Path(source).is_dir() else None
     return write_hf_folder(hf_state, config, source, out_dir, max_shard_size)
-
-
-def hf_config_summary(path: str | Path) -> dict[str, Any]:
-    return json.loads((check_hf_folder(path) / "config.json").read_text())

@@ -416,6 +416,39 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: fl
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over non-ignored (-100) labels, in fp32 (bf16 log-softmax
+    over a large vocabulary is lossy). `logits` (B, T, V) may be vocab-sharded (B, T, V/tp)
+    DTensors under loss parallel; the replicated DTensor loss is handed back as a plain tensor
+    (to_local keeps the graph: its backward re-wraps the gradient as Replicate)."""
+    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def adamw_warmup_cosine(module: lightning.LightningModule) -> Dict[str, Any]:
+    """AdamW with linear warm-up then cosine decay, configured from the module's hparams
+    (learning_rate, weight_decay, betas, eps, warmup_steps, max_steps, min_lr_ratio)."""
+    hp = module.hparams
+    params = [p for p in module.parameters() if p.requires_grad]
+    # Decay matrices (embeddings, linears) only: decaying norm gains towards 0 just fights the normalisation.
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": hp.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps, fused=False, foreach=True)
+    max_steps = hp.max_steps if hp.max_steps is not None else module.trainer.estimated_stepping_batches
+    if not math.isfinite(max_steps):
+        raise ValueError(
+            f"{type(module).__name__}: cannot size the cosine schedule from an unbounded trainer; "
+            f"set `max_steps` on the module or the Trainer."
+        )
+    lr_lambda = functools.partial(
+        warmup_cosine, warmup_steps=hp.warmup_steps, max_steps=int(max_steps), min_lr_ratio=hp.min_lr_ratio
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 class LlamaLM(lightning.LightningModule):
     """Causal-LM training of ``Llama`` on batches ``{"input_ids": (B, T), "labels": (B, T)}``.
 
@@ -502,12 +535,7 @@ class LlamaLM(lightning.LightningModule):
         return self.model(input_ids)
 
     def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = self(batch["input_ids"])  # (B, T, vocab_size), or (B, T, vocab_size / tp) shards under loss parallel
-        # Mean over non-ignored tokens, in fp32 because bf16 log-softmax over a 128k vocab is lossy.
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
-        # Under loss parallel the loss is a replicated DTensor; hand Lightning a plain tensor
-        # (to_local keeps the autograd graph: its backward re-wraps the gradient as Replicate).
-        return loss.to_local() if isinstance(loss, DTensor) else loss
+        return causal_lm_loss(self(batch["input_ids"]), batch["labels"])
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -520,27 +548,7 @@ class LlamaLM(lightning.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Dict[str, Any]:
-        hp = self.hparams
-        params = [p for p in self.parameters() if p.requires_grad]
-        # Decay matrices (embeddings, linears) only: decaying norm gains towards 0 just fights the normalisation.
-        groups = [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": hp.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW(
-            groups, lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps, fused=False, foreach=True
-        )
-        max_steps = hp.max_steps if hp.max_steps is not None else self.trainer.estimated_stepping_batches
-        if not math.isfinite(max_steps):
-            raise ValueError(
-                f"{type(self).__name__}: cannot size the cosine schedule from an unbounded trainer; "
-                f"set `max_steps` on the module or the Trainer."
-            )
-        lr_lambda = functools.partial(
-            warmup_cosine, warmup_steps=hp.warmup_steps, max_steps=int(max_steps), min_lr_ratio=hp.min_lr_ratio
-        )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_warmup_cosine(self)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """See ``Llama.num_params``; uses a meta-device copy when the model is not built yet."""

@@ -21,11 +21,6 @@ class ModelStateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.numel() * local.element_size()
-
-
 def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> ModelStateBytes:
     """Bytes of memory this rank holds for parameters, gradients and optimizer state.
 
