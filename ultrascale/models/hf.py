@@ -10,6 +10,7 @@ into a Hugging Face folder (sharded safetensors + config + generation config + t
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Dict, Literal, Optional, Tuple
@@ -52,16 +53,61 @@ def safetensors_keys(path: Path) -> set[str]:
     return keys
 
 
+class _MixtralLayout:
+    """Mixtral checkpoints keep one w1/w2/w3 per expert under `block_sparse_moe`; transformers 5
+    holds them fused: experts.gate_up_proj (E, 2F, H) = [w1; w3] per expert, experts.down_proj
+    (E, H, F) = w2 per expert, and the router under `mlp.gate`."""
+
+    fused = re.compile(r"(.*)\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+    def disk_name(self, name: str) -> str:
+        return name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+
+    def is_fused(self, name: str) -> bool:
+        return self.fused.fullmatch(name) is not None
+
+    @torch.no_grad()
+    def fill(self, name: str, tensor: torch.Tensor, get: Any) -> None:
+        """Write this rank's part of a fused expert tensor, reading one expert at a time."""
+        prefix, kind = self.fused.fullmatch(name).groups()  # type: ignore[union-attr]
+        local, offset = _local_and_offset(tensor)
+        experts = f"{prefix}.block_sparse_moe.experts"
+        rows = slice(offset[1], offset[1] + local.shape[1])
+        cols = slice(offset[2], offset[2] + local.shape[2])
+        for i in range(local.shape[0]):
+            e = offset[0] + i
+            if kind == "gate_up_proj":
+                full = torch.cat([get(f"{experts}.{e}.w1.weight"), get(f"{experts}.{e}.w3.weight")])  # (2F, H)
+            else:
+                full = get(f"{experts}.{e}.w2.weight")  # (H, F)
+            local[i].copy_(full[rows, cols])
+
+
+# Architectures whose checkpoint layout transformers converts while loading, and that the sharded loader knows.
+_CONVERTED_LAYOUTS: dict[str, Any] = {"mixtral": _MixtralLayout()}
+
+
+def _local_and_offset(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    if not isinstance(tensor, DTensor):
+        return tensor, (0,) * tensor.dim()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(type(p).__name__ == "_StridedShard" for p in tensor.placements):
+        raise NotImplementedError("loading fused expert weights into strided (TP x FSDP) shards is not supported yet")
+    _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tensor.to_local(), tuple(offset)
+
+
 def check_sharded_loading_supported(config: Any) -> None:
-    """Sharded loading reads tensors by name; architectures whose checkpoints transformers
-    converts while loading (e.g. Mixtral's per-expert weights fused into one tensor) are refused."""
+    """Sharded loading reads tensors by name; an architecture whose checkpoint transformers converts
+    while loading must have a layout here (Mixtral does), else it is refused."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-    if get_checkpoint_conversion_mapping(config.model_type):
+    if get_checkpoint_conversion_mapping(config.model_type) and config.model_type not in _CONVERTED_LAYOUTS:
         raise NotImplementedError(
             f"{type(config).__name__}: transformers converts this architecture's checkpoint layout while loading "
-            "(e.g. fused MoE experts), which ultrascale's sharded loader does not do yet; it arrives with expert "
-            "parallelism. Under Lightning's own strategies HFCausalLM loads it with `from_pretrained`."
+            f"(e.g. fused MoE experts), and ultrascale's sharded loader knows that conversion only for "
+            f"{sorted(_CONVERTED_LAYOUTS)}. Under Lightning's own strategies HFCausalLM loads it with `from_pretrained`."
         )
 
 
@@ -72,23 +118,48 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
     Each rank reads only the slices its shards cover. Works with or without a process group.
     """
     import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     path = check_hf_folder(path)
-    if getattr(model, "config", None) is not None:
-        check_sharded_loading_supported(model.config)
+    config = getattr(model, "config", None)
+    layout = _CONVERTED_LAYOUTS.get(getattr(config, "model_type", None)) if config is not None else None
+    if config is not None:
+        check_sharded_loading_supported(config)
     available = safetensors_keys(path)
     state = model.state_dict()
-    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    wanted = {k: v for k, v in state.items() if k in available}
-    missing = sorted(k for k in state if k not in available and not (tied and k.endswith("lm_head.weight")))
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    fused = {k: v for k, v in state.items() if layout is not None and layout.is_fused(k)}
+    wanted = {}
+    for key, value in state.items():
+        disk = layout.disk_name(key) if layout is not None else key
+        if key not in fused and disk in available:
+            wanted[disk] = value
+    missing = sorted(
+        k for k in state
+        if k not in fused and (layout.disk_name(k) if layout else k) not in available
+        and not (tied and k.endswith("lm_head.weight"))
+    )
     if missing:
         raise ValueError(f"{path} lacks weights for {len(missing)} parameter(s) of the model, e.g. {missing[:5]}")
     dcp.load(wanted, storage_reader=HuggingFaceStorageReader(str(path)))
-    if any(isinstance(v, DTensor) for v in wanted.values()):
-        return
-    # Plain tensors: DCP may load into copies; make sure the module holds the values.
-    model.load_state_dict(wanted, strict=False)
+    if fused:
+        files = {}
+        for file in sorted(path.glob(f"*{WEIGHT_SUFFIX}")):
+            with safe_open(str(file), framework="pt") as f:
+                files.update({k: file for k in f.keys()})
+
+        def get(key: str) -> torch.Tensor:
+            if key not in files:
+                raise ValueError(f"{path} lacks the expert weight {key}")
+            with safe_open(str(files[key]), framework="pt") as f:
+                return f.get_tensor(key)
+
+        for key, value in fused.items():
+            layout.fill(key, value, get)  # type: ignore[union-attr]
+    if not any(isinstance(v, DTensor) for v in wanted.values()):
+        # Plain tensors: DCP may load into copies; make sure the module holds the values.
+        model.load_state_dict({k: v for k, v in state.items() if k not in fused}, strict=False)
 
 
 @torch.no_grad()
