@@ -120,8 +120,11 @@ def _memory(rank, world_size, stage):
     )
     model = LlamaLM(preset="small", learning_rate=1e-3, warmup_steps=1, max_steps=100)
     trainer.fit(model, ParityData(TokenDataset(24, 64, 512, seed=3), 8))
+    from ultrascale.callbacks import MemoryMonitor
+
+    estimate = MemoryMonitor().estimate(trainer, model)  # the analytic figure the callback logs
     return {"bytes": measure.measured, "psi": sum(p.numel() for p in model.parameters()),
-            "param_dtype": str(next(model.parameters()).dtype)}
+            "param_dtype": str(next(model.parameters()).dtype), "estimate": estimate.total}
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -136,6 +139,7 @@ def test_model_state_bytes_match_playbook(stage):
         grads = 2 * psi if stage == 1 else 2 * psi / world
         assert abs(measured.grads - grads) / grads < 0.02
         assert abs(measured.optimizer - 12 * psi / world) / (12 * psi / world) < 0.02
+        assert abs(result["estimate"] - measured.total) / measured.total < 0.02  # MemoryMonitor's estimate agrees
 
 
 def test_non_elementwise_optimizer_is_refused():

@@ -126,6 +126,11 @@ class MemoryMonitor(Callback):
             zero_stage = getattr(trainer.strategy, "zero_stage", 3)
             shard, model_parallel = dims.dp_shard_cp, dims.tp * dims.pp
         element = params[0].element_size()  # DTensor/shards report the dtype of their local data
+        # The optimizer's own parameters decide the state dtype: ZeRO-1/2 under bf16-mixed step
+        # fp32 master copies of bf16 weights (+4 bytes per parameter, the Playbook's 12 = 4 + 8).
+        optimizer_params = [p for o in trainer.optimizers for g in o.param_groups for p in g["params"]]
+        state_element = optimizer_params[0].element_size() if optimizer_params else element
+        master_bytes = state_element if state_element != element else 0
         return estimate_model_state_bytes(
             sum(p.numel() for p in params),  # a DTensor's numel is the global size
             zero_stage=zero_stage,
@@ -133,7 +138,7 @@ class MemoryMonitor(Callback):
             model_parallel_degree=model_parallel,
             param_bytes=element,
             grad_bytes=element,
-            optimizer_bytes=element * sum(s for s in states if s is not None),
+            optimizer_bytes=state_element * sum(s for s in states if s is not None) + master_bytes,
         )
 
     # ------------------------------------------------------------------ per step
