@@ -88,6 +88,7 @@ def reference_run(
     steps: int,
     accumulate: int = 1,
     clip: float | None = None,
+    clip_algorithm: str = "norm",
 ) -> dict[str, Any]:
     """The same LightningModule trained by a plain single-process loop."""
     module = copy.deepcopy(module)
@@ -111,8 +112,10 @@ def reference_run(
             losses.append(float(loss.detach()))
         if step == 0:
             out["grads"] = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
-        if clip is not None:
+        if clip is not None and clip_algorithm == "norm":
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+        elif clip is not None:
+            torch.nn.utils.clip_grad_value_(module.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
         if scheduler is not None:

@@ -212,3 +212,23 @@ def test_bf16_weights_with_fp32_gradient_accumulation():
     assert abs(fp32["bytes"].grads - 4 * psi) / (4 * psi) < 0.02  # fp32 gradient buckets
     assert all(math.isfinite(x) for x in fp32["losses"])
     assert all(abs(a - b) < 2e-2 for a, b in zip(bf16["losses"], fp32["losses"]))
+
+
+def _clip_by_value(rank, world_size, stage):
+    recorder = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        strategy=ultrascale.UltraScaleStrategy(zero_stage=stage, zero_bucket_mb=SMALL_BUCKET_MB),
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
+        gradient_clip_val=2e-3, gradient_clip_algorithm="value",
+    )
+    trainer.fit(make_model(), ParityData(dataset(), BATCH))
+    return recorder.result()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_clip_by_value_matches_single_process(stage):
+    reference = reference_run(make_model(), dataset(), global_batch=BATCH, steps=STEPS, clip=2e-3, clip_algorithm="value")
+    assert max(g.abs().max() for g in reference["grads"].values()) > 4e-3  # values really get clipped
+    results = run_ranks(_clip_by_value, 2, stage)
+    assert_parity(results[0], reference, dp_mean_losses([r["losses"] for r in results]))
