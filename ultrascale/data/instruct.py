@@ -147,6 +147,10 @@ class PackedBlocks:
     """``(num_blocks, seq_len)`` int32 model inputs; the tail of each block is the pad id."""
     labels: np.ndarray
     """``(num_blocks, seq_len)`` int32 targets of ``input_ids`` (already shifted); -100 = no loss."""
+    position_ids: np.ndarray
+    """``(num_blocks, seq_len)`` int32 position of each input within its own example (0 at every
+    example start, and at the start of the padding), so attention and RoPE can treat every
+    example as if it were alone in its block (models derive a per-document causal mask from it)."""
     examples: list[list[int]]
     """Per block, the indices (into the ``examples`` argument) of the examples it holds, in order."""
     num_truncated: int
@@ -218,16 +222,20 @@ def pack_examples(
 
     input_ids = np.full((len(blocks), seq_len), pad_id, dtype=np.int32)  # (num_blocks, seq_len)
     labels = np.full((len(blocks), seq_len), IGNORE_INDEX, dtype=np.int32)  # (num_blocks, seq_len)
+    position_ids = np.zeros((len(blocks), seq_len), dtype=np.int32)  # (num_blocks, seq_len)
     for b, block in enumerate(blocks):
         pos = 0
         for s in block:
             _, seg_in, seg_lab = segments[s]
             input_ids[b, pos : pos + seg_in.size] = seg_in
             labels[b, pos : pos + seg_in.size] = seg_lab
+            position_ids[b, pos : pos + seg_in.size] = np.arange(seg_in.size)
             pos += seg_in.size
+        position_ids[b, pos:] = np.arange(seq_len - pos)  # the padding is a document of its own
     return PackedBlocks(
         input_ids=input_ids,
         labels=labels,
+        position_ids=position_ids,
         examples=[[segments[s][0] for s in block] for block in blocks],
         num_truncated=num_truncated,
         num_dropped=num_dropped,
@@ -237,14 +245,15 @@ def pack_examples(
 
 
 class InstructionBlockDataset(Dataset):
-    """Rows of packed blocks as ``{"input_ids": (seq_len,), "labels": (seq_len,)}`` int64 tensors.
+    """Rows of packed blocks as ``{"input_ids", "labels", "position_ids"}``, each ``(seq_len,)`` int64.
 
     Args:
         input_ids: ``(num_blocks, seq_len)`` model inputs.
         labels: ``(num_blocks, seq_len)`` shifted targets, -100 where there is no loss.
+        position_ids: ``(num_blocks, seq_len)`` positions within each example (None: 0..seq_len-1).
     """
 
-    def __init__(self, input_ids: np.ndarray, labels: np.ndarray) -> None:
+    def __init__(self, input_ids: np.ndarray, labels: np.ndarray, position_ids: np.ndarray | None = None) -> None:
         if input_ids.shape != labels.shape or input_ids.ndim != 2:
             raise ValueError(
                 f"{type(self).__name__}: `input_ids` {input_ids.shape} and `labels` {labels.shape} must be "
@@ -252,6 +261,9 @@ class InstructionBlockDataset(Dataset):
             )
         self.input_ids = input_ids
         self.labels = labels
+        self.position_ids = position_ids if position_ids is not None else np.broadcast_to(
+            np.arange(input_ids.shape[1], dtype=np.int32), input_ids.shape
+        )
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -262,6 +274,7 @@ class InstructionBlockDataset(Dataset):
         return {
             "input_ids": torch.from_numpy(self.input_ids[index].astype(np.int64)),
             "labels": torch.from_numpy(self.labels[index].astype(np.int64)),
+            "position_ids": torch.from_numpy(self.position_ids[index].astype(np.int64)),
         }
 
 
@@ -458,8 +471,12 @@ class InstructionDataModule(L.LightningDataModule):
                 "Raise `val_fraction`, use more data, or set `val_fraction=0` to disable validation."
             )
         self.packed = packed
-        self.train_dataset = InstructionBlockDataset(packed.input_ids[:num_train], packed.labels[:num_train])
-        self.val_dataset = InstructionBlockDataset(packed.input_ids[num_train:], packed.labels[num_train:])
+        self.train_dataset = InstructionBlockDataset(
+            packed.input_ids[:num_train], packed.labels[:num_train], packed.position_ids[:num_train]
+        )
+        self.val_dataset = InstructionBlockDataset(
+            packed.input_ids[num_train:], packed.labels[num_train:], packed.position_ids[num_train:]
+        )
 
     # ---------------------------------------------------------------- layout and resume
     # Borrowed unchanged from CausalLMDataModule so the dp layout, the sampler, the errors and

@@ -278,13 +278,17 @@ class HFCausalLM(lightning.LightningModule):
 
     on_validation_start = on_test_start = on_predict_start = on_fit_start
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits (B, T, V). `position_ids` (B, T) restarting at 0 per packed example make
+        transformers build a per-document causal mask (packed-sequence detection)."""
         if self.model is None:
             raise ValueError("HFCausalLM: the model is built in `configure_model()`; call it first")
-        return self.model(input_ids=input_ids).logits
+        # No KV cache: training never reuses it, and transformers only detects packed
+        # documents from position_ids when there is none.
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
     def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        return causal_lm_loss(self(batch["input_ids"]), batch["labels"])
+        return causal_lm_loss(self(batch["input_ids"], batch.get("position_ids")), batch["labels"])
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)

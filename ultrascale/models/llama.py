@@ -231,16 +231,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.flatten(-2).type_as(x)  # (..., T, head_dim)
 
 
+def document_causal_mask(positions: torch.Tensor) -> Optional[torch.Tensor]:
+    """``(B, 1, T, T)`` bool mask for packed documents: query t may attend to key s iff s <= t and
+    both lie in the same document; a document starts wherever ``positions`` (B, T) is 0.
+    None when no row restarts after its first token (plain causal attention suffices)."""
+    starts = positions == 0
+    if not starts[:, 1:].any():
+        return None
+    document = starts.cumsum(-1)  # (B, T) document index of each token
+    same = document.unsqueeze(-1) == document.unsqueeze(-2)  # (B, T, T)
+    causal = torch.ones(positions.shape[-1], positions.shape[-1], dtype=torch.bool, device=positions.device).tril()
+    return (same & causal).unsqueeze(1)  # (B, 1, T, T)
+
+
 class ScaledDotProductAttention(nn.Module):
     """Causal attention kernel with grouped-query heads; the swap point for ring attention (context parallel)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """``q``: ``(B, n_heads, T, head_dim)``; ``k``, ``v``: ``(B, n_kv_heads, T, head_dim)``; returns q's shape.
 
         With ``enable_gqa`` query head ``h`` reads key/value head ``h // (n_heads / n_kv_heads)``,
         the same as ``k.repeat_interleave(n_rep, dim=1)`` but without materialising the copies.
+        ``mask`` (``(B, 1, T, T)`` bool, True = may attend) replaces the plain causal mask,
+        e.g. with a per-document causal mask for packed sequences.
         """
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -255,14 +275,16 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
         self.sdpa = ScaledDotProductAttention()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         # Head counts come from the projections' widths, so under tensor parallel the
         # local shards (n_heads // tp query heads, n_kv_heads // tp kv heads) just work.
         q = self.wq(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # (B, n_local_heads, T, head_dim)
         k = self.wk(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # (B, n_local_kv_heads, T, head_dim)
         v = self.wv(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # (B, n_local_kv_heads, T, head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.sdpa(q, k, v)  # (B, n_local_heads, T, head_dim)
+        out = self.sdpa(q, k, v, mask)  # (B, n_local_heads, T, head_dim)
         out = out.transpose(1, 2).flatten(2)  # (B, T, n_local_heads * head_dim)
         return self.wo(out)  # (B, T, dim)
 
@@ -291,8 +313,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config.dim, config.resolved_ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        # `mask` goes by keyword: tensor-parallel plans describe the positional inputs (x, cos, sin).
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -353,12 +378,15 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``tokens``: LongTensor ``(B, T)``; returns logits ``(B, T, vocab_size)`` in the compute dtype.
 
-        ``positions`` (LongTensor ``(T,)``) selects the RoPE rows when the local
-        sequence is not ``0..T-1`` (e.g. a context-parallel chunk); default ``arange(T)``.
+        ``positions`` selects the RoPE rows: ``(T,)`` when the local sequence is not
+        ``0..T-1`` (e.g. a context-parallel chunk), or ``(B, T)`` per sequence. A ``(B, T)``
+        tensor that restarts at 0 marks packed documents: each then attends only to itself
+        (a per-document causal mask), as if it were alone. Default ``arange(T)``.
         """
         if tokens.dim() != 2:
             raise ValueError(f"Llama expects tokens of shape (B, T), got {tuple(tokens.shape)}.")
         seq_len = tokens.shape[1]
+        mask = None
         if positions is None:
             if seq_len > self.config.max_seq_len:
                 raise ValueError(
@@ -366,11 +394,15 @@ class Llama(nn.Module):
                     f"raise `max_seq_len` in the LlamaConfig."
                 )
             cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]  # (T, head_dim // 2)
-        else:
+        elif positions.dim() == 1:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (T, head_dim // 2)
+        else:
+            cos = self.rope_cos[positions].unsqueeze(1)  # (B, 1, T, head_dim // 2): broadcast over heads
+            sin = self.rope_sin[positions].unsqueeze(1)
+            mask = document_causal_mask(positions)
         h = self.tok_embeddings(tokens)  # (B, T, dim)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask=mask)
         return self.output(self.norm(h))  # (B, T, vocab_size)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
@@ -528,14 +560,15 @@ class LlamaLM(lightning.LightningModule):
         # Fork only the current CUDA device's RNG: forking every device warns and costs time.
         return [torch.cuda.current_device()] if torch.cuda.is_available() else []
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``input_ids`` ``(B, T)`` -> logits ``(B, T, vocab_size)``."""
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``input_ids`` ``(B, T)`` -> logits ``(B, T, vocab_size)``; ``position_ids`` ``(B, T)``
+        restarting at 0 per packed document keep the documents apart (see ``Llama.forward``)."""
         if self.model is None:
             raise ValueError(f"{type(self).__name__}: the model is built in `configure_model()`; call it first.")
-        return self.model(input_ids)
+        return self.model(input_ids, position_ids)
 
     def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        return causal_lm_loss(self(batch["input_ids"]), batch["labels"])
+        return causal_lm_loss(self(batch["input_ids"], batch.get("position_ids")), batch["labels"])
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
