@@ -61,12 +61,13 @@ def _fit(rank, world_size, module, strategy_kwargs, dataset, batch):
 
 
 @pytest.mark.parametrize(
-    "arch, loss_parallel",
-    [("llama", False), ("llama", True), ("mistral", False), ("qwen2", False)],
-    ids=["llama", "llama-loss-parallel", "mistral", "qwen2"],
+    "arch, loss_parallel, tied",
+    [("llama", False, False), ("llama", True, False), ("mistral", False, False), ("qwen2", False, False),
+     ("qwen2", True, True)],
+    ids=["llama", "llama-loss-parallel", "mistral", "qwen2", "qwen2-tied-loss-parallel"],
 )
-def test_hf_tp2_parity(arch, loss_parallel):
-    module = HFCausalLMModule(hf_config(arch), loss_parallel=loss_parallel)
+def test_hf_tp2_parity(arch, loss_parallel, tied):
+    module = HFCausalLMModule(hf_config(arch, tie_word_embeddings=tied), loss_parallel=loss_parallel)
     dataset = TokenDataset(STEPS * BATCH, SEQ, VOCAB, seed=4)
     reference = reference_run(module, dataset, global_batch=BATCH, steps=STEPS)
     results = run_ranks(_fit, 2, module, {"tensor_parallel": 2, "data_parallel_shard": 1}, dataset, BATCH)
@@ -112,15 +113,13 @@ def _llama(**overrides):
                                   "Tensor-parallel degrees that fit: [1, 2]"),
         (lambda: _llama(n_heads=4, n_kv_heads=4, ffn_hidden_dim=90, vocab_size=510), 4, {},
          "must divide ffn_hidden_dim=90, vocab_size=510"),
-        (lambda: _llama(tie_embeddings=True), 2, {}, "tied input/output embeddings are not supported"),
         (lambda: PlainTransformerLM(), 2, {}, "tensor parallel has no plan for generic"),
         (lambda: HFCausalLMModule(hf_config("llama")), 2, {"sequence_parallel": True},
          "sequence parallel is not implemented for LlamaForCausalLM"),
-        (lambda: HFCausalLMModule(hf_config("qwen2", tie_word_embeddings=True)), 2, {}, "tie_word_embeddings=True"),
         (lambda: PlainTransformerLM(), 2, {"tp_plan": {"layers.*.mlp.0": "colwise"}}, "plan entries match no submodule"),
         (lambda: PlainTransformerLM(), 2, {"tp_plan": {"blocks.*.mlp.0": "diagonal"}}, "unknown tensor-parallel style 'diagonal'"),
     ],
-    ids=["kv-heads", "hidden-and-vocab", "tied", "no-plan", "hf-sp", "hf-tied", "unmatched-plan", "unknown-style"],
+    ids=["kv-heads", "hidden-and-vocab", "no-plan", "hf-sp", "unmatched-plan", "unknown-style"],
 )
 def test_tp_errors(make_module, tp, kwargs, expected):
     if "diagonal" in str(kwargs.get("tp_plan", {})):  # a bad style name fails at construction, on one process
@@ -130,3 +129,24 @@ def test_tp_errors(make_module, tp, kwargs, expected):
     messages = run_ranks(_setup_error, tp, make_module(), {"tensor_parallel": tp, "data_parallel_shard": 1, **kwargs})
     for message in messages:  # every rank fails the same way: nobody is left waiting in a collective
         assert message.startswith("ValueError") and expected in message, message
+
+
+def test_tied_llama_tp2_parity():
+    """Tied embeddings: the vocab-parallel embedding and the column-parallel head share one
+    (V/tp, D) shard per rank, re-tied after parallelisation."""
+    from ultrascale.models.llama import LlamaConfig, LlamaLM
+
+    module = LlamaLM(config=LlamaConfig.from_preset("tiny", tie_embeddings=True, vocab_size=VOCAB),
+                     learning_rate=3e-3, warmup_steps=1, max_steps=1000, min_lr_ratio=1.0, eps=1e-6)
+    dataset = TokenDataset(STEPS * BATCH, SEQ, VOCAB, seed=7)
+    reference = reference_run(module, dataset, global_batch=BATCH, steps=STEPS)
+    results = run_ranks(_fit_tied, 2, module, dataset)
+    assert results[0]["tied"]
+    assert_parity(results[0], reference, dp_mean_losses([r["losses"] for r in results]))
+
+
+def _fit_tied(rank, world_size, module, dataset):
+    result = _fit(rank, world_size, module, {"tensor_parallel": 2, "data_parallel_shard": 1}, dataset, BATCH)
+    llama = module.model
+    result["tied"] = llama.output.weight is llama.tok_embeddings.weight
+    return result

@@ -32,8 +32,6 @@ class ModelAdapter:
     """`tp_plan(sequence_parallel=..., loss_parallel=...)` -> plan keyed by module path; None: no TP support."""
     supports_sequence_parallel: bool = False
     """Whether `tp_plan(sequence_parallel=True)` is implemented for this architecture."""
-    tp_blocker: str = ""
-    """Why tensor parallel cannot be applied to this instance although the architecture has a plan."""
 
     def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
         """Raise (before any collective) if `tp` cannot be applied to this model."""
@@ -46,8 +44,6 @@ class ModelAdapter:
                 "`tp_plan={'layers.*.attn.q': 'colwise', 'layers.*.attn.out': 'rowwise', ...}` "
                 "(module path -> ParallelStyle or one of ultrascale.models.tp_plans.STYLE_NAMES)."
             )
-        if self.tp_blocker:
-            raise ValueError(f"tensor parallel cannot be applied to this {self.name}: {self.tp_blocker}")
         if sequence_parallel and not self.supports_sequence_parallel:
             raise ValueError(
                 f"sequence parallel is not implemented for {self.name} (its model code derives positions and the "
@@ -113,9 +109,6 @@ def _llama_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> Mode
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, prefix=_prefix(path)
         ),
         supports_sequence_parallel=True,
-        tp_blocker="tied input/output embeddings are not supported with tensor parallel yet"
-        if config.tie_embeddings
-        else "",
     )
 
 
@@ -138,7 +131,6 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
     base_plan = getattr(config, "base_model_tp_plan", None) or {}
     prefix = _prefix(path)
     base = _prefix(prefix + hf.base_model_prefix)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
 
     def plan(*, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
         styles = {base + key: style_from_name(value) for key, value in base_plan.items()}
@@ -158,9 +150,6 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
         },
         tp_plan=plan if base_plan else None,
         supports_sequence_parallel=False,
-        tp_blocker="tied input/output embeddings (`tie_word_embeddings=True`) are not supported with tensor parallel yet"
-        if tied
-        else "",
     )
 
 

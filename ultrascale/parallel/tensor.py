@@ -52,7 +52,35 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
             f"tensor-parallel plan entries match no submodule of {type(module).__name__}: {unmatched}. "
             f"Module paths look like: {', '.join(n for n in names[1:6])}, ..."
         )
+    tied = _tied_parameters(module)
     parallelize_module(module, tp_mesh, dict(plan))
+    _retie(module, tied)
+
+
+def _tied_parameters(module: nn.Module) -> list[list[tuple[str, str]]]:
+    """Groups of (module path, attribute) that share one Parameter (tied input/output embeddings)."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        for attribute, param in sub.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((path, attribute))
+    return [sorted(set(group)) for group in owners.values() if len(set(group)) > 1]
+
+
+def _retie(module: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
+    """`parallelize_module` gives each module its own new DTensor Parameter, which unties shared
+    weights. Share the first owner's again, provided every owner wants the same layout
+    (a vocab-parallel embedding and a column-parallel head both shard the (V, D) matrix on dim 0)."""
+    for group in tied:
+        params = [getattr(module.get_submodule(path), attribute) for path, attribute in group]
+        layouts = {tuple(p.placements) if isinstance(p, DTensor) else None for p in params}
+        if len(layouts) != 1:
+            names = [f"{path}.{attribute}" for path, attribute in group]
+            raise ValueError(
+                f"tied parameters {names} get different tensor-parallel layouts {sorted(map(str, layouts))}; "
+                "a tied weight needs one layout (e.g. vocab-parallel embedding + column-parallel head)"
+            )
+        for path, attribute in group[1:]:
+            setattr(module.get_submodule(path), attribute, params[0])
 
 
 @contextmanager
