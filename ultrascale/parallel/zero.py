@@ -420,16 +420,19 @@ class ZeroEngine:
 
     def _exchange(self, values: torch.Tensor, rank_of: torch.Tensor, pos_of: torch.Tensor, out_numel: int) -> torch.Tensor:
         """Send values[i] to rank rank_of[i], position pos_of[i] of a fresh (out_numel,) tensor there (one all-to-all)."""
+        # Everything on the weights' device: NCCL only moves device tensors.
+        device = self.buckets[0].param_buffer.device
+        rank_of, pos_of, values = rank_of.to(device), pos_of.to(device), values.to(device)
         order = torch.argsort(rank_of, stable=True)
         send_counts = torch.bincount(rank_of, minlength=self.world)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send, recv = send_counts.tolist(), recv_counts.tolist()
-        received = torch.empty(sum(recv), dtype=values.dtype)
-        positions = torch.empty(sum(recv), dtype=torch.long)
+        received = torch.empty(sum(recv), dtype=values.dtype, device=device)
+        positions = torch.empty(sum(recv), dtype=torch.long, device=device)
         dist.all_to_all_single(received, values[order].contiguous(), recv, send, group=self.group)
         dist.all_to_all_single(positions, pos_of[order].contiguous(), recv, send, group=self.group)
-        out = torch.zeros(out_numel, dtype=values.dtype)
+        out = torch.zeros(out_numel, dtype=values.dtype, device=device)
         out[positions] = received
         return out
 
@@ -470,7 +473,7 @@ class ZeroEngine:
         params, _, totals = self._chunk_layout()
         # Invert every rank's slice -> chunk map to find, for each element of this rank's
         # chunks, which rank's bucket slice (and where) it belongs to.
-        back_rank = torch.zeros(totals[self.rank], dtype=torch.long)
+        back_rank = torch.zeros(totals[self.rank], dtype=torch.long)  # index maps are built on the CPU
         back_pos = torch.zeros(totals[self.rank], dtype=torch.long)
         for r in range(self.world):
             rank_of, pos_of, real = self._slice_to_chunks(r)
