@@ -342,6 +342,10 @@ class UltraScaleStrategy(ParallelStrategy):
                 f"{type(module).__name__}; sharding it as one FSDP unit per top-level child"
             )
         meta = has_meta_tensors(module)
+        if not meta:
+            # Real weights move to this rank's device first: NCCL broadcasts only device tensors,
+            # and sharding then happens where the shards will live.
+            module.to(self.root_device)
         if self.sync_module_states and not meta:
             broadcast_module_state(module)
         precision = self.precision_plugin
