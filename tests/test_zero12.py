@@ -232,3 +232,24 @@ def test_clip_by_value_matches_single_process(stage):
     assert max(g.abs().max() for g in reference["grads"].values()) > 4e-3  # values really get clipped
     results = run_ranks(_clip_by_value, 2, stage)
     assert_parity(results[0], reference, dp_mean_losses([r["losses"] for r in results]))
+
+
+def _fit_twice(rank, world_size):
+    model = make_model()
+    losses = []
+    for _ in range(2):  # the same module fitted again: the old engine must detach
+        recorder = Recorder()
+        strategy = ultrascale.ZeRO2Strategy(zero_bucket_mb=SMALL_BUCKET_MB)
+        trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=3, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[recorder])
+        trainer.fit(model, ParityData(dataset(), BATCH))
+        losses.append(recorder.losses)
+    hooks = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+    return {"losses": losses, "hooks": hooks, "params": len(list(model.parameters()))}
+
+
+def test_second_fit_replaces_the_engine():
+    result = run_ranks(_fit_twice, 2)[0]
+    assert result["hooks"] == result["params"]  # one gradient hook per parameter, not two
+    assert result["losses"][1][0] < result["losses"][0][0]  # the second fit continues from trained weights

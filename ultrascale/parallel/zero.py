@@ -147,6 +147,12 @@ class ZeroEngine:
                     )
         if dp_mesh.ndim not in (1, 2):
             raise ValueError(f"ZeroEngine: dp_mesh must be 1-D (shard) or 2-D (replicate, shard), got {dp_mesh.ndim}-D")
+        for group in optimizer.param_groups:  # a previous engine over the same parameters (a second fit) steps down
+            for p in group["params"]:
+                previous = getattr(p, "_ultrascale_zero_engine", None)
+                previous = previous() if previous is not None else None
+                if previous is not None and previous is not self:
+                    previous.close()
         self.stage = stage
         self.dp_mesh = dp_mesh
         self.group = dp_mesh.get_group(dp_mesh.ndim - 1)
@@ -171,9 +177,10 @@ class ZeroEngine:
             group["params"] = [b.master for b in buckets]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next_to_launch = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for b in self.buckets for p in b.params]
         for b in self.buckets:
             for p in b.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p._ultrascale_zero_engine = weakref.ref(self)
         # Lightning runs forward/backward as the closure *inside* optimizer.step, so a
         # step pre-hook would fire before the gradients exist: wrap step instead.
         self._optimizer_step = optimizer.step
@@ -184,6 +191,15 @@ class ZeroEngine:
 
         optimizer.step = step  # type: ignore[method-assign]
         _ENGINES[optimizer] = self
+
+    def close(self) -> None:
+        """Detach from the model (gradient hooks) and the optimizer (step wrapper); the
+        parameters stay views of the last weights, so a new engine can take over."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.optimizer.step = self._optimizer_step  # type: ignore[method-assign]
+        _ENGINES.pop(self.optimizer, None)
 
     # ------------------------------------------------------------------ layout
     def _build_buckets(self, named, bucket_bytes, compute_dtype, accumulate_dtype) -> list[_Bucket]:

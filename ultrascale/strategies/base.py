@@ -327,6 +327,8 @@ class UltraScaleStrategy(ParallelStrategy):
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
             if self.zero_stage in (1, 2):
+                for engine in self._zero_engines:  # a second fit: the old engines' hooks must go
+                    engine.close()
                 self._zero_engines = [self._make_zero_engine(optimizer) for optimizer in self.optimizers]
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
