@@ -7,6 +7,7 @@ same global batches, so a bug in the strategy cannot hide in the reference.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import lightning as L
@@ -106,7 +107,9 @@ def reference_run(
     for step in range(steps):
         for micro in range(accumulate):
             batch = next(batches)
-            loss = module.training_step(batch, step * accumulate + micro)
+            with warnings.catch_warnings():  # `self.log` without a Trainer only warns
+                warnings.filterwarnings("ignore", message=".*self.log.*")
+                loss = module.training_step(batch, step * accumulate + micro)
             loss = loss["loss"] if isinstance(loss, dict) else loss
             (loss / accumulate).backward()
             losses.append(float(loss.detach()))
