@@ -96,9 +96,9 @@ class ZeroEngine:
     """Turns a model + elementwise optimizer into ZeRO-1 (`stage=1`) or ZeRO-2 (`stage=2`).
 
     The optimizer is changed in place (its param groups then hold this rank's slices), so
-    LR schedulers and Lightning keep working on the same object. Hooks do the rest:
-    gradient hooks reduce-scatter buckets, optimizer step pre/post hooks hand the reduced
-    slices to the optimizer and all-gather the updated weights.
+    LR schedulers and Lightning keep working on the same object. Gradient hooks
+    reduce-scatter the buckets; a wrapper around `optimizer.step` hands the reduced slices
+    to the optimizer and all-gathers the updated weights.
 
     Args:
         module: the model whose parameters the optimizer holds (plain tensors, not DTensors).
