@@ -16,6 +16,8 @@ import torch.nn as nn
 
 __all__ = [
     "ModelStateEstimate",
+    "STATE_BYTES",
+    "activation_bytes_per_layer",
     "PEAK_TFLOPS",
     "active_params",
     "estimate_model_state_bytes",
@@ -79,6 +81,41 @@ def estimate_model_state_bytes(
         grads=psi * grad_bytes / grad_div,
         optimizer=psi * optimizer_bytes / optim_div,
     )
+
+
+# (weight, gradient, optimizer) bytes per parameter under Adam, by precision and ZeRO family,
+# as ultrascale holds them: FSDP2 (ZeRO-3) keeps fp32 sharded weights and casts gathered
+# copies to bf16; ZeRO-1/2 keep bf16 weights and fp32 masters inside the optimizer state.
+STATE_BYTES: dict[tuple[str, str], tuple[int, int, int]] = {
+    ("32-true", "fsdp"): (4, 4, 8),
+    ("32-true", "zero12"): (4, 4, 8),
+    ("bf16-mixed", "fsdp"): (4, 4, 8),
+    ("bf16-mixed", "zero12"): (2, 2, 12),
+    ("bf16-true", "fsdp"): (2, 2, 4),
+    ("bf16-true", "zero12"): (2, 2, 4),
+}
+
+
+def activation_bytes_per_layer(
+    seq_len: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1, sequence_parallel: bool = True,
+    full_recompute: bool = False, attention_scores_saved: bool = False,
+) -> float:
+    """Activation bytes one rank keeps per transformer layer in 16-bit (Korthikanti et al. 2022, Table 2).
+
+    No recompute:  s·b·h·(34 + 5·a·s/h) / tp  with sequence parallel,
+                   s·b·h·(10 + 24/tp + 5·a·s/(h·tp))  without it.
+    Full recompute: only the layer input, 2·s·b·h (/tp with sequence parallel).
+    The 5·a·s/h term is the s x s attention scores and softmax, which fused kernels (flash,
+    SDPA's memory-efficient path) do not keep: counted only with `attention_scores_saved`.
+    A GPT-style estimate: a SwiGLU MLP saves somewhat more.
+    """
+    sbh = seq_len * micro_batch * hidden
+    if full_recompute:
+        return 2 * sbh / (tp if sequence_parallel else 1)
+    attention_scores = 5 * heads * seq_len / hidden if attention_scores_saved else 0.0
+    if sequence_parallel:
+        return sbh * (34 + attention_scores) / tp
+    return sbh * (10 + 24 / tp + attention_scores / tp)
 
 
 # --------------------------------------------------------------------------- FLOPs
