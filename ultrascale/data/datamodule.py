@@ -260,6 +260,30 @@ class _ResumableDataLoader(DataLoader):
 # --------------------------------------------------------------------------- data module
 
 
+def split_blocks(
+    name: str, num_blocks: int, val_fraction: float, global_batch_size: int, *, what: str, remedy: str
+) -> tuple[int, int]:
+    """``(num_train, num_val)``: the last ``val_fraction`` of the blocks (at least one if > 0) for
+    validation, with a ValueError when either split holds less than one global batch (validation
+    drops its tail to whole global batches, so it would otherwise be silently empty)."""
+    num_val = int(num_blocks * val_fraction)
+    if val_fraction > 0 and num_blocks > 0:
+        num_val = max(num_val, 1)
+    num_train = num_blocks - num_val
+    if num_train < global_batch_size:
+        raise ValueError(
+            f"{name}: {what}, of which {num_train} are for training (`val_fraction={val_fraction}`): fewer than "
+            f"one global batch (`global_batch_size={global_batch_size}`). {remedy}"
+        )
+    if 0 < num_val < global_batch_size:
+        raise ValueError(
+            f"{name}: only {num_val} validation blocks (`val_fraction={val_fraction}` of {num_blocks}), "
+            f"fewer than one global batch (`global_batch_size={global_batch_size}`). "
+            "Raise `val_fraction`, use more data, or set `val_fraction=0` to disable validation."
+        )
+    return num_train, num_val
+
+
 class CausalLMDataModule(L.LightningDataModule):
     """Next-token-prediction data from text files, the stdlib, or a saved ``datasets`` dataset.
 
@@ -359,26 +383,12 @@ class CausalLMDataModule(L.LightningDataModule):
         tokens = tokenize_corpus(self._texts(), self.tokenizer, self.max_tokens)
         if tokens.size == 0:
             raise ValueError(f"{name}: the corpus {self._source()} is empty (no documents or no text)")
-        block = self.seq_len + 1
-        num_blocks = tokens.size // block
-        num_val = int(num_blocks * self.val_fraction)
-        if self.val_fraction > 0 and num_blocks > 0:
-            num_val = max(num_val, 1)
-        num_train = num_blocks - num_val
-        if num_train < self.global_batch_size:
-            raise ValueError(
-                f"{name}: the corpus {self._source()} has {tokens.size} tokens = {num_blocks} blocks of "
-                f"`seq_len={self.seq_len}`+1, of which {num_train} are for training (`val_fraction="
-                f"{self.val_fraction}`): fewer than one global batch (`global_batch_size={self.global_batch_size}`). "
-                "Use more data (`max_tokens`), a smaller `seq_len` or a smaller `global_batch_size`."
-            )
-        if 0 < num_val < self.global_batch_size:
-            # Validation drops its tail to whole global batches, so it would silently be empty.
-            raise ValueError(
-                f"{name}: only {num_val} validation blocks (`val_fraction={self.val_fraction}` of {num_blocks}), "
-                f"fewer than one global batch (`global_batch_size={self.global_batch_size}`). "
-                "Raise `val_fraction`, use more data, or set `val_fraction=0` to disable validation."
-            )
+        num_blocks = tokens.size // (self.seq_len + 1)
+        num_train, num_val = split_blocks(
+            type(self).__name__, num_blocks, self.val_fraction, self.global_batch_size,
+            what=f"the corpus {self._source()} has {tokens.size} tokens = {num_blocks} blocks of `seq_len={self.seq_len}`+1",
+            remedy="Use more data (`max_tokens`), a smaller `seq_len` or a smaller `global_batch_size`.",
+        )
         self.train_dataset = TokenBlockDataset(tokens, self.seq_len, 0, num_train)
         self.val_dataset = TokenBlockDataset(tokens, self.seq_len, num_train, num_val)
 

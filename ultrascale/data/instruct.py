@@ -37,7 +37,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 
-from ultrascale.data.datamodule import CausalLMDataModule
+from ultrascale.data.datamodule import CausalLMDataModule, split_blocks
 from ultrascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = ["InstructionBlockDataset", "InstructionDataModule", "PackedBlocks", "pack_examples", "read_examples"]
@@ -449,27 +449,12 @@ class InstructionDataModule(L.LightningDataModule):
                 f"({packed.num_empty} empty, {packed.num_dropped} with the prompt alone filling "
                 f"`seq_len={self.seq_len}`)"
             )
-        # Same split and the same checks as CausalLMDataModule.setup (validation blocks from the end).
-        num_blocks = packed.num_blocks
-        num_val = int(num_blocks * self.val_fraction)
-        if self.val_fraction > 0:
-            num_val = max(num_val, 1)
-        num_train = num_blocks - num_val
         unit = "examples per block packed" if self.pack else "example per block"
-        if num_train < self.global_batch_size:
-            raise ValueError(
-                f"{name}: {source} has {len(examples)} examples = {num_blocks} blocks of `seq_len={self.seq_len}` "
-                f"({unit}), of which {num_train} are for training (`val_fraction={self.val_fraction}`): fewer than "
-                f"one global batch (`global_batch_size={self.global_batch_size}`). Use more data (`max_examples`), "
-                "or a smaller `seq_len` or `global_batch_size`."
-            )
-        if 0 < num_val < self.global_batch_size:
-            # Validation drops its tail to whole global batches, so it would silently be empty.
-            raise ValueError(
-                f"{name}: only {num_val} validation blocks (`val_fraction={self.val_fraction}` of {num_blocks}), "
-                f"fewer than one global batch (`global_batch_size={self.global_batch_size}`). "
-                "Raise `val_fraction`, use more data, or set `val_fraction=0` to disable validation."
-            )
+        num_train, _ = split_blocks(
+            name, packed.num_blocks, self.val_fraction, self.global_batch_size,
+            what=f"{source} has {len(examples)} examples = {packed.num_blocks} blocks of `seq_len={self.seq_len}` ({unit})",
+            remedy="Use more data (`max_examples`), or a smaller `seq_len` or `global_batch_size`.",
+        )
         self.packed = packed
         self.train_dataset = InstructionBlockDataset(
             packed.input_ids[:num_train], packed.labels[:num_train], packed.position_ids[:num_train]
