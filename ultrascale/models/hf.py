@@ -15,11 +15,10 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, Literal, Optional, Tuple
 
-import lightning
 import torch
 from torch.distributed.tensor import DTensor
 
-from ultrascale.models.llama import adamw_warmup_cosine, causal_lm_loss
+from ultrascale.models.llama import CausalLMModule
 
 WEIGHT_SUFFIX = ".safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -177,7 +176,7 @@ def recompute_nonpersistent_buffers(model: torch.nn.Module) -> None:
             getattr(module, name).copy_(getattr(fresh, name))
 
 
-class HFCausalLM(lightning.LightningModule):
+class HFCausalLM(CausalLMModule):
     """Fine-tune a local Hugging Face `AutoModelForCausalLM` checkpoint folder.
 
     Under ultrascale strategies the model is built on the meta device and each rank loads
@@ -185,9 +184,6 @@ class HFCausalLM(lightning.LightningModule):
     it is loaded with `from_pretrained`. Batches are `{"input_ids", "labels"}` with labels
     already shifted and -100 ignored (`ultrascale.data` data modules).
     """
-
-    supports_loss_parallel = True
-    """`training_step` accepts vocab-sharded DTensor logits."""
 
     def __init__(
         self,
@@ -286,22 +282,6 @@ class HFCausalLM(lightning.LightningModule):
         # No KV cache: training never reuses it, and transformers only detects packed
         # documents from position_ids when there is none.
         return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-
-    def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        return causal_lm_loss(self(batch["input_ids"], batch.get("position_ids")), batch["labels"])
-
-    def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
-
-    def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self) -> Dict[str, Any]:
-        return adamw_warmup_cosine(self)
 
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         # `export-hf` rebuilds the model from this even if the original folder has moved.

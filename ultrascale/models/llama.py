@@ -481,16 +481,40 @@ def adamw_warmup_cosine(module: lightning.LightningModule) -> Dict[str, Any]:
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-class LlamaLM(lightning.LightningModule):
+class CausalLMModule(lightning.LightningModule):
+    """Training and validation steps shared by ultrascale's causal-LM modules.
+
+    Subclasses define ``forward(input_ids, position_ids=None) -> logits`` and the hparams
+    `adamw_warmup_cosine` reads. Batches are ``{"input_ids", "labels"[, "position_ids"]}``.
+    """
+
+    supports_loss_parallel = True
+    """`_loss` accepts vocab-sharded DTensor logits, so strategies may keep them sharded."""
+
+    def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return causal_lm_loss(self(batch["input_ids"], batch.get("position_ids")), batch["labels"])
+
+    def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> Dict[str, Any]:
+        return adamw_warmup_cosine(self)
+
+
+class LlamaLM(CausalLMModule):
     """Causal-LM training of ``Llama`` on batches ``{"input_ids": (B, T), "labels": (B, T)}``.
 
     ``labels`` are already shifted (``labels[t]`` is the target for ``input_ids[t]``)
     and ``-100`` marks ignored positions. The model is built in ``configure_model``,
     from ``init_seed`` alone, so every rank and a single-process reference start equal.
     """
-
-    supports_loss_parallel = True
-    """`_loss` accepts vocab-sharded DTensor logits, so strategies may keep them sharded."""
 
     def __init__(
         self,
@@ -566,22 +590,6 @@ class LlamaLM(lightning.LightningModule):
         if self.model is None:
             raise ValueError(f"{type(self).__name__}: the model is built in `configure_model()`; call it first.")
         return self.model(input_ids, position_ids)
-
-    def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        return causal_lm_loss(self(batch["input_ids"], batch.get("position_ids")), batch["labels"])
-
-    def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
-
-    def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self) -> Dict[str, Any]:
-        return adamw_warmup_cosine(self)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """See ``Llama.num_params``; uses a meta-device copy when the model is not built yet."""
