@@ -1,17 +1,24 @@
-"""Shared pieces of the parity tests: data, a plain-torch reference loop, a recording callback.
+"""Shared pieces of the parity tests: masked data, a plain-torch reference loop, a recorder.
 
-The reference never touches ultrascale: a single process, a plain PyTorch loop over the
-same global batches, so a bug in the strategy cannot hide in the reference.
+The reference never touches ultrascale's loss or strategies: one process, a plain PyTorch loop
+that runs the model's forward on the whole global batch of each optimizer step (all dp ranks
+and all accumulation micro-batches at once) and writes the loss inline:
+
+    loss = sum of token cross-entropies over the labels != -100  /  number of those labels
+
+so a per-rank or per-micro-batch mean anywhere in the code under test shows up as a mismatch,
+given data whose valid-token counts differ between rows, ranks and micro-batches.
 """
 
 from __future__ import annotations
 
 import copy
-import warnings
-from typing import Any
+from typing import Any, Iterable, Optional
 
 import lightning as L
 import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import Logger
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
@@ -20,18 +27,29 @@ from ultrascale.parallel.zero import zero_engine_for
 
 
 class TokenDataset(Dataset):
-    """Random token blocks with shifted labels; the same on every rank for a given seed."""
+    """Random token blocks with shifted labels; the same on every rank for a given seed.
 
-    def __init__(self, n: int, seq_len: int, vocab_size: int, seed: int = 0) -> None:
+    `masked`: each row's labels are -100 on a random-length prefix (a prompt), so rows, ranks and
+    micro-batches hold different numbers of valid tokens. `empty_rows`: rows with no valid label.
+    """
+
+    def __init__(
+        self, n: int, seq_len: int, vocab_size: int, seed: int = 0, masked: bool = False, empty_rows: Iterable[int] = ()
+    ) -> None:
         g = torch.Generator().manual_seed(seed)
         self.blocks = torch.randint(0, vocab_size, (n, seq_len + 1), generator=g)
+        self.labels = self.blocks[:, 1:].clone()
+        if masked:
+            prompt = torch.randint(0, seq_len, (n,), generator=g)  # 0 .. seq_len-1 masked positions per row
+            self.labels[torch.arange(seq_len) < prompt[:, None]] = -100
+        for row in empty_rows:
+            self.labels[row] = -100
 
     def __len__(self) -> int:
         return len(self.blocks)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        block = self.blocks[i]
-        return {"input_ids": block[:-1], "labels": block[1:]}
+        return {"input_ids": self.blocks[i, :-1], "labels": self.labels[i]}
 
 
 class ParityData(L.LightningDataModule):
@@ -55,17 +73,41 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().clone().cpu()
 
 
-class Recorder(L.Callback):
-    """Per micro-batch losses, gradients before the first optimizer step, weights after it."""
+class _StepLogger(Logger):
+    """Keeps what Lightning logs, per optimizer step, on every rank (built-in loggers write on rank 0 only)."""
 
     def __init__(self) -> None:
-        self.losses: list[float] = []
+        super().__init__()
+        self.steps: dict[int, dict[str, float]] = {}
+
+    @property
+    def name(self) -> str:
+        return "parity"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        self.steps.setdefault(int(step or 0), {}).update({k: float(v) for k, v in metrics.items()})
+
+
+class Recorder(L.Callback):
+    """The logged `train_loss` of every optimizer step, the gradients the optimizer sees at the first
+    step (after normalisation, before clipping) and the weights after it.
+
+    Pass `recorder.logger` as the Trainer's logger with `log_every_n_steps=1` (see `parity_trainer`).
+    """
+
+    def __init__(self) -> None:
+        self.logger = _StepLogger()
         self.first_grads: dict[str, torch.Tensor] | None = None
         self.first_params: dict[str, torch.Tensor] | None = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        # Lightning hands back the loss already divided by accumulate_grad_batches.
-        self.losses.append(float(outputs["loss"].detach()) * trainer.accumulate_grad_batches)
         if self.first_grads is not None and self.first_params is None and trainer.global_step == 1:
             self.first_params = {n: full(p) for n, p in pl_module.named_parameters()}
 
@@ -77,8 +119,36 @@ class Recorder(L.Callback):
             else:
                 self.first_grads = {n: full(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
 
+    @property
+    def losses(self) -> list[float]:
+        return [metrics["train_loss"] for _, metrics in sorted(self.logger.steps.items()) if "train_loss" in metrics]
+
     def result(self) -> dict[str, Any]:
         return {"losses": self.losses, "grads": self.first_grads, "params": self.first_params}
+
+
+def parity_trainer(world_size: int, strategy: Any, recorder: Recorder, steps: int, **kwargs: Any) -> L.Trainer:
+    """A CPU Trainer that logs every step into `recorder` and does nothing else on the side."""
+    return L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=recorder.logger,
+        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[recorder, *kwargs.pop("callbacks", [])], **kwargs,
+    )
+
+
+def step_losses(results: list[dict[str, Any]]) -> list[float]:
+    """The logged per-step losses, which every rank must have logged identically."""
+    for rank, result in enumerate(results[1:], start=1):
+        assert result["losses"] == results[0]["losses"], f"rank {rank} logged other losses than rank 0"
+    return results[0]["losses"]
+
+
+def inline_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The definition, written out: sum of token cross-entropies over valid labels / their number."""
+    valid = labels != -100
+    log_probs = F.log_softmax(logits.float(), dim=-1)  # (B, T, V)
+    token_losses = -log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (B, T)
+    return (token_losses * valid).sum() / valid.sum().clamp(min=1)
 
 
 def reference_run(
@@ -91,7 +161,8 @@ def reference_run(
     clip: float | None = None,
     clip_algorithm: str = "norm",
 ) -> dict[str, Any]:
-    """The same LightningModule trained by a plain single-process loop."""
+    """Single-process training of `module`'s model: one forward and backward per step over the whole
+    global batch (`accumulate` micro-batches of `global_batch` rows), loss written inline."""
     module = copy.deepcopy(module)
     module.configure_model()
     configured = module.configure_optimizers()
@@ -101,18 +172,14 @@ def reference_run(
         scheduler = configured.get("lr_scheduler", {}).get("scheduler")
     else:
         optimizer = configured
-    batches = iter(DataLoader(dataset, batch_size=global_batch, shuffle=False, drop_last=True))
+    batches = iter(DataLoader(dataset, batch_size=global_batch * accumulate, shuffle=False, drop_last=True))
     losses: list[float] = []
     out: dict[str, Any] = {"grads": None, "params": None}
     for step in range(steps):
-        for micro in range(accumulate):
-            batch = next(batches)
-            with warnings.catch_warnings():  # `self.log` without a Trainer only warns
-                warnings.filterwarnings("ignore", message=".*self.log.*")
-                loss = module.training_step(batch, step * accumulate + micro)
-            loss = loss["loss"] if isinstance(loss, dict) else loss
-            (loss / accumulate).backward()
-            losses.append(float(loss.detach()))
+        batch = next(batches)
+        loss = inline_token_loss(module(batch["input_ids"]), batch["labels"])
+        loss.backward()
+        losses.append(float(loss.detach()))
         if step == 0:
             out["grads"] = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
         if clip is not None and clip_algorithm == "norm":
@@ -129,15 +196,11 @@ def reference_run(
     return out
 
 
-def dp_mean_losses(per_rank_losses: list[list[float]]) -> list[float]:
-    """Each dp rank's loss is the mean over its slice; equal slices make the dp mean the global mean."""
-    return [sum(values) / len(values) for values in zip(*per_rank_losses)]
-
-
 def assert_parity(result: dict[str, Any], reference: dict[str, Any], losses: list[float]) -> None:
     """fp32 parity: first-step loss and every gradient, weights after step 1, the whole loss curve."""
     from torch.testing import assert_close
 
+    assert len(losses) == len(reference["losses"]), f"{len(losses)} logged step losses, {len(reference['losses'])} steps"
     assert_close(losses[0], reference["losses"][0], rtol=1e-5, atol=1e-6)
     assert set(result["grads"]) == set(reference["grads"])
     for name, grad in reference["grads"].items():

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 import ultrascale  # noqa: F401
 from tests._dist import run_ranks
-from tests._parity import ParityData, Recorder, TokenDataset, assert_parity, dp_mean_losses, reference_run
+from tests._parity import ParityData, Recorder, TokenDataset, assert_parity, parity_trainer, reference_run, step_losses
 from ultrascale.callbacks import ActivationCheckpointing, EveryKAC, SelectiveAC
 from ultrascale.callbacks.activation_checkpointing import CheckpointWrapper, apply_ac, make_policy
 from ultrascale.data import CausalLMDataModule
@@ -24,6 +24,10 @@ from ultrascale.models.llama import Llama, LlamaConfig, LlamaLM, TransformerBloc
 MODES = ["full", "every_k", "selective", "attention"]
 PREFIX = "_checkpoint_wrapped_module."
 SEQ, MICRO_BATCH, STEPS = 32, 8, 4
+
+
+def masked_data(steps: int = STEPS) -> TokenDataset:
+    return TokenDataset(steps * MICRO_BATCH, SEQ, 512, seed=1, masked=True)
 
 
 def make_model() -> LlamaLM:
@@ -164,13 +168,10 @@ class _CountForwards(L.Callback):
 def _train(rank, world_size, mode, strategy, steps):
     L.seed_everything(rank, verbose=False)
     recorder, counter = Recorder(), _CountForwards()
-    callbacks = [recorder, counter] + ([ActivationCheckpointing(mode=mode)] if mode else [])
-    trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-    )
+    callbacks = [counter] + ([ActivationCheckpointing(mode=mode)] if mode else [])
+    trainer = parity_trainer(world_size, strategy, recorder, steps, callbacks=callbacks)
     model = make_model()
-    dataset = TokenDataset(steps * MICRO_BATCH, SEQ, 512, seed=1)
+    dataset = masked_data(steps)
     if strategy == "auto":  # Lightning's single-device strategy: the batches in order
         trainer.fit(model, DataLoader(dataset, batch_size=MICRO_BATCH, shuffle=False))
     else:
@@ -187,16 +188,16 @@ EXPECTED = {"full": (2, 4), "every_k": (1, 3), "selective": (2, 4), "attention":
 
 @pytest.mark.parametrize("mode", MODES)
 def test_parity_under_zero3_world2(mode):
-    reference = reference_run(make_model(), TokenDataset(STEPS * MICRO_BATCH, SEQ, 512, seed=1), global_batch=MICRO_BATCH, steps=STEPS)
+    reference = reference_run(make_model(), masked_data(), global_batch=MICRO_BATCH, steps=STEPS)
     results = run_ranks(_train, 2, mode, "ultrascale_zero3", STEPS)
-    assert_parity(results[0], reference, dp_mean_losses([r["losses"] for r in results]))
+    assert_parity(results[0], reference, step_losses(results))
     wrapped, forwards = EXPECTED[mode]
     assert results[0]["wrapped"] == wrapped
     assert results[0]["block_forwards"] == forwards * STEPS  # the recompute really happened
 
 
 def test_lightning_single_device_applies_at_fit_start():
-    reference = reference_run(make_model(), TokenDataset(STEPS * MICRO_BATCH, SEQ, 512, seed=1), global_batch=MICRO_BATCH, steps=STEPS)
+    reference = reference_run(make_model(), masked_data(), global_batch=MICRO_BATCH, steps=STEPS)
     result = _train(0, 1, "full", "auto", STEPS)
     assert result["wrapped"] == 2 and result["block_forwards"] == 4 * STEPS
     assert_parity(result, reference, result["losses"])
@@ -210,7 +211,7 @@ def _save_then_resume(rank, world_size, ckpt_dir, phase):
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1))
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy="ultrascale_zero3", max_steps=3 if phase == "save" else 6,
-        logger=False, enable_checkpointing=phase == "save", enable_progress_bar=False, enable_model_summary=False,
+        logger=recorder.logger, log_every_n_steps=1, enable_checkpointing=phase == "save", enable_progress_bar=False, enable_model_summary=False,
         callbacks=callbacks,
     )
     # The data module saves its sampler position, so the resumed run sees batches 4-6.
@@ -225,7 +226,7 @@ def _save_then_resume(rank, world_size, ckpt_dir, phase):
 def test_sharded_checkpoint_saved_with_ac_resumes(tmp_path, resume):
     """A DCP checkpoint written with AC (wrapped module names) resumes with and without AC."""
     run_ranks(_save_then_resume, 2, str(tmp_path), "save")
-    resumed = dp_mean_losses(run_ranks(_save_then_resume, 2, str(tmp_path), resume))
-    straight = dp_mean_losses(run_ranks(_save_then_resume, 2, str(tmp_path), "straight"))
+    resumed = step_losses([{"losses": r} for r in run_ranks(_save_then_resume, 2, str(tmp_path), resume)])
+    straight = step_losses([{"losses": r} for r in run_ranks(_save_then_resume, 2, str(tmp_path), "straight")])
     assert len(resumed) == 3 and len(straight) == 6
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight[3:]), rtol=0, atol=1e-5)

@@ -52,7 +52,18 @@ def test_invalid_degrees(kwargs, match):
 
 
 def test_seq_len_divisor():
-    assert ParallelDims.resolve(8, dp_shard=1, cp=2, tp=4).seq_len_divisor == 16
+    dims = ParallelDims.resolve(8, dp_shard=1, cp=2, tp=4)
+    assert dims.seq_len_divisor(sequence_parallel=True) == 16
+    assert dims.seq_len_divisor(sequence_parallel=False) == 4  # plain TP takes any length; CP still chunks it
+
+
+def test_check_seq_len_names_the_fitting_lengths():
+    dims = ParallelDims.resolve(2, dp_shard=1, tp=2)
+    dims.check_seq_len(32, sequence_parallel=True)
+    dims.check_seq_len(31, sequence_parallel=False)  # no SP: nothing splits the sequence
+    with pytest.raises(ValueError, match=r"sequence length 31 of the batch must be a multiple of 2 \(sequence parallel "
+                       r"splits it over tp=2 ranks\): use 30 or 32 .*or turn off `sequence_parallel`"):
+        dims.check_seq_len(31, sequence_parallel=True)
 
 
 def _mesh_worker(rank, world_size):
@@ -62,6 +73,7 @@ def _mesh_worker(rank, world_size):
     out = {axis: mesh[axis].size() for axis in MESH_AXES}
     out["dp"] = (mesh["dp"].size(), mesh["dp"].get_local_rank())
     out["dp_shard_cp"] = mesh["dp_shard_cp"].size()
+    out["dp_cp"] = mesh["dp_cp"].size()
     out["hsdp"] = mesh.fsdp.shape
     out["hsdp_names"] = mesh.fsdp.mesh_dim_names
     out["world"] = mesh.world.mesh_dim_names
@@ -78,6 +90,7 @@ def test_build_mesh_world4():
         assert (out["pp"], out["dp_replicate"], out["dp_shard"], out["cp"], out["tp"]) == (1, 2, 2, 1, 1)
         assert out["dp"] == (4, rank)
         assert out["dp_shard_cp"] == 2
+        assert out["dp_cp"] == 4
         assert tuple(out["hsdp"]) == (2, 2) and out["hsdp_names"] == ("dp_replicate", "dp_shard_cp")
         assert out["world"] == MESH_AXES
-        assert "valid axes: pp, dp_replicate, dp_shard, cp, tp, dp, dp_shard_cp" in out["error"]
+        assert "valid axes: pp, dp_replicate, dp_shard, cp, tp, dp, dp_shard_cp, dp_cp" in out["error"]

@@ -12,7 +12,7 @@ from torch.testing import assert_close
 
 import ultrascale
 from tests._dist import run_ranks
-from tests._parity import ParityData, Recorder, TokenDataset
+from tests._parity import ParityData, Recorder, TokenDataset, step_losses
 from ultrascale.models.hf import HFCausalLM
 
 VOCAB, SEQ = 128, 16
@@ -92,8 +92,8 @@ def _finetune(rank, world_size, path, ckpt_dir, export_dir):
     module = HFCausalLM(path, learning_rate=3e-3, warmup_steps=1, max_steps=100, export_dir=export_dir)
     recorder = Recorder()
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy="ultrascale_zero3", max_steps=10, logger=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=world_size, strategy="ultrascale_zero3", max_steps=10, logger=recorder.logger,
+        log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[recorder, ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=10)],
     )
     trainer.fit(module, ParityData(TokenDataset(80, SEQ, VOCAB, seed=8), 8))
@@ -102,7 +102,7 @@ def _finetune(rank, world_size, path, ckpt_dir, export_dir):
     weights = {n[len("model."):]: p.full_tensor().detach().clone() for n, p in module.named_parameters()}
     batch = {"input_ids": tokens(4), "labels": tokens(4).roll(-1, dims=1)}
     with torch.no_grad():
-        loss = float(module._loss(batch))
+        loss = float(module.batch_loss(batch)["loss"])
     return {"losses": recorder.losses, "loss_after": loss, "weights": weights}
 
 
@@ -110,6 +110,7 @@ def test_finetune_export_reload(tmp_path):
     source = make_checkpoint(tmp_path / "source")
     make_tokenizer(source)
     results = run_ranks(_finetune, 2, str(source), str(tmp_path / "ckpts"), str(tmp_path / "exported_at_fit_end"))
+    assert len(step_losses(results)) == 10  # one exact train_loss per step, the same on both ranks
     trained = results[0]["weights"]
     original = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True).state_dict()
     assert all(not torch.equal(original[name], value) for name, value in trained.items())  # every weight trained

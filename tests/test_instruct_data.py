@@ -184,7 +184,7 @@ def test_prompt_tokens_contribute_zero_loss(tok_dir, data) -> None:
         captured["logits"] = out
 
     handle = lm.model.register_forward_hook(keep_logits)
-    loss = lm._loss(batch)  # LlamaLM's own training loss
+    loss = lm.batch_loss(batch)["loss"]  # LlamaLM's own training loss
     handle.remove()
     loss.backward()
     grad = captured["logits"].grad  # (B, T, V)

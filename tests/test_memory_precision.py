@@ -6,7 +6,7 @@ import pytest
 
 import ultrascale  # noqa: F401
 from tests._dist import run_ranks
-from tests._parity import ParityData, Recorder, TokenDataset, dp_mean_losses
+from tests._parity import ParityData, Recorder, TokenDataset, parity_trainer, step_losses
 from ultrascale.models.llama import LlamaLM
 from ultrascale.parallel.memory import model_state_bytes
 
@@ -30,13 +30,9 @@ def make_model():
 
 def _train(rank, world_size, precision):
     measure, recorder = MeasureModelState(), Recorder()
-    trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy="ultrascale_zero3", precision=precision, max_steps=STEPS,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[measure, recorder],
-    )
+    trainer = parity_trainer(world_size, "ultrascale_zero3", recorder, STEPS, precision=precision, callbacks=[measure])
     model = make_model()
-    trainer.fit(model, ParityData(TokenDataset(STEPS * 8, 64, 512, seed=3), 8))
+    trainer.fit(model, ParityData(TokenDataset(STEPS * 8, 64, 512, seed=3, masked=True), 8))
     psi = sum(p.numel() for p in model.parameters())  # DTensor numel is the full (global) size
     return {"bytes": measure.measured, "psi": psi, "losses": recorder.losses,
             "param_dtypes": measure.param_dtypes, "grad_dtypes": measure.grad_dtypes}
@@ -60,9 +56,10 @@ def test_zero3_bf16_mixed_model_state_bytes_match_formula():
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
 def test_bf16_tracks_fp32(precision):
-    fp32 = dp_mean_losses([r["losses"] for r in run_ranks(_train, 2, "32-true")])
+    fp32 = step_losses(run_ranks(_train, 2, "32-true"))
     bf16 = run_ranks(_train, 2, precision)
-    losses = dp_mean_losses([r["losses"] for r in bf16])
+    losses = step_losses(bf16)
+    assert len(losses) == len(fp32) == STEPS
     assert all(abs(a - b) < 5e-2 for a, b in zip(losses, fp32)), (losses, fp32)
     expected_dtype = "torch.bfloat16" if precision == "bf16-true" else "torch.float32"
     assert bf16[0]["param_dtypes"] == {expected_dtype}

@@ -4,12 +4,11 @@ a user-supplied plan for an unknown model, the errors, and a TP checkpoint loade
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 
 import ultrascale
 from tests._dist import run_ranks
-from tests._parity import ParityData, Recorder, TokenDataset, assert_parity, dp_mean_losses, reference_run
+from tests._parity import ParityData, Recorder, TokenDataset, assert_parity, parity_trainer, reference_run, step_losses
 from tests.test_generic_module import VOCAB as PLAIN_VOCAB
 from tests.test_generic_module import PlainTransformerLM
 
@@ -39,10 +38,12 @@ class HFCausalLMModule(L.LightningModule):
         self.model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         self.supports_loss_parallel = loss_parallel
 
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
     def training_step(self, batch, batch_idx):
-        logits = self.model(input_ids=batch["input_ids"]).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
-        return loss.to_local() if hasattr(loss, "to_local") else loss
+        # The public opt-in; under loss parallel the logits are vocab-sharded DTensors.
+        return ultrascale.token_loss(self(batch["input_ids"]), batch["labels"])
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=1e-6)
@@ -50,11 +51,7 @@ class HFCausalLMModule(L.LightningModule):
 
 def _fit(rank, world_size, module, strategy_kwargs, dataset, batch):
     recorder = Recorder()
-    trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=ultrascale.UltraScaleStrategy(**strategy_kwargs),
-        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[recorder],
-    )
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**strategy_kwargs), recorder, STEPS)
     trainer.fit(module, ParityData(dataset, batch))
     sharded = {n: tuple(p.to_local().shape) for n, p in module.named_parameters() if "layers.0." in n or "blocks.0." in n}
     return {**recorder.result(), "local_shapes": sharded}
@@ -68,26 +65,26 @@ def _fit(rank, world_size, module, strategy_kwargs, dataset, batch):
 )
 def test_hf_tp2_parity(arch, loss_parallel, tied):
     module = HFCausalLMModule(hf_config(arch, tie_word_embeddings=tied), loss_parallel=loss_parallel)
-    dataset = TokenDataset(STEPS * BATCH, SEQ, VOCAB, seed=4)
+    dataset = TokenDataset(STEPS * BATCH, SEQ, VOCAB, seed=4, masked=True)
     reference = reference_run(module, dataset, global_batch=BATCH, steps=STEPS)
     results = run_ranks(_fit, 2, module, {"tensor_parallel": 2, "data_parallel_shard": 1}, dataset, BATCH)
     shapes = results[0]["local_shapes"]
     assert shapes["model.model.layers.0.self_attn.q_proj.weight"] == (32, 64)  # 4 heads x 16 / tp 2
     assert shapes["model.model.layers.0.self_attn.k_proj.weight"] == (16, 64)  # 2 kv heads x 16 / tp 2
     assert shapes["model.model.layers.0.mlp.down_proj.weight"] == (64, 64)  # 128 / tp 2 input columns
-    assert_parity(results[0], reference, dp_mean_losses([r["losses"] for r in results]))
+    assert_parity(results[0], reference, step_losses(results))
 
 
 def test_user_plan_on_unknown_model():
     """No adapter: the user names the layers to split (Megatron MLP: column then row)."""
     module = PlainTransformerLM()
-    dataset = TokenDataset(STEPS * BATCH, SEQ, PLAIN_VOCAB, seed=5)
+    dataset = TokenDataset(STEPS * BATCH, SEQ, PLAIN_VOCAB, seed=5, masked=True)
     reference = reference_run(module, dataset, global_batch=BATCH, steps=STEPS)
     plan = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
     results = run_ranks(_fit, 2, module, {"tensor_parallel": 2, "data_parallel_shard": 1, "tp_plan": plan}, dataset, BATCH)
     assert results[0]["local_shapes"]["blocks.0.mlp.0.weight"] == (64, 32)  # 4*32 hidden / tp 2
     assert results[0]["local_shapes"]["blocks.0.mlp.2.weight"] == (32, 64)
-    assert_parity(results[0], reference, dp_mean_losses([r["losses"] for r in results]))
+    assert_parity(results[0], reference, step_losses(results))
 
 
 def _setup_error(rank, world_size, module, strategy_kwargs):
@@ -138,11 +135,11 @@ def test_tied_llama_tp2_parity():
 
     module = LlamaLM(config=LlamaConfig.from_preset("tiny", tie_embeddings=True, vocab_size=VOCAB),
                      learning_rate=3e-3, warmup_steps=1, max_steps=1000, min_lr_ratio=1.0, eps=1e-6)
-    dataset = TokenDataset(STEPS * BATCH, SEQ, VOCAB, seed=7)
+    dataset = TokenDataset(STEPS * BATCH, SEQ, VOCAB, seed=7, masked=True)
     reference = reference_run(module, dataset, global_batch=BATCH, steps=STEPS)
     results = run_ranks(_fit_tied, 2, module, dataset)
     assert results[0]["tied"]
-    assert_parity(results[0], reference, dp_mean_losses([r["losses"] for r in results]))
+    assert_parity(results[0], reference, step_losses(results))
 
 
 def _fit_tied(rank, world_size, module, dataset):

@@ -25,8 +25,10 @@ from typing import Any, Dict, Optional, Tuple
 import lightning
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torch import nn
+from torchmetrics.aggregation import MeanMetric
+
+from ultrascale.parallel.loss import token_loss
 
 __all__ = [
     "LLAMA_PRESETS",
@@ -449,12 +451,10 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: fl
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over non-ignored (-100) labels, in fp32 (bf16 log-softmax
-    over a large vocabulary is lossy). `logits` (B, T, V) may be vocab-sharded (B, T, V/tp)
-    DTensors under loss parallel; the replicated DTensor loss is handed back as a plain tensor
-    (to_local keeps the graph: its backward re-wraps the gradient as Replicate)."""
-    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-    return loss.to_local() if isinstance(loss, DTensor) else loss
+    """Mean next-token cross-entropy over non-ignored (-100) labels of one batch, in fp32; 0 when
+    none is valid. For training use `ultrascale.token_loss`, whose token count makes the step's
+    loss exact across ranks and micro-batches. `logits` may be vocab-sharded DTensors."""
+    return token_loss(logits, labels)["loss"]
 
 
 def adamw_warmup_cosine(module: lightning.LightningModule) -> Dict[str, Any]:
@@ -486,23 +486,38 @@ class CausalLMModule(lightning.LightningModule):
 
     Subclasses define ``forward(input_ids, position_ids=None) -> logits`` and the hparams
     `adamw_warmup_cosine` reads. Batches are ``{"input_ids", "labels"[, "position_ids"]}``.
+
+    The loss of an optimizer step is ``sum(token losses) / valid tokens of the global batch``:
+    steps return ``{"loss", "num_tokens"}`` (`ultrascale.token_loss`). Under ultrascale
+    strategies the gradient and the logged ``train_loss`` are exactly that; ``val_loss`` is the
+    token mean over the whole validation set (sum and count reduced over all ranks).
     """
 
     supports_loss_parallel = True
-    """`_loss` accepts vocab-sharded DTensor logits, so strategies may keep them sharded."""
+    """`batch_loss` accepts vocab-sharded DTensor logits, so strategies may keep them sharded."""
 
-    def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        return causal_lm_loss(self(batch["input_ids"], batch.get("position_ids")), batch["labels"])
+    def __init__(self) -> None:
+        super().__init__()
+        # Weighted by each batch's valid tokens, synced as (sum, count) over all ranks at epoch end.
+        self.val_token_mean = MeanMetric()
 
-    def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
+    def batch_loss(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """``{"loss": mean over the batch's valid tokens, "num_tokens": their number}``."""
+        return token_loss(self(batch["input_ids"], batch.get("position_ids")), batch["labels"])
 
-    def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
+    def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> Dict[str, torch.Tensor]:
+        out = self.batch_loss(batch)
+        if not getattr(self.trainer.strategy, "normalizes_token_loss", False):
+            # Lightning's own strategies: the micro-batch mean, averaged over ranks (exact only
+            # when every rank holds the same number of valid tokens).
+            self.log("train_loss", out["loss"], prog_bar=True, sync_dist=True)
+        return out
+
+    def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> Dict[str, torch.Tensor]:
+        out = self.batch_loss(batch)
+        self.val_token_mean.update(out["loss"], weight=out["num_tokens"])
+        self.log("val_loss", self.val_token_mean, prog_bar=True, on_step=False, on_epoch=True)
+        return out
 
     def configure_optimizers(self) -> Dict[str, Any]:
         return adamw_warmup_cosine(self)

@@ -20,12 +20,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 # Flattened axes derived from MESH_AXES.
-#   dp          = dp_replicate x dp_shard : ranks that see different batches
-#   dp_shard_cp = dp_shard x cp           : ranks over which parameters are sharded
+#   dp          = dp_replicate x dp_shard      : ranks that see different batches
+#   dp_shard_cp = dp_shard x cp                : ranks over which parameters are sharded
 #                 (CP ranks hold the same weights, so ZeRO shards over them too)
+#   dp_cp       = dp_replicate x dp_shard x cp : ranks that hold different tokens of a global
+#                 batch: the step's loss sum and valid-token count are all-reduced over them
 FLAT_AXES: dict[str, tuple[str, ...]] = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
 
 
@@ -111,6 +114,11 @@ class ParallelDims:
         return self.dp_shard * self.cp
 
     @property
+    def dp_cp(self) -> int:
+        """Ranks that hold different tokens of a global batch: dp_replicate * dp_shard * cp."""
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    @property
     def dp_replicate_enabled(self) -> bool:
         return self.dp_replicate > 1
 
@@ -134,10 +142,28 @@ class ParallelDims:
     def ep_enabled(self) -> bool:
         return self.ep > 1
 
-    @property
-    def seq_len_divisor(self) -> int:
-        """Sequence lengths must be multiples of this: SP splits by tp, load-balanced CP by 2*cp chunks."""
-        return self.tp * (2 * self.cp if self.cp > 1 else 1)
+    def seq_len_divisor(self, *, sequence_parallel: bool) -> int:
+        """Sequence lengths must be multiples of this: SP splits the sequence by tp, load-balanced
+        CP into 2*cp chunks; plain TP (no SP) takes any length."""
+        return (self.tp if sequence_parallel else 1) * (2 * self.cp if self.cp > 1 else 1)
+
+    def check_seq_len(self, seq_len: int, *, sequence_parallel: bool, where: str = "the batch") -> None:
+        """ValueError (before any collective sees the sequence) if `seq_len` does not split evenly."""
+        divisor = self.seq_len_divisor(sequence_parallel=sequence_parallel)
+        if seq_len % divisor == 0:
+            return
+        reasons = []
+        if sequence_parallel and self.tp > 1:
+            reasons.append(f"sequence parallel splits it over tp={self.tp} ranks")
+        if self.cp > 1:
+            reasons.append(f"context parallel cuts it into 2*cp={2 * self.cp} load-balanced chunks")
+        below, above = seq_len - seq_len % divisor, seq_len - seq_len % divisor + divisor
+        fitting = f"{below} or {above}" if below > 0 else f"{above}"
+        raise ValueError(
+            f"sequence length {seq_len} of {where} must be a multiple of {divisor} ({'; '.join(reasons)}): "
+            f"use {fitting} (any multiple of {divisor})"
+            + ("" if self.cp > 1 else ", or turn off `sequence_parallel`")
+        )
 
     def describe(self) -> str:
         return " x ".join(f"{axis}={getattr(self, axis)}" for axis in MESH_AXES) + f" (world {self.world_size})"
@@ -158,6 +184,8 @@ class ParallelMesh:
     """1-D: dp_replicate x dp_shard, the ranks that see different batches."""
     dp_shard_cp: DeviceMesh
     """1-D: dp_shard x cp, the ranks over which ZeRO shards parameters."""
+    dp_cp: DeviceMesh
+    """1-D: dp_replicate x dp_shard x cp, the ranks that hold different tokens (loss normalisation)."""
     fsdp: DeviceMesh
     """FSDP's mesh: `dp_shard_cp` (1-D), or 2-D (dp_replicate, dp_shard_cp) for HSDP."""
 
@@ -179,10 +207,9 @@ def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
     world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
     flat = {name: world[axes]._flatten(name) for name, axes in FLAT_AXES.items()}
     if dims.dp_replicate_enabled:
-        # HSDP needs (replicate, shard) as one 2-D mesh: flatten the three data axes, then
-        # unflatten into replicate x (dp_shard * cp).
-        data = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        fsdp = data._unflatten(0, (dims.dp_replicate, dims.dp_shard_cp), ("dp_replicate", "dp_shard_cp"))
+        # HSDP needs (replicate, shard) as one 2-D mesh: unflatten the three data axes
+        # into replicate x (dp_shard * cp).
+        fsdp = flat["dp_cp"]._unflatten(0, (dims.dp_replicate, dims.dp_shard_cp), ("dp_replicate", "dp_shard_cp"))
     else:
         fsdp = flat["dp_shard_cp"]
     mesh = ParallelMesh(dims=dims, world=world, fsdp=fsdp, **flat)

@@ -3,7 +3,7 @@
 Each transformer block is one FSDP unit (one all-gather in forward, one all-gather
 and one reduce-scatter in backward, overlapped with the neighbouring block's
 compute); the parameters left outside the blocks (embeddings, final norm, head)
-form the root unit(s).
+form the root unit.
 """
 
 from __future__ import annotations
@@ -22,35 +22,65 @@ def apply_fsdp(
     blocks: Sequence[nn.Module],
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
-    module_forward_is_called: bool = True,
 ) -> None:
     """Shard `module` over `dp_mesh`: 1D mesh = FSDP (ZeRO-3), 2D (replicate, shard) = HSDP.
 
-    `blocks` are sharded one unit each. If `module_forward_is_called` is False (a
-    LightningModule whose `training_step` calls `self.model(...)` rather than
-    `self(...)`), FSDP's pre-forward all-gather would never fire on it, so each child
-    that still owns unsharded parameters becomes its own root unit instead.
+    `blocks` are sharded one unit each; every other parameter (embeddings, final norm, head,
+    wherever they live) forms the root unit on `module`, so weights tied between them (input
+    embedding and head) stay one parameter. The root's forward must be the entry point of each
+    step: a LightningModule whose `training_step` calls `self.model(...)` is entered through its
+    own `__call__` by the strategy (Lightning's forward redirection).
+
+    Gradients are *summed* over the data-parallel ranks, never averaged: the strategy divides
+    them once per step by the valid tokens of the global batch (`ultrascale.parallel.loss`).
     """
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    _check_no_parameter_spans_units(module, blocks)
     for index, block in enumerate(blocks):
         # The last block's parameters are needed again right at the start of backward:
         # resharding them after forward would only cost one extra all-gather.
         last = index == len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward and not last)
-    # The root units (embeddings, final norm, head) are not resharded after forward: backward
+    # The root unit (embeddings, final norm, head) is not resharded after forward: backward
     # starts with the head, so resharding would cost an all-gather of them right away.
-    if module_forward_is_called:
-        fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
-        return
-    own = [name for name, _ in module.named_parameters(recurse=False)]
-    if own:
-        raise ValueError(
-            f"{type(module).__name__} holds parameters directly ({', '.join(own)}), but its forward is not the entry "
-            "point of training, so FSDP cannot gather them. Move them into a submodule (e.g. `self.model`)."
-        )
-    for child in module.children():
-        if _has_unmanaged_parameters(child):
-            fully_shard(child, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    set_gradient_sum(module)
+
+
+def set_gradient_sum(module: nn.Module) -> None:
+    """Reduce-scatter (and HSDP's all-reduce) with SUM: FSDP's default divides by the dp size."""
+    for fsdp_module in fsdp_modules(module):
+        fsdp_module.set_gradient_divide_factor(1.0)
+        # With a factor of 1 and sum-only collectives FSDP issues plain SUM reductions and no
+        # division kernel (NCCL's PreMulSum would otherwise multiply by 1.0).
+        fsdp_module.set_force_sum_reduction_for_comms(True)
+
+
+def _check_no_parameter_spans_units(module: nn.Module, blocks: Sequence[nn.Module]) -> None:
+    """A parameter shared between a block and anything outside it would be sharded twice (and
+    silently untied); FSDP can only keep a tie inside one unit."""
+    owner: dict[int, str] = {}
+    for index, block in enumerate(blocks):
+        for name, p in block.named_parameters():
+            if id(p) in owner and owner[id(p)] != f"block {index}":
+                raise ValueError(
+                    f"parameter {name!r} of block {index} is shared with {owner[id(p)]}: FSDP shards each block as its "
+                    "own unit and would untie it. Untie the weights or use zero_stage=1/2."
+                )
+            owner[id(p)] = f"block {index}"
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    block_ids = {id(m) for block in blocks for m in block.modules()}
+    for path, sub in module.named_modules():
+        if id(sub) in block_ids:
+            continue
+        for name, p in sub.named_parameters(recurse=False):
+            if id(p) in in_blocks:
+                qualified = f"{path}.{name}" if path else name
+                raise ValueError(
+                    f"parameter {qualified!r} is shared with a transformer block "
+                    f"({owner[id(p)]}): FSDP shards each block as its own unit and would untie it. Untie the weights "
+                    "or use zero_stage=1/2."
+                )
 
 
 def fsdp_modules(module: nn.Module) -> Iterator[FSDPModule]:
@@ -72,9 +102,3 @@ def reshard(module: nn.Module) -> None:
 
 def is_fsdp_sharded(module: nn.Module) -> bool:
     return any(True for _ in fsdp_modules(module))
-
-
-def _has_unmanaged_parameters(module: nn.Module) -> bool:
-    """Parameters not yet owned by an FSDP unit (TP's DTensors count as unmanaged: FSDP must still shard them)."""
-    managed = {id(p) for unit in fsdp_modules(module) for p in unit.parameters()}
-    return any(id(p) not in managed for p in module.parameters())

@@ -23,7 +23,6 @@ def parallelize(
     transforms: Sequence[ModelTransform] = (),
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
-    module_forward_is_called: bool = True,
     shard_parameters: bool = True,
 ) -> nn.Module:
     """Apply the parallelisms of `mesh.dims` to `module` in place.
@@ -54,6 +53,5 @@ def parallelize(
         blocks=blocks,
         mp_policy=mp_policy,
         reshard_after_forward=reshard_after_forward,
-        module_forward_is_called=module_forward_is_called,
     )
     return module

@@ -13,12 +13,17 @@ its bucket's flat buffer. Rank r owns the r-th 1/N of every bucket: its fp32 mas
 weights, optimizer moments and reduced gradients for that slice. Each collective moves one
 bucket-sized contiguous tensor:
 
-    backward: reduce-scatter(bucket grads) -> this rank's averaged grad slice
+    backward: reduce-scatter(bucket grads, SUM) -> added into this rank's grad slice
               (ZeRO-2: launched as soon as the bucket's last gradient is accumulated,
                overlapping the rest of backward, and the full bucket is freed after;
-               ZeRO-1: all buckets after backward, the full gradients are kept)
+               ZeRO-1: the full gradients are kept and summed locally over every
+               backward of the step, then reduced once by `reduce_gradients()`)
     step:     the optimizer steps only the slices (elementwise optimizers only)
     after:    all-gather(bucket params) -> every rank has the updated weights
+
+Gradients are summed over the dp ranks, never averaged: the caller scales the slices once per
+step (by 1 / valid tokens of the global batch, `ultrascale.parallel.loss`). Any number of
+backward passes may make up one step (accumulation, pipeline micro-batches).
 
 Bytes sent per rank per step: (N-1)/N * Ψ elements for the reduce-scatter plus the same for
 the all-gather, i.e. 2Ψ(N-1)/N, the same as DDP's ring all-reduce.
@@ -96,16 +101,19 @@ class ZeroEngine:
     """Turns a model + elementwise optimizer into ZeRO-1 (`stage=1`) or ZeRO-2 (`stage=2`).
 
     The optimizer is changed in place (its param groups then hold this rank's slices), so
-    LR schedulers and Lightning keep working on the same object. Gradient hooks
-    reduce-scatter the buckets; a wrapper around `optimizer.step` hands the reduced slices
-    to the optimizer and all-gathers the updated weights.
+    LR schedulers and Lightning keep working on the same object. Gradient hooks accumulate
+    into the buckets (ZeRO-2 also reduce-scatters them during a synchronised backward);
+    `reduce_gradients()` finishes the step's reduction, after which `grad_shards()` are this
+    rank's summed gradient slices (scale or clip them there); a wrapper around
+    `optimizer.step` reduces if that has not happened yet, hands the slices to the optimizer
+    and all-gathers the updated weights.
 
     Args:
         module: the model whose parameters the optimizer holds (plain tensors, not DTensors).
         optimizer: a fresh (never stepped) elementwise torch optimizer over `module`'s parameters.
         stage: 1 or 2.
         dp_mesh: the data-parallel mesh: 1-D (ranks that shard the optimizer state, dp_shard x cp),
-            or 2-D (replicate, shard): gradients are then also averaged across the replicas, and
+            or 2-D (replicate, shard): gradients are then also summed across the replicas, and
             each replica holds the same shards (HSDP-like).
         bucket_bytes: target bucket size; gradients of a bucket are reduced in one collective.
         compute_dtype: dtype of the model parameters during forward/backward (bf16 under bf16-mixed);
@@ -161,6 +169,8 @@ class ZeroEngine:
         self.replicate_group = dp_mesh.get_group(0) if dp_mesh.ndim == 2 and dp_mesh.size(0) > 1 else None
         self.require_backward_grad_sync = True
         self._backward_queued = False
+        self._unreduced = False  # some backward since the last reduction left local gradients
+        self._reduced = False  # this step's gradients are reduced; the next event must be the step
         self.optimizer = optimizer
         self.group_buckets: list[list[_Bucket]] = []
         self.buckets: list[_Bucket] = []
@@ -254,9 +264,15 @@ class ZeroEngine:
     # ------------------------------------------------------------------ backward
     @torch.no_grad()
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if self._reduced:
+            raise RuntimeError(
+                "ZeroEngine: a backward ran after reduce_gradients() and before optimizer.step(); the step's "
+                "gradients were already reduced. Run every backward of a step before reducing."
+            )
         if not self._backward_queued:
             self._backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._unreduced = True
         bucket = self._bucket_of[id(p)]
         view = self._grad_view(bucket, p)
         if p.grad is not view:
@@ -288,11 +304,29 @@ class ZeroEngine:
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
+        """End of every backward. ZeRO-2 with gradient sync on reduces now and frees the full
+        gradients (its memory contract); otherwise the local sums wait for `reduce_gradients`."""
         self._backward_queued = False
-        if not self.require_backward_grad_sync:  # accumulation micro-batch: keep the local sums, no communication
-            for bucket in self.buckets:
-                bucket.ready = 0
-            return
+        for bucket in self.buckets:
+            bucket.ready = 0
+        if self.stage == 2 and self.require_backward_grad_sync:
+            self._reduce_all()
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Reduce what the step's backward passes left unreduced into this rank's gradient slices.
+
+        Call once per optimizer step, after its last backward (the step wrapper calls it too; a
+        second call is a no-op). Any number of backward passes may precede it: ZeRO-1 sums them
+        locally and reduces once here; ZeRO-2 has already reduced each synchronised backward
+        into the slices and reduces only what accumulated without sync.
+        """
+        if self._unreduced:
+            self._reduce_all()
+        self._reduced = True
+
+    def _reduce_all(self) -> None:
+        """Reduce-scatter (SUM) every bucket's local gradients and add them into this rank's slices."""
         while self._next_to_launch < len(self.buckets):
             self._launch(self.buckets[self._next_to_launch])
             self._next_to_launch += 1
@@ -301,21 +335,20 @@ class ZeroEngine:
             work, out = bucket.pending
             work.wait()
             bucket.pending = None
-            bucket.ready = 0
-            out.div_(self.world)
             if self.replicate_group is not None:
                 dist.all_reduce(out, group=self.replicate_group)
-                out.div_(self.replicate_group.size())
             if self.stage == 1:
-                # ZeRO-1 keeps the full gradients; this rank's reduced slice lives in its own region.
+                # ZeRO-1 keeps the full gradients and reduces once per step: this rank's reduced
+                # slice lives in its own region of the gradient buffer (no extra memory).
                 region = bucket.grad_buffer[self.rank * bucket.shard : (self.rank + 1) * bucket.shard]
                 region.copy_(out)
                 bucket.grad_shard = region
             else:
-                bucket.grad_shard = out
+                bucket.grad_shard = out if bucket.grad_shard is None else bucket.grad_shard.add_(out)
                 bucket.grad_buffer, bucket.views = None, {}
                 for p in bucket.params:
                     p.grad = None
+        self._unreduced = False
 
     # ------------------------------------------------------------------ step
     def _step(self, closure: Any = None) -> Any:
@@ -323,6 +356,7 @@ class ZeroEngine:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.reduce_gradients()
         for bucket in self.buckets:  # the optimizer sees this rank's reduced slices (cast to the masters' dtype)
             bucket.master.grad = None if bucket.grad_shard is None else bucket.grad_shard.to(bucket.master.dtype)
         self._optimizer_step()
@@ -340,6 +374,7 @@ class ZeroEngine:
             bucket.grad_shard = None
             if bucket.grad_buffer is not None:
                 bucket.grad_buffer.zero_()
+        self._reduced = False
 
     @torch.no_grad()
     def init_state(self) -> None:

@@ -32,7 +32,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import SequenceParallel
 from typing_extensions import override
 
 import lightning.pytorch as pl
@@ -41,12 +43,14 @@ from ultrascale.parallel.checkpoint import check_checkpoint_dir, load_sharded_ch
 from ultrascale.parallel.dims import ParallelDims, ParallelMesh, build_mesh
 from ultrascale.parallel.fsdp import is_fsdp_sharded, reshard, set_gradient_sync
 from ultrascale.parallel.init import broadcast_module_state, has_meta_tensors, materialize_meta_module
+from ultrascale.parallel.loss import NUM_TOKENS_KEY
 from ultrascale.parallel.parallelize import parallelize
 from ultrascale.parallel.tensor import maybe_loss_parallel, resolve_plan
 from ultrascale.parallel.transforms import ModelTransform
 from ultrascale.parallel.zero import ZeroEngine, zero_engine_for
 from ultrascale.strategies.launcher import LauncherName, make_launcher
 from ultrascale.strategies.precision import SUPPORTED_PRECISION, UltraScalePrecision
+from ultrascale.strategies.step import TokenNormalizedStep
 
 # Parallelisms whose implementation lands after the 2D product; asking for them fails
 # in the constructor, before any process group exists, instead of silently running without.
@@ -113,6 +117,10 @@ class UltraScaleStrategy(ParallelStrategy):
 
     strategy_name = "ultrascale_4d"
 
+    normalizes_token_loss = True
+    """A `training_step` output ``{"loss": mean, "num_tokens": n}`` gets the exact global token mean
+    (gradient and the logged ``train_loss``); see `ultrascale.strategies.step`."""
+
     def __init__(
         self,
         data_parallel_replicate: int = 1,
@@ -173,6 +181,8 @@ class UltraScaleStrategy(ParallelStrategy):
         self.loss_parallel = loss_parallel
         self.tp_plan = resolve_plan(tp_plan) if tp_plan is not None else None
         self._loss_parallel_active = False
+        self._sequence_parallel_active: Optional[bool] = None  # known once the TP plan is chosen
+        self._token_step = TokenNormalizedStep()
         self.reshard_after_forward = reshard_after_forward
         self.meta_init = meta_init
         self.sync_module_states = sync_module_states
@@ -284,6 +294,9 @@ class UltraScaleStrategy(ParallelStrategy):
         self.set_world_ranks()
         dims = self.resolve_dims(self.world_size)
         self._parallel_dims = dims
+        if self.sequence_parallel is not None or not dims.tp_enabled:
+            # Known before the model exists: check the data module's sequence length before any process group.
+            self._check_datamodule_seq_len(sequence_parallel=bool(self.sequence_parallel) and dims.tp_enabled)
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -338,6 +351,10 @@ class UltraScaleStrategy(ParallelStrategy):
         adapter = get_adapter(module)
         dims = self.parallel_dims
         tp_plan = self._tensor_parallel_plan(module, adapter) if dims.tp_enabled else None
+        self._sequence_parallel_active = tp_plan is not None and any(
+            isinstance(style, SequenceParallel) for style in tp_plan.values()
+        )
+        self._check_datamodule_seq_len(sequence_parallel=self._sequence_parallel_active)  # before any weight moves
         if not adapter.blocks:
             rank_zero_info(
                 f"{type(self).__name__}: no repeated blocks (a ModuleList of identical layers) found in "
@@ -361,7 +378,6 @@ class UltraScaleStrategy(ParallelStrategy):
             transforms=self._model_transforms(),
             mp_policy=precision.mixed_precision_policy(),
             reshard_after_forward=self.reshard_after_forward,
-            module_forward_is_called=False,
             shard_parameters=self.zero_stage == 3,
         )
         if meta:
@@ -407,26 +423,119 @@ class UltraScaleStrategy(ParallelStrategy):
         )
         return adapter.tp_plan(sequence_parallel=sequence_parallel, loss_parallel=wants_loss_parallel)
 
+    # ------------------------------------------------------------------ the step
     # Loss parallel must be active around the loss (inside the step) and around backward.
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_batch_seq_len(args)
         with maybe_loss_parallel(self._loss_parallel_active):
-            return super().training_step(*args, **kwargs)
+            output = self._call_step("training_step", *args, **kwargs)
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization and isinstance(output, Mapping) and NUM_TOKENS_KEY in output:
+            raise ValueError(
+                f"{type(self).__name__}: `{NUM_TOKENS_KEY}` in a training_step output is understood with automatic "
+                "optimization only; under manual optimization normalise the loss yourself before `manual_backward`"
+            )
+        self._token_step.observe(output)
+        return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_batch_seq_len(args)
         with maybe_loss_parallel(self._loss_parallel_active):
-            return super().validation_step(*args, **kwargs)
+            return self._call_step("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_batch_seq_len(args)
         with maybe_loss_parallel(self._loss_parallel_active):
-            return super().test_step(*args, **kwargs)
+            return self._call_step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call_step("predict_step", *args, **kwargs)
+
+    def _call_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run `LightningModule.<name>` inside the module's own `__call__` when it is FSDP's root unit,
+        so the root's hooks (all-gather of embeddings/norm/head, the backward's final reduction)
+        fire whether the step calls `self(...)` or `self.model(...)` (Lightning's forward redirection)."""
+        module = self.lightning_module
+        assert module is not None
+        context = {
+            "training_step": self.precision_plugin.train_step_context,
+            "validation_step": self.precision_plugin.val_step_context,
+            "test_step": self.precision_plugin.test_step_context,
+            "predict_step": self.precision_plugin.predict_step_context,
+        }[name]
+        with context():
+            if isinstance(module, FSDPModule):
+                return self._forward_redirection(module, module, name, *args, **kwargs)
+            return getattr(module, name)(*args, **kwargs)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> torch.Tensor:
+        closure_loss = self._token_step.backward_loss(closure_loss)
         with maybe_loss_parallel(self._loss_parallel_active):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Any,
+        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """One step, in this order: the last micro-batch's forward and backward (Lightning's closure),
+        the step's gradient reduction finished (ZeRO-1/2) and normalised once, then Lightning's
+        `on_before_optimizer_step` hooks and clipping, then the optimizer."""
+
+        def closure_then_normalise() -> Any:
+            result = closure()
+            self._finish_gradients(optimizer)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_normalise, model, **kwargs)
+
+    def _finish_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        engine = zero_engine_for(optimizer)
+        if engine is not None:
+            engine.reduce_gradients()
+            grads: list[Optional[torch.Tensor]] = list(engine.grad_shards())
+        else:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+        module = self.lightning_module
+        assert module is not None
+        automatic = module.automatic_optimization
+        loss = self._token_step.finish(
+            grads,
+            group=self.parallel_mesh["dp_cp"].get_group(),
+            data_ranks=self.parallel_dims.dp_cp,
+            loss_divisor=module.trainer.accumulate_grad_batches if automatic else 1,
+        )
+        if loss is not None:
+            # Lightning allows per-step logging from `on_before_optimizer_step`, which runs right
+            # after this; the value is already global, so no sync.
+            previous = module._current_fx_name
+            module._current_fx_name = "on_before_optimizer_step"
+            try:
+                module.log("train_loss", loss, prog_bar=True, sync_dist=False)
+            finally:
+                module._current_fx_name = previous
+
+    def _check_batch_seq_len(self, args: tuple) -> None:
+        batch = args[0] if args else None
+        tokens = batch.get("input_ids") if isinstance(batch, Mapping) else None
+        if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
+            self.parallel_dims.check_seq_len(tokens.shape[1], sequence_parallel=bool(self._sequence_parallel_active))
+
+    def _check_datamodule_seq_len(self, *, sequence_parallel: bool) -> None:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        datamodule = getattr(trainer, "datamodule", None)
+        seq_len = getattr(datamodule, "seq_len", None)
+        if isinstance(seq_len, int):
+            where = f"{type(datamodule).__name__}(seq_len={seq_len})"
+            self.parallel_dims.check_seq_len(seq_len, sequence_parallel=sequence_parallel, where=where)
 
     @override
     def model_to_device(self) -> None:

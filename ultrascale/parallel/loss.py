@@ -1,0 +1,117 @@
+"""One optimizer step, one loss: token-weighted normalisation over the whole global batch.
+
+The loss of a step is
+
+    L = sum over the valid tokens t of the global batch of CE(t)  /  N,    N = #(labels != -100)
+
+where the global batch spans every dp and cp rank, every accumulation micro-batch and every
+pipeline micro-batch. Averaging per-rank or per-micro-batch means instead weighs a token on a
+rank with few valid tokens more than one on a rank with many (prompt-masked fine-tuning data),
+and is only right when every micro-batch holds the same number of valid tokens.
+
+How it is computed without knowing N in advance (no look-ahead over micro-batches):
+
+    1. each backward runs on the *sum* of its token losses S_m (times a constant c);
+    2. every gradient reduction sums (FSDP, HSDP and ZeRO-1/2 are set to SUM, never AVG),
+       so after the last backward each gradient shard holds  c * grad(sum_m S_m);
+    3. once per step `StepTokens.reduce` all-reduces (sum S, N) over the ranks that hold
+       different tokens (dp_replicate x dp_shard x cp), and every gradient is multiplied
+       by 1 / (c * N).
+
+Gradients are linear in the loss, so scaling after the reduction equals dividing every token's
+loss by N before it. N is reduced in float64: float32 counts are exact only up to 2**24 tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+IGNORE_INDEX = -100
+"""Label value that marks a position without a target (prompt tokens, padding)."""
+
+NUM_TOKENS_KEY = "num_tokens"
+"""Key of the valid-token count in a step output ``{"loss": mean, "num_tokens": n}``."""
+
+
+def cross_entropy_sum(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum of next-token cross-entropy over the valid labels, number of valid labels)``.
+
+    ``logits`` ``(..., V)`` may be vocab-sharded DTensors (loss parallel): the replicated
+    DTensor sum comes back as a plain tensor (``to_local`` keeps the graph). The sum is taken
+    in fp32: a bf16 log-softmax over a large vocabulary is lossy. Labels are already shifted
+    (``labels[t]`` is the target of position t). No valid label gives ``(0, 0)``, never NaN.
+    """
+    loss_sum = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=ignore_index, reduction="sum")
+    if isinstance(loss_sum, DTensor):
+        loss_sum = loss_sum.to_local()
+    return loss_sum, (labels != ignore_index).sum()
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:
+    """What a LightningModule returns from ``training_step`` / ``validation_step`` to get the exact loss.
+
+    ``{"loss": mean cross-entropy over this micro-batch's valid tokens (0 when there are none),
+    "num_tokens": their number}``. Under any Lightning strategy the ``"loss"`` is an ordinary
+    mean; ultrascale strategies read ``"num_tokens"`` and turn the step's gradient into that of
+    ``sum(token losses) / (valid tokens of the whole global batch)``.
+    """
+    loss_sum, count = cross_entropy_sum(logits, labels, ignore_index)
+    return {"loss": loss_sum / count.clamp(min=1), NUM_TOKENS_KEY: count}
+
+
+class StepTokens:
+    """This rank's sum of token losses and count of valid tokens over the micro-batches of one step."""
+
+    def __init__(self) -> None:
+        self.loss_sum: torch.Tensor | None = None
+        self.num_tokens: torch.Tensor | None = None
+
+    def add(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        loss_sum, num_tokens = loss_sum.detach().double(), num_tokens.detach().double()
+        if self.loss_sum is None or self.num_tokens is None:
+            self.loss_sum, self.num_tokens = loss_sum, num_tokens
+        else:
+            self.loss_sum, self.num_tokens = self.loss_sum + loss_sum, self.num_tokens + num_tokens
+
+    @property
+    def empty(self) -> bool:
+        return self.num_tokens is None
+
+    def reduce(self, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss sum, valid tokens)`` of the whole global batch (float64, the same on every rank of
+        `group`), then starts a new step. One all-reduce of two numbers; `group` None: this process only."""
+        if self.loss_sum is None or self.num_tokens is None:
+            raise RuntimeError("StepTokens.reduce: no micro-batch was added in this step")
+        totals = torch.stack([self.loss_sum, self.num_tokens])
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(totals, group=group)
+        self.loss_sum = self.num_tokens = None
+        return totals[0], totals[1]
+
+
+@torch.no_grad()
+def scale_gradients(grads: Iterable[torch.Tensor | None], factor: float | torch.Tensor) -> None:
+    """Multiply every gradient (or gradient shard, DTensor or plain) by ``factor`` in place.
+
+    Exact for every placement: scaling commutes with Shard, Replicate and Partial(sum).
+    A tensor factor stays on the device (no host sync).
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        if grad is None:
+            continue
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        groups.setdefault((local.device, local.dtype), []).append(local)
+    for (device, _), tensors in groups.items():
+        scale = factor.to(device=device, dtype=torch.float32) if isinstance(factor, torch.Tensor) else factor
+        torch._foreach_mul_(tensors, scale)
+
+
+__all__ = ["IGNORE_INDEX", "NUM_TOKENS_KEY", "StepTokens", "cross_entropy_sum", "scale_gradients", "token_loss"]
