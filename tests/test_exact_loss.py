@@ -164,6 +164,29 @@ def test_users_own_tied_module_with_token_loss(layout):
     assert_parity(results[0], reference, step_losses(results))
 
 
+class CallsChildrenDirectly(TiedUserLM):
+    """A step that never calls `self(...)`: the strategy enters the root unit around it."""
+
+    def training_step(self, batch, batch_idx):
+        x = self.emb(batch["input_ids"])
+        for block in self.blocks:
+            x = block(x)
+        return ultrascale.token_loss(self.head(self.norm(x)), batch["labels"])
+
+
+def _train_children(rank, world_size):
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, "ultrascale_zero3", recorder, STEPS)
+    trainer.fit(CallsChildrenDirectly(), ParityData(user_data(1), MICRO_BATCH))
+    return recorder.result()
+
+
+def test_step_that_does_not_call_the_module_itself():
+    reference = reference_run(TiedUserLM(), user_data(1), global_batch=MICRO_BATCH, steps=STEPS)
+    results = run_ranks(_train_children, 2)
+    assert_parity(results[0], reference, step_losses(results))
+
+
 def test_plain_mean_module_keeps_the_mean_of_rank_means():
     """A module that returns a plain mean is averaged as before: the gradient is that of the mean over
     ranks and micro-batches of each one's own token mean (what README describes)."""
@@ -183,6 +206,53 @@ def test_plain_mean_module_keeps_the_mean_of_rank_means():
         assert_close(results[0]["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"grad {name}: {m}")
     exact = reference_run(TiedUserLM(), data, global_batch=MICRO_BATCH, steps=1, accumulate=accumulate)["grads"]
     assert not torch.allclose(exact["emb.weight"], grads["emb.weight"], rtol=1e-3, atol=1e-5)  # masking matters here
+
+
+class LogsItsOwnTrainLoss(TiedUserLM):
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.log("train_loss", out["loss"])  # the micro-batch mean: it would hide the exact value
+        return out
+
+
+def _logs_train_loss(rank, world_size):
+    trainer = parity_trainer(world_size, "ultrascale_zero3", Recorder(), 1)
+    try:
+        trainer.fit(LogsItsOwnTrainLoss(), ParityData(user_data(1), MICRO_BATCH))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_logging_train_loss_beside_the_token_count_is_refused():
+    for message in run_ranks(_logs_train_loss, 2):
+        assert message is not None and message.startswith("LogsItsOwnTrainLoss.training_step logs `train_loss` and returns")
+
+
+class ManualOptimization(TiedUserLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        out = ultrascale.token_loss(self(batch["input_ids"]), batch["labels"])
+        self.manual_backward(out["loss"])
+        self.optimizers().step()
+        return out
+
+
+def _manual(rank, world_size):
+    trainer = parity_trainer(world_size, "ultrascale_zero3", Recorder(), 1)
+    try:
+        trainer.fit(ManualOptimization(), ParityData(user_data(1), MICRO_BATCH))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_token_count_under_manual_optimization_is_refused():
+    for message in run_ranks(_manual, 2):
+        assert message is not None and "understood with automatic optimization only" in message
 
 
 # ----------------------------------------------------------------------------- validation loss

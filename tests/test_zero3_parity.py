@@ -82,3 +82,40 @@ def test_4d_strategy_object_no_reshard_matches_hsdp():
     results = run_ranks(_strategy_object, 4)
     assert results[0]["mesh"] == (2, 2)
     assert_parity(results[0], reference, step_losses(results))
+
+
+class CountAllGathers(L.Callback):
+    """All-gathers issued during each training batch (FSDP2 calls `all_gather_single` on torch 2.13)."""
+
+    def __init__(self) -> None:
+        self.per_batch: list[int] = []
+
+    def setup(self, trainer, pl_module, stage):
+        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        real, per_batch = getattr(dist, name), self.per_batch
+
+        def counting(*args, **kwargs):
+            per_batch[-1] += 1
+            return real(*args, **kwargs)
+
+        setattr(dist, name, counting)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.per_batch.append(0)
+
+
+def _count_all_gathers(rank, world_size):
+    counter = CountAllGathers()
+    counter.per_batch.append(0)  # setup-time collectives
+    trainer = parity_trainer(world_size, "ultrascale_zero3", Recorder(), 3, callbacks=[counter])
+    trainer.fit(make_model(), ParityData(dataset(1), MICRO_BATCH))
+    return counter.per_batch[1:]
+
+
+def test_root_unit_is_gathered_once_per_step():
+    """LlamaLM's step calls `self(...)`, entering the root unit itself: after the first step (which
+    finds that out) the root (embeddings, norm, head) is gathered once per step, each block twice
+    (forward, backward) except the last, which stays gathered from forward to backward."""
+    per_batch = run_ranks(_count_all_gathers, 2)[0]
+    blocks = 2
+    assert per_batch[1:] == [1 + 2 * (blocks - 1) + 1] * 2

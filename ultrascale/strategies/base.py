@@ -183,6 +183,7 @@ class UltraScaleStrategy(ParallelStrategy):
         self._loss_parallel_active = False
         self._sequence_parallel_active: Optional[bool] = None  # known once the TP plan is chosen
         self._token_step = TokenNormalizedStep()
+        self._step_calls_module: dict[str, bool] = {}  # per step hook: does it call `self(...)` itself?
         self.reshard_after_forward = reshard_after_forward
         self.meta_init = meta_init
         self.sync_module_states = sync_module_states
@@ -468,9 +469,21 @@ class UltraScaleStrategy(ParallelStrategy):
             "predict_step": self.precision_plugin.predict_step_context,
         }[name]
         with context():
-            if isinstance(module, FSDPModule):
+            if not isinstance(module, FSDPModule) or self._step_calls_module.get(name, False):
+                return getattr(module, name)(*args, **kwargs)
+            if name in self._step_calls_module:  # known: the step reaches the model another way
                 return self._forward_redirection(module, module, name, *args, **kwargs)
-            return getattr(module, name)(*args, **kwargs)
+            # First call: a step that calls `self(...)` enters the root itself. Entering it around the
+            # step as well would make the outer exit reshard the root (one more all-gather per step),
+            # so such steps are called directly from then on.
+            entries: list[int] = []
+            handle = module.register_forward_pre_hook(lambda *_: entries.append(1))
+            try:
+                output = self._forward_redirection(module, module, name, *args, **kwargs)
+            finally:
+                handle.remove()
+            self._step_calls_module[name] = len(entries) > 1
+            return output
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -514,6 +527,13 @@ class UltraScaleStrategy(ParallelStrategy):
             loss_divisor=module.trainer.accumulate_grad_batches if automatic else 1,
         )
         if loss is not None:
+            results = module.trainer._results
+            if results is not None and "training_step.train_loss" in results:
+                raise ValueError(
+                    f"{_class_name(module)}.training_step logs `train_loss` and returns `{NUM_TOKENS_KEY}`: "
+                    f"{type(self).__name__} logs the exact `train_loss` of every optimizer step (the global token "
+                    "mean) itself; remove the `self.log('train_loss', ...)` or log your value under another name"
+                )
             # Lightning allows per-step logging from `on_before_optimizer_step`, which runs right
             # after this; the value is already global, so no sync.
             previous = module._current_fx_name
@@ -702,6 +722,12 @@ class UltraScaleStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+def _class_name(module: torch.nn.Module) -> str:
+    """The user's class name, also after `fully_shard` turned `LlamaLM` into `FSDPLlamaLM`."""
+    name = type(module).__name__
+    return name[len("FSDP"):] if isinstance(module, FSDPModule) and name.startswith("FSDP") else name
 
 
 def _is_parallelized(module: torch.nn.Module) -> bool:
