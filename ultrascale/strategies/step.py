@@ -79,7 +79,8 @@ class TokenNormalizedStep:
         self._micro_batch_tokens = None
         self._plain_micro_batches = 0
         if self._tokens.empty:
-            scale_gradients(grads, 1.0 / data_ranks)
+            if data_ranks > 1:
+                scale_gradients(grads, 1.0 / data_ranks)
             return None
         loss_sum, num_tokens = self._tokens.reduce(group)
         # No valid token in the whole step: every gradient is zero; keep it so (no 0/0).
