@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import ultrascale
-from tests._dist import init_gloo, run_ranks
+from tests._dist import counting_calls, init_gloo, run_ranks
 from tests._parity import (
     ParityData, Recorder, TokenDataset, assert_parity, inline_token_loss, parity_trainer, reference_run, step_losses,
 )
@@ -215,17 +215,17 @@ class LogsItsOwnTrainLoss(TiedUserLM):
         return out
 
 
-def _logs_train_loss(rank, world_size):
+def _refused(rank, world_size, module_class):
     trainer = parity_trainer(world_size, "ultrascale_zero3", Recorder(), 1)
     try:
-        trainer.fit(LogsItsOwnTrainLoss(), ParityData(user_data(1), MICRO_BATCH))
+        trainer.fit(module_class(), ParityData(user_data(1), MICRO_BATCH))
     except ValueError as error:
         return str(error)
     return None
 
 
 def test_logging_train_loss_beside_the_token_count_is_refused():
-    for message in run_ranks(_logs_train_loss, 2):
+    for message in run_ranks(_refused, 2, LogsItsOwnTrainLoss):
         assert message is not None and message.startswith("LogsItsOwnTrainLoss.training_step logs `train_loss` and returns")
 
 
@@ -241,17 +241,8 @@ class ManualOptimization(TiedUserLM):
         return out
 
 
-def _manual(rank, world_size):
-    trainer = parity_trainer(world_size, "ultrascale_zero3", Recorder(), 1)
-    try:
-        trainer.fit(ManualOptimization(), ParityData(user_data(1), MICRO_BATCH))
-    except ValueError as error:
-        return str(error)
-    return None
-
-
 def test_token_count_under_manual_optimization_is_refused():
-    for message in run_ranks(_manual, 2):
+    for message in run_ranks(_refused, 2, ManualOptimization):
         assert message is not None and "understood with automatic optimization only" in message
 
 
@@ -292,28 +283,21 @@ def _zero_three_backwards(rank, world_size, stage):
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
     engine = zero_module.ZeroEngine(model, optimizer, stage=stage, dp_mesh=init_device_mesh("cpu", (world_size,)),
                                     bucket_bytes=50_000)
-    calls = {"reduce_scatter": 0}
-    original = zero_module._reduce_scatter
-
-    def counting(*args, **kwargs):
-        calls["reduce_scatter"] += 1
-        return original(*args, **kwargs)
-
-    zero_module._reduce_scatter = counting
     data, tokens = masked_data(1), StepTokens()
     rows = MICRO_BATCH // world_size
-    for micro in range(3):  # three synchronised backward passes make one step (as a pipeline schedule does)
-        batch = data[micro * MICRO_BATCH + rank * rows : micro * MICRO_BATCH + (rank + 1) * rows]
-        loss_sum, count = cross_entropy_sum(model(batch["input_ids"]), batch["labels"])
-        loss_sum.backward()
-        tokens.add(loss_sum, count)
-    engine.reduce_gradients()
+    with counting_calls(zero_module, "_reduce_scatter") as calls:
+        for micro in range(3):  # three synchronised backward passes make one step (as a pipeline schedule does)
+            batch = data[micro * MICRO_BATCH + rank * rows : micro * MICRO_BATCH + (rank + 1) * rows]
+            loss_sum, count = cross_entropy_sum(model(batch["input_ids"]), batch["labels"])
+            loss_sum.backward()
+            tokens.add(loss_sum, count)
+        engine.reduce_gradients()
     _, num_tokens = tokens.reduce(dist.group.WORLD)
     scale_gradients(engine.grad_shards(), 1.0 / num_tokens)
     grads = engine.full_gradients()
     optimizer.step()
     return {"grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "buckets": len(engine.buckets), "reduce_scatters": calls["reduce_scatter"]}
+            "buckets": len(engine.buckets), "reduce_scatters": calls["_reduce_scatter"]}
 
 
 def _tiny_llama() -> Llama:
@@ -343,32 +327,20 @@ def test_zero12_with_three_backward_passes_per_step(stage):
 
 
 def _odd_sequence(rank, world_size, sequence_parallel):
-    calls = {"collectives": 0}
     trainer = L.Trainer(accelerator="cpu", devices=world_size, max_steps=1, logger=False, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False,
                         strategy=ultrascale.UltraScaleStrategy(tensor_parallel=2, data_parallel_shard=1,
                                                                sequence_parallel=sequence_parallel))
     data = ParityData(TokenDataset(8, 31, 512), 4)
     data.seq_len = 31  # what ultrascale's data modules expose
-    real = {name: getattr(dist, name) for name in ("broadcast", "all_gather_into_tensor", "all_reduce")}
-
-    def counting(name):
-        def call(*args, **kwargs):
-            calls["collectives"] += 1
-            return real[name](*args, **kwargs)
-
-        return call
-
-    for name in real:  # weights are broadcast, then gathered by FSDP; nothing may run before the check
-        setattr(dist, name, counting(name))
-    try:
-        trainer.fit(make_llama(), data)
-    except ValueError as error:
-        return {"error": str(error), "initialized": dist.is_initialized(), **calls}
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
-    return {"error": None, **calls}
+    # Weights are broadcast, then gathered by FSDP, then TP runs in forward: none may happen before the check.
+    names = ("broadcast", "all_gather_single", "all_gather_into_tensor", "all_reduce", "reduce_scatter_single")
+    with counting_calls(dist, *names) as calls:
+        try:
+            trainer.fit(make_llama(), data)
+        except ValueError as error:
+            return {"error": str(error), "initialized": dist.is_initialized(), "collectives": sum(calls.values())}
+    return {"error": None, "collectives": sum(calls.values())}
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, None])

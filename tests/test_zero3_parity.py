@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import ultrascale  # noqa: F401
-from tests._dist import run_ranks
+from tests._dist import counting_calls, run_ranks
 from tests._parity import ParityData, Recorder, TokenDataset, assert_parity, parity_trainer, reference_run, step_losses
 from ultrascale.models.llama import LlamaLM
 
@@ -25,24 +25,16 @@ def dataset(accumulate: int) -> TokenDataset:
 def _train(rank, world_size, strategy, accumulate, clip):
     L.seed_everything(rank, verbose=False)  # different global RNG per rank: init must not depend on it
     recorder = Recorder()
-    calls = {"reduce_scatter": 0}
-    original = dist.reduce_scatter_single
-
-    def counting(*args, **kwargs):
-        calls["reduce_scatter"] += 1
-        return original(*args, **kwargs)
-
-    dist.reduce_scatter_single = counting
     trainer = parity_trainer(world_size, strategy, recorder, STEPS, accumulate_grad_batches=accumulate,
                              gradient_clip_val=clip)
     model = make_model()
-    trainer.fit(model, ParityData(dataset(accumulate), MICRO_BATCH))
-    dist.reduce_scatter_single = original
+    with counting_calls(dist, "reduce_scatter_single") as calls:
+        trainer.fit(model, ParityData(dataset(accumulate), MICRO_BATCH))
     from torch.distributed.fsdp import FSDPModule
 
     units = sum(isinstance(m, FSDPModule) for m in model.modules())
     mesh = trainer.strategy.device_mesh
-    return {**recorder.result(), "units": units, "reduce_scatters": calls["reduce_scatter"],
+    return {**recorder.result(), "units": units, "reduce_scatters": calls["reduce_scatter_single"],
             "mesh": (mesh["dp_replicate"].size(), mesh["dp_shard"].size())}
 
 
@@ -84,32 +76,28 @@ def test_4d_strategy_object_no_reshard_matches_hsdp():
     assert_parity(results[0], reference, step_losses(results))
 
 
-class CountAllGathers(L.Callback):
-    """All-gathers issued during each training batch (FSDP2 calls `all_gather_single` on torch 2.13)."""
+class AllGathersPerBatch(L.Callback):
+    """The all-gathers issued during each training batch, from a running count."""
 
-    def __init__(self) -> None:
-        self.per_batch: list[int] = []
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.counts, self.starts = counts, []
 
-    def setup(self, trainer, pl_module, stage):
-        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-        real, per_batch = getattr(dist, name), self.per_batch
-
-        def counting(*args, **kwargs):
-            per_batch[-1] += 1
-            return real(*args, **kwargs)
-
-        setattr(dist, name, counting)
+    def total(self) -> int:
+        return sum(self.counts.values())
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.per_batch.append(0)
+        self.starts.append(self.total())
+
+    def per_batch(self) -> list[int]:
+        return [end - start for start, end in zip(self.starts, [*self.starts[1:], self.total()])]
 
 
 def _count_all_gathers(rank, world_size):
-    counter = CountAllGathers()
-    counter.per_batch.append(0)  # setup-time collectives
-    trainer = parity_trainer(world_size, "ultrascale_zero3", Recorder(), 3, callbacks=[counter])
-    trainer.fit(make_model(), ParityData(dataset(1), MICRO_BATCH))
-    return counter.per_batch[1:]
+    with counting_calls(dist, "all_gather_single", "all_gather_into_tensor") as counts:
+        counter = AllGathersPerBatch(counts)
+        trainer = parity_trainer(world_size, "ultrascale_zero3", Recorder(), 3, callbacks=[counter])
+        trainer.fit(make_model(), ParityData(dataset(1), MICRO_BATCH))
+    return counter.per_batch()
 
 
 def test_root_unit_is_gathered_once_per_step():

@@ -450,13 +450,6 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: fl
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over non-ignored (-100) labels of one batch, in fp32; 0 when
-    none is valid. For training use `ultrascale.token_loss`, whose token count makes the step's
-    loss exact across ranks and micro-batches. `logits` may be vocab-sharded DTensors."""
-    return token_loss(logits, labels)["loss"]
-
-
 def adamw_warmup_cosine(module: lightning.LightningModule) -> Dict[str, Any]:
     """AdamW with linear warm-up then cosine decay, configured from the module's hparams
     (learning_rate, weight_decay, betas, eps, warmup_steps, max_steps, min_lr_ratio)."""

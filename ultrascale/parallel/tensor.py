@@ -21,7 +21,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Union
 
-import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -91,8 +90,3 @@ def maybe_loss_parallel(enabled: bool) -> Iterator[None]:
     """
     with loss_parallel() if enabled else nullcontext():
         yield
-
-
-def local_loss(loss: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor loss (from loss parallel) as a plain tensor; keeps autograd."""
-    return loss.to_local() if isinstance(loss, DTensor) else loss
