@@ -36,7 +36,7 @@ from _common import write_results  # noqa: E402
 from ultrascale.models.llama import Llama, LlamaConfig  # noqa: E402
 from ultrascale.models.tp_plans import llama_tp_plan  # noqa: E402
 from ultrascale.parallel.dims import ParallelDims, build_mesh  # noqa: E402
-from ultrascale.parallel.local_launch import init_gloo, run_ranks  # noqa: E402
+from ultrascale.launch import init_gloo, run_ranks  # noqa: E402
 from ultrascale.parallel.tensor import apply_tp, maybe_loss_parallel  # noqa: E402
 
 COLLECTIVES = {

@@ -35,7 +35,7 @@ import ultrascale  # noqa: E402
 from _common import Data, Throughput, WARMUP_STEPS, write_results  # noqa: E402
 from ultrascale.models.llama import LlamaLM  # noqa: E402
 from ultrascale.parallel import zero as zero_module  # noqa: E402
-from ultrascale.parallel.local_launch import run_ranks  # noqa: E402
+from ultrascale.launch import run_ranks  # noqa: E402
 from ultrascale.parallel.memory import model_state_bytes  # noqa: E402
 
 

@@ -1,10 +1,10 @@
-"""Multi-rank test helpers (see ultrascale.parallel.local_launch)."""
+"""Multi-rank test helpers (see ultrascale.launch)."""
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ultrascale.parallel.local_launch import free_port, init_gloo, run_ranks
+from ultrascale.launch import free_port, init_gloo, run_ranks
 
 
 @contextmanager

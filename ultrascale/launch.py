@@ -1,8 +1,16 @@
 """Run a function on N forked local ranks (gloo on CPU) and collect each rank's return value.
 
+A public utility: notebooks and scripts use it to try collectives and parallel layouts on
+one machine without torchrun; the multi-rank tests and the benchmarks are built on it.
+
 Fork, not spawn: a launch costs ~0.1 s instead of seconds of torch re-imports. Each
 rank gets the env vars of an external launcher (like torchrun), so a Lightning
 Trainer inside the worker joins the job without launching processes itself.
+
+The parent hosts the rendezvous store, as torchrun's agent does
+(`TORCHELASTIC_USE_AGENT_STORE`): when rank 0 hosted it, a rank 0 that finished
+first took the store down while another rank was still creating a process group
+(`Connection reset by peer` in gloo's connect).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out
         NODE_RANK="0",
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
+        TORCHELASTIC_USE_AGENT_STORE="True",
     )
     torch.set_num_threads(1)
     try:
@@ -70,6 +79,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = TIMEOU
         ]
         for proc in procs:
             proc.start()
+        # Created after the fork so no child inherits the store's server thread; clients retry until it listens.
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout))
         deadline = time.monotonic() + timeout
         for proc in procs:
             proc.join(timeout=max(0.1, deadline - time.monotonic()))
@@ -77,6 +89,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = TIMEOU
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        del store
         results: dict[int, Any] = {}
         failures: list[str] = []
         for rank in range(world_size):
