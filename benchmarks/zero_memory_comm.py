@@ -33,7 +33,7 @@ from lightning.pytorch.strategies import DDPStrategy
 sys.path.insert(0, str(Path(__file__).parent))
 import ultrascale  # noqa: E402
 from _common import Data, Throughput, WARMUP_STEPS, write_results  # noqa: E402
-from ultrascale.models.llama import LlamaLM  # noqa: E402
+from ultrascale.models.lm import LlamaLM  # noqa: E402
 from ultrascale.parallel import zero as zero_module  # noqa: E402
 from ultrascale.launch import run_ranks  # noqa: E402
 from ultrascale.parallel.memory import model_state_bytes  # noqa: E402

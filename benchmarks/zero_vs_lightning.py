@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, str(Path(__file__).parent))
 import ultrascale  # noqa: E402,F401
 from _common import Data, Throughput, WARMUP_STEPS, write_results  # noqa: E402
-from ultrascale.models.llama import LlamaLM  # noqa: E402
+from ultrascale.models.lm import LlamaLM  # noqa: E402
 from ultrascale.launch import run_ranks  # noqa: E402
 
 

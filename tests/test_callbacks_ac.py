@@ -19,7 +19,8 @@ from tests._parity import ParityData, Recorder, TokenDataset, assert_parity, par
 from ultrascale.callbacks import ActivationCheckpointing, EveryKAC, SelectiveAC
 from ultrascale.callbacks.activation_checkpointing import CheckpointWrapper, apply_ac, make_policy
 from ultrascale.data import CausalLMDataModule
-from ultrascale.models.llama import Llama, LlamaConfig, LlamaLM, TransformerBlock
+from ultrascale.models.llama import Llama, LlamaConfig, TransformerBlock
+from ultrascale.models.lm import LlamaLM
 
 MODES = ["full", "every_k", "selective", "attention"]
 PREFIX = "_checkpoint_wrapped_module."

@@ -19,7 +19,8 @@ from tests._dist import run_ranks
 from tests._parity import ParityData, Recorder, step_losses
 from ultrascale.callbacks import Float8Training
 from ultrascale.callbacks.float8 import float8_module_filter
-from ultrascale.models.llama import Llama, LlamaConfig, LlamaLM
+from ultrascale.models.llama import Llama, LlamaConfig
+from ultrascale.models.lm import LlamaLM
 
 # 4 blocks so that skipping the first and last leaves two; every linear is a multiple of 16.
 CONFIG = LlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=2, n_kv_heads=2, ffn_hidden_dim=64, max_seq_len=16)

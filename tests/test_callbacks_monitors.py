@@ -21,7 +21,7 @@ from ultrascale.callbacks.activation_checkpointing import apply_ac, make_policy
 from ultrascale.callbacks.mfu import model_flops
 from ultrascale.estimate import PEAK_TFLOPS, estimate_model_state_bytes, find_peak_tflops, recompute_flops_per_token
 from ultrascale.models.adapters import get_adapter
-from ultrascale.models.llama import LlamaLM
+from ultrascale.models.lm import LlamaLM
 
 SEQ, GLOBAL_BATCH, STEPS = 32, 8, 4
 

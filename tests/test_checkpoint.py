@@ -12,7 +12,7 @@ import ultrascale
 from tests._dist import run_ranks
 from tests._parity import Recorder, full, step_losses
 from ultrascale.data import CausalLMDataModule
-from ultrascale.models.llama import LlamaLM
+from ultrascale.models.lm import LlamaLM
 
 TOTAL_STEPS, STOP_STEP = 10, 5
 

@@ -22,7 +22,8 @@ from tests._dist import counting_calls, init_gloo, run_ranks
 from tests._parity import (
     ParityData, Recorder, TokenDataset, assert_parity, inline_token_loss, parity_trainer, reference_run, step_losses,
 )
-from ultrascale.models.llama import Llama, LlamaConfig, LlamaLM
+from ultrascale.models.llama import Llama, LlamaConfig
+from ultrascale.models.lm import LlamaLM
 
 SEQ, MICRO_BATCH, STEPS = 32, 8, 10
 # Rows 12..15 are the last dp ranks' share of loader batch 1: a micro-batch with no valid token

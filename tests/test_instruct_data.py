@@ -159,7 +159,7 @@ def test_bos_when_the_tokenizer_adds_one(tmp_path, data) -> None:
 
 
 def test_prompt_tokens_contribute_zero_loss(tok_dir, data) -> None:
-    from ultrascale.models.llama import LlamaLM
+    from ultrascale.models.lm import LlamaLM
 
     records, path = data
     dm = _setup(_dm(path, tok_dir, pack=True), [(r["prompt"], r["response"]) for r in records])
@@ -483,7 +483,7 @@ def test_trains_with_llama(tok_dir, data) -> None:
     """Two optimizer steps of ``LlamaLM`` through a real Trainer, with validation."""
     import lightning as L
 
-    from ultrascale.models.llama import LlamaLM
+    from ultrascale.models.lm import LlamaLM
 
     _, path = data
     dm = _dm(path, tok_dir, seq_len=32, val_fraction=0.2)

@@ -8,16 +8,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ultrascale.models.llama import (
-    LLAMA_PRESETS,
-    Attention,
-    Llama,
-    LlamaConfig,
-    LlamaLM,
-    apply_rope,
-    precompute_rope,
-    warmup_cosine,
-)
+from ultrascale.models.llama import LLAMA_PRESETS, Attention, Llama, LlamaConfig, apply_rope, precompute_rope
+from ultrascale.models.lm import LlamaLM, warmup_cosine
 
 TINY = LlamaConfig.from_preset("tiny")
 
@@ -258,3 +250,14 @@ def test_tiny_llama_lm_overfits_one_batch():
     groups = trainer.optimizers[0].param_groups
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
     assert all(p.ndim == 1 for p in groups[1]["params"])
+
+
+def test_old_llama_module_path_still_loads_with_a_warning():
+    """Recipes written before the model/training split name `ultrascale.models.llama.LlamaLM`."""
+    import ultrascale.models.llama as llama_module
+    from ultrascale.models import LlamaLM as canonical
+
+    with pytest.warns(FutureWarning, match=r"moved to `ultrascale\.models\.lm\.LlamaLM`"):
+        assert llama_module.LlamaLM is canonical
+    with pytest.raises(AttributeError):
+        llama_module.NoSuchName  # noqa: B018

@@ -7,7 +7,7 @@ import pytest
 import ultrascale  # noqa: F401
 from tests._dist import run_ranks
 from tests._parity import ParityData, Recorder, TokenDataset, parity_trainer, step_losses
-from ultrascale.models.llama import LlamaLM
+from ultrascale.models.lm import LlamaLM
 from ultrascale.parallel.memory import model_state_bytes
 
 STEPS = 4

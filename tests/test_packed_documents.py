@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ultrascale.models.llama import LlamaConfig, LlamaLM, document_causal_mask
+from ultrascale.models.llama import LlamaConfig, document_causal_mask
+from ultrascale.models.lm import LlamaLM
 
 
 def packed_vs_alone(forward):

@@ -12,7 +12,7 @@ import ultrascale
 from tests._dist import run_ranks
 from tests._parity import ParityData, Recorder, TokenDataset, parity_trainer
 from ultrascale import HSDPStrategy, UltraScaleStrategy, ZeRO3Strategy
-from ultrascale.models.llama import LlamaLM
+from ultrascale.models.lm import LlamaLM
 
 
 def trainer(strategy, devices=4, **kwargs):

@@ -5,7 +5,8 @@ import pytest
 import ultrascale
 from tests._dist import run_ranks
 from tests._parity import ParityData, Recorder, TokenDataset, assert_parity, parity_trainer, reference_run, step_losses
-from ultrascale.models.llama import LlamaConfig, LlamaLM
+from ultrascale.models.llama import LlamaConfig
+from ultrascale.models.lm import LlamaLM
 
 SEQ, BATCH, STEPS = 32, 8, 10
 

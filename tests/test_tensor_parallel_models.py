@@ -98,7 +98,8 @@ def _setup_error(rank, world_size, module, strategy_kwargs):
 
 
 def _llama(**overrides):
-    from ultrascale.models.llama import LlamaConfig, LlamaLM
+    from ultrascale.models.llama import LlamaConfig
+    from ultrascale.models.lm import LlamaLM
 
     return LlamaLM(config=LlamaConfig.from_preset("tiny", **overrides))
 
@@ -131,7 +132,8 @@ def test_tp_errors(make_module, tp, kwargs, expected):
 def test_tied_llama_tp2_parity():
     """Tied embeddings: the vocab-parallel embedding and the column-parallel head share one
     (V/tp, D) shard per rank, re-tied after parallelisation."""
-    from ultrascale.models.llama import LlamaConfig, LlamaLM
+    from ultrascale.models.llama import LlamaConfig
+    from ultrascale.models.lm import LlamaLM
 
     module = LlamaLM(config=LlamaConfig.from_preset("tiny", tie_embeddings=True, vocab_size=VOCAB),
                      learning_rate=3e-3, warmup_steps=1, max_steps=1000, min_lr_ratio=1.0, eps=1e-6)

@@ -9,7 +9,7 @@ import torch
 import ultrascale
 from tests._dist import run_ranks
 from tests._parity import ParityData, Recorder, TokenDataset, assert_parity, parity_trainer, reference_run, step_losses
-from ultrascale.models.llama import LlamaLM
+from ultrascale.models.lm import LlamaLM
 from ultrascale.parallel import zero as zero_module
 from ultrascale.parallel.memory import model_state_bytes
 

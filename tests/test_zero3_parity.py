@@ -8,7 +8,7 @@ import torch.distributed as dist
 import ultrascale  # noqa: F401
 from tests._dist import counting_calls, run_ranks
 from tests._parity import ParityData, Recorder, TokenDataset, assert_parity, parity_trainer, reference_run, step_losses
-from ultrascale.models.llama import LlamaLM
+from ultrascale.models.lm import LlamaLM
 
 SEQ, MICRO_BATCH, STEPS = 32, 8, 10
 

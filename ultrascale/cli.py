@@ -6,7 +6,7 @@
     ultrascale plan --preset llama3_8b --world 64 --tp 8 --seq-len 8192 --device-memory-gib 80
 
 Any LightningModule / LightningDataModule can be named with `class_path`; the recipes
-use `ultrascale.models.llama.LlamaLM` and `ultrascale.data.CausalLMDataModule`.
+use `ultrascale.models.LlamaLM` and `ultrascale.data.CausalLMDataModule`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any, Dict, Literal, Optional, Tuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from ultrascale.models.llama import CausalLMModule
+from ultrascale.models.lm import CausalLMModule
 
 WEIGHT_SUFFIX = ".safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -1,4 +1,4 @@
-"""Reference Llama-3 decoder (plain torch) and its LightningModule wrapper.
+"""Reference Llama-3 decoder in plain torch (the LightningModule is `ultrascale.models.lm.LlamaLM`).
 
 The model follows Meta's reference implementation (``llama/model.py``) closely so
 that its numerics are easy to check: pre-norm RMSNorm blocks, rotary position
@@ -11,24 +11,19 @@ SwiGLU feed-forward. Two choices are made for the parallelisms layered on top:
 - The causal attention kernel is its own submodule (``attention.sdpa``), so
   context parallel can swap in ring attention by module path.
 
-``Llama`` knows nothing of Lightning; ``LlamaLM`` adds the loss, the optimizer
-and the schedule, and builds the model in ``configure_model`` so that sharded
-strategies can build it on the meta device.
+``Llama`` knows nothing of Lightning: ``ultrascale.models.lm.LlamaLM`` adds the
+loss, the optimizer and the schedule, and builds the model in ``configure_model``
+so that sharded strategies can build it on the meta device.
 """
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-import lightning
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchmetrics.aggregation import MeanMetric
-
-from ultrascale.parallel.loss import token_loss
 
 __all__ = [
     "LLAMA_PRESETS",
@@ -36,13 +31,11 @@ __all__ = [
     "FeedForward",
     "Llama",
     "LlamaConfig",
-    "LlamaLM",
     "RMSNorm",
     "ScaledDotProductAttention",
     "TransformerBlock",
     "apply_rope",
     "precompute_rope",
-    "warmup_cosine",
 ]
 
 
@@ -430,185 +423,21 @@ class Llama(nn.Module):
         return 6 * matmul_params + 12 * config.n_layers * config.dim * seq_len
 
 
-# --------------------------------------------------------------------------- Lightning
+_MOVED_TO_LM = ("CausalLMModule", "LlamaLM", "adamw_warmup_cosine", "warmup_cosine")
 
 
-def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
-    """LR multiplier: linear warm-up to 1 over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` at ``max_steps``.
+def __getattr__(name: str) -> Any:
+    # Configs written before the split name `ultrascale.models.llama.LlamaLM`; keep them loading.
+    if name in _MOVED_TO_LM:
+        import warnings
 
-    Warm-up is ``(step + 1) / warmup_steps`` so the first step already learns; after
-    ``max_steps`` the multiplier stays at ``min_lr_ratio``.
-    """
-    if warmup_steps < 0:
-        raise ValueError(f"warmup_cosine: `warmup_steps={warmup_steps}` must be >= 0.")
-    if not 0.0 <= min_lr_ratio <= 1.0:
-        raise ValueError(f"warmup_cosine: `min_lr_ratio={min_lr_ratio}` must be in [0, 1].")
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    decay_steps = max(1, max_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        from ultrascale.models import lm
 
-
-def adamw_warmup_cosine(module: lightning.LightningModule) -> Dict[str, Any]:
-    """AdamW with linear warm-up then cosine decay, configured from the module's hparams
-    (learning_rate, weight_decay, betas, eps, warmup_steps, max_steps, min_lr_ratio)."""
-    hp = module.hparams
-    params = [p for p in module.parameters() if p.requires_grad]
-    # Decay matrices (embeddings, linears) only: decaying norm gains towards 0 just fights the normalisation.
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": hp.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps, fused=False, foreach=True)
-    max_steps = hp.max_steps if hp.max_steps is not None else module.trainer.estimated_stepping_batches
-    if not math.isfinite(max_steps):
-        raise ValueError(
-            f"{type(module).__name__}: cannot size the cosine schedule from an unbounded trainer; "
-            f"set `max_steps` on the module or the Trainer."
+        warnings.warn(
+            f"`ultrascale.models.llama.{name}` moved to `ultrascale.models.lm.{name}` "
+            f"(also `ultrascale.models.{name}`); update the import or the recipe's class_path",
+            FutureWarning,
+            stacklevel=2,
         )
-    lr_lambda = functools.partial(
-        warmup_cosine, warmup_steps=hp.warmup_steps, max_steps=int(max_steps), min_lr_ratio=hp.min_lr_ratio
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-class CausalLMModule(lightning.LightningModule):
-    """Training and validation steps shared by ultrascale's causal-LM modules.
-
-    Subclasses define ``forward(input_ids, position_ids=None) -> logits`` and the hparams
-    `adamw_warmup_cosine` reads. Batches are ``{"input_ids", "labels"[, "position_ids"]}``.
-
-    The loss of an optimizer step is ``sum(token losses) / valid tokens of the global batch``:
-    steps return ``{"loss", "num_tokens"}`` (`ultrascale.token_loss`). Under ultrascale
-    strategies the gradient and the logged ``train_loss`` are exactly that; ``val_loss`` is the
-    token mean over the whole validation set (sum and count reduced over all ranks).
-    """
-
-    supports_loss_parallel = True
-    """`batch_loss` accepts vocab-sharded DTensor logits, so strategies may keep them sharded."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        # Weighted by each batch's valid tokens, synced as (sum, count) over all ranks at epoch end.
-        self.val_token_mean = MeanMetric()
-
-    def batch_loss(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """``{"loss": mean over the batch's valid tokens, "num_tokens": their number}``."""
-        return token_loss(self(batch["input_ids"], batch.get("position_ids")), batch["labels"])
-
-    def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> Dict[str, torch.Tensor]:
-        out = self.batch_loss(batch)
-        if not getattr(self.trainer.strategy, "normalizes_token_loss", False):
-            # Lightning's own strategies: the micro-batch mean, averaged over ranks (exact only
-            # when every rank holds the same number of valid tokens).
-            self.log("train_loss", out["loss"], prog_bar=True, sync_dist=True)
-        return out
-
-    def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> Dict[str, torch.Tensor]:
-        out = self.batch_loss(batch)
-        self.val_token_mean.update(out["loss"], weight=out["num_tokens"])
-        self.log("val_loss", self.val_token_mean, prog_bar=True, on_step=False, on_epoch=True)
-        return out
-
-    def configure_optimizers(self) -> Dict[str, Any]:
-        return adamw_warmup_cosine(self)
-
-
-class LlamaLM(CausalLMModule):
-    """Causal-LM training of ``Llama`` on batches ``{"input_ids": (B, T), "labels": (B, T)}``.
-
-    ``labels`` are already shifted (``labels[t]`` is the target for ``input_ids[t]``)
-    and ``-100`` marks ignored positions. The model is built in ``configure_model``,
-    from ``init_seed`` alone, so every rank and a single-process reference start equal.
-    """
-
-    def __init__(
-        self,
-        config: Optional[LlamaConfig] = None,
-        preset: str = "tiny",
-        vocab_size: Optional[int] = None,
-        max_seq_len: Optional[int] = None,
-        learning_rate: float = 3e-4,
-        weight_decay: float = 0.1,
-        betas: Tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
-        warmup_steps: int = 10,
-        max_steps: Optional[int] = None,
-        min_lr_ratio: float = 0.1,
-        init_seed: int = 0,
-    ) -> None:
-        """
-        Args:
-            config: Full model config; when ``None`` the ``preset`` is used.
-            preset: Name in ``LLAMA_PRESETS``, used only when ``config`` is ``None``.
-            vocab_size: Overrides the config's vocabulary size (e.g. to match a tokenizer).
-            max_seq_len: Overrides the config's maximum sequence length.
-            learning_rate: Peak AdamW learning rate, reached at the end of warm-up.
-            weight_decay: AdamW decoupled weight decay for matrices (norm weights get none).
-            betas: AdamW ``(beta1, beta2)``.
-            eps: AdamW's denominator term ``eps`` in ``m / (sqrt(v) + eps)``.
-            warmup_steps: Optimizer steps of linear warm-up.
-            max_steps: Step at which the cosine reaches ``min_lr_ratio``; ``None`` uses the
-                trainer's ``estimated_stepping_batches``.
-            min_lr_ratio: Final learning rate as a fraction of ``learning_rate``.
-            init_seed: Seed of the weight init, independent of the global RNG state.
-        """
-        super().__init__()
-        self.save_hyperparameters()
-        overrides = {k: v for k, v in (("vocab_size", vocab_size), ("max_seq_len", max_seq_len)) if v is not None}
-        if config is None:
-            config = LlamaConfig.from_preset(preset, **overrides)
-        elif overrides:
-            config = dataclasses.replace(config, **overrides)
-        self.config = config
-        self.model: Optional[Llama] = None
-
-    def configure_model(self) -> None:
-        """Build ``Llama`` (idempotent); on the meta device only shapes exist until ``init_weights``."""
-        if self.model is not None:
-            return
-        # fork_rng so building the model neither reads nor advances the caller's RNG.
-        with torch.random.fork_rng(devices=self._rng_devices()):
-            self.model = Llama(self.config)
-        self.init_weights()
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Seed with ``init_seed`` and initialise the model, leaving the global RNG untouched.
-
-        Call after materialising a meta-built model (``to_empty``); gives the same
-        weights as a model built directly on a device, since only ``init_weights`` draws.
-        """
-        if self.model is None:
-            raise ValueError(f"{type(self).__name__}.init_weights: call `configure_model()` first.")
-        with torch.random.fork_rng(devices=self._rng_devices()):
-            torch.manual_seed(self.hparams.init_seed)
-            self.model.init_weights()
-
-    @staticmethod
-    def _rng_devices() -> list:
-        # Fork only the current CUDA device's RNG: forking every device warns and costs time.
-        return [torch.cuda.current_device()] if torch.cuda.is_available() else []
-
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``input_ids`` ``(B, T)`` -> logits ``(B, T, vocab_size)``; ``position_ids`` ``(B, T)``
-        restarting at 0 per packed document keep the documents apart (see ``Llama.forward``)."""
-        if self.model is None:
-            raise ValueError(f"{type(self).__name__}: the model is built in `configure_model()`; call it first.")
-        return self.model(input_ids, position_ids)
-
-    def num_params(self, exclude_embedding: bool = False) -> int:
-        """See ``Llama.num_params``; uses a meta-device copy when the model is not built yet."""
-        return self._model_or_meta().num_params(exclude_embedding)
-
-    def flops_per_token(self, seq_len: Optional[int] = None) -> int:
-        """See ``Llama.flops_per_token``; ``seq_len`` defaults to the config's ``max_seq_len``."""
-        return self._model_or_meta().flops_per_token(seq_len if seq_len is not None else self.config.max_seq_len)
-
-    def _model_or_meta(self) -> Llama:
-        if self.model is not None:
-            return self.model
-        with torch.device("meta"):
-            return Llama(self.config)
+        return getattr(lm, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
