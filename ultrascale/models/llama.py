@@ -16,7 +16,6 @@ loss, the optimizer and the schedule, and builds the model in ``configure_model`
 so that sharded strategies can build it on the meta device.
 """
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
