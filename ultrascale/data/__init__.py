@@ -2,14 +2,15 @@
 
 from ultrascale.data.datamodule import (
     CausalLMDataModule,
-    ResumableBlockSampler,
     TokenBlockDataset,
     stdlib_files,
     tokenize_corpus,
 )
+from ultrascale.data.sampling import BlockDataModule, ResumableBlockSampler
 from ultrascale.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
+    "BlockDataModule",
     "ByteTokenizer",
     "CausalLMDataModule",
     "HFTokenizer",

@@ -13,9 +13,10 @@ never a target of anything. No label crosses a document boundary.
 
 Examples are packed whole into blocks of ``seq_len`` positions (next-fit, in data
 order), the rest of a block padded with labels -100. The blocks then follow
-exactly the layout of :class:`~ultrascale.data.datamodule.CausalLMDataModule`:
-validation blocks from the end, :class:`ResumableBlockSampler` global batches
-(identical at any dp size), and the same mid-epoch resume state.
+exactly the layout of :class:`~ultrascale.data.datamodule.CausalLMDataModule`
+(both derive from :class:`~ultrascale.data.sampling.BlockDataModule`): validation
+blocks from the end, :class:`ResumableBlockSampler` global batches (identical at
+any dp size), and the same mid-epoch resume state.
 
 Within a packed block attention is still causal over the whole block: a later
 example can attend to an earlier one. The batch format (``input_ids``/``labels``
@@ -31,13 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 
-from ultrascale.data.datamodule import CausalLMDataModule, split_blocks
+from ultrascale.data.sampling import BlockDataModule, split_blocks
 from ultrascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = ["InstructionBlockDataset", "InstructionDataModule", "PackedBlocks", "pack_examples", "read_examples"]
@@ -281,14 +281,15 @@ class InstructionBlockDataset(Dataset):
 # --------------------------------------------------------------------------- data module
 
 
-class InstructionDataModule(L.LightningDataModule):
+class InstructionDataModule(BlockDataModule):
     """Supervised fine-tuning data: prompt/response pairs, loss on the response only, packed.
 
     Every rank reads and tokenizes the data itself in :meth:`setup` (deterministic,
     no cache to share). Batches are ``{"input_ids": (B, seq_len), "labels":
     (B, seq_len)}`` with labels already shifted and -100 on prompt targets and
     padding, the format of ``LlamaLM`` and the Hugging Face module. Layout, split,
-    shuffling and resume are those of :class:`CausalLMDataModule`.
+    shuffling and resume are those of :class:`CausalLMDataModule`: both inherit
+    them from :class:`BlockDataModule`.
 
     Tokenization: the templated prompt and the response are encoded separately,
     without special tokens, so the prompt/response boundary is exact; EOS is
@@ -323,6 +324,9 @@ class InstructionDataModule(L.LightningDataModule):
         num_workers: DataLoader worker processes; 0 loads in the main process.
         max_examples: Read at most this many examples (in file order); ``None`` reads all.
     """
+
+    train_dataset: InstructionBlockDataset | None
+    val_dataset: InstructionBlockDataset | None
 
     def __init__(
         self,
@@ -372,12 +376,7 @@ class InstructionDataModule(L.LightningDataModule):
         self._tokenizer: HFTokenizer | ByteTokenizer | None = None
         if tokenizer_path is not None:
             self._set_tokenizer(tokenizer_path)
-        self.train_dataset: InstructionBlockDataset | None = None
-        self.val_dataset: InstructionBlockDataset | None = None
         self.packed: PackedBlocks | None = None
-        # Set by `load_state_dict` when resuming: skip this many global batches of that epoch.
-        self._resume_epoch = 0
-        self._skip_batches = 0
 
     def _set_tokenizer(self, path: str) -> None:
         self._tokenizer = _load_hf_tokenizer(path)
@@ -462,18 +461,6 @@ class InstructionDataModule(L.LightningDataModule):
         self.val_dataset = InstructionBlockDataset(
             packed.input_ids[num_train:], packed.labels[num_train:], packed.position_ids[num_train:]
         )
-
-    # ---------------------------------------------------------------- layout and resume
-    # Borrowed unchanged from CausalLMDataModule so the dp layout, the sampler, the errors and
-    # the checkpointed position are the same code, not a copy. Not inherited: this class has its
-    # own constructor (LightningCLI reads its signature) and is not a text-corpus module.
-
-    _dp_layout = CausalLMDataModule._dp_layout
-    _dataloader = CausalLMDataModule._dataloader
-    train_dataloader = CausalLMDataModule.train_dataloader
-    val_dataloader = CausalLMDataModule.val_dataloader
-    state_dict = CausalLMDataModule.state_dict
-    load_state_dict = CausalLMDataModule.load_state_dict
 
 
 # --------------------------------------------------------------------------- tokenizer helpers
