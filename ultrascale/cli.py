@@ -71,7 +71,7 @@ def plan_main(args: list[str]) -> str:
 
     from ultrascale.estimate import STATE_BYTES, activation_bytes_per_layer, estimate_model_state_bytes, flops_per_token
     from ultrascale.models.llama import LLAMA_PRESETS, Llama, LlamaConfig
-    from ultrascale.models.tp_plans import check_tp_divides
+    from ultrascale.parallel.tensor import check_tp_divides
     from ultrascale.parallel.dims import ParallelDims
 
     parser = argparse.ArgumentParser(prog="ultrascale plan", description=plan_main.__doc__)

@@ -35,14 +35,14 @@ class ModelAdapter:
 
     def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
         """Raise (before any collective) if `tp` cannot be applied to this model."""
-        from ultrascale.models.tp_plans import check_tp_divides
+        from ultrascale.parallel.tensor import check_tp_divides
 
         if self.tp_plan is None:
             raise ValueError(
                 f"tensor parallel has no plan for {self.name}: ultrascale has TP plans for the built-in Llama and "
                 "Hugging Face Llama/Mistral/Qwen2 models. Pass your own plan to the strategy, e.g. "
                 "`tp_plan={'layers.*.attn.q': 'colwise', 'layers.*.attn.out': 'rowwise', ...}` "
-                "(module path -> ParallelStyle or one of ultrascale.models.tp_plans.STYLE_NAMES)."
+                "(module path -> ParallelStyle or one of ultrascale.parallel.tensor.STYLE_NAMES)."
             )
         if sequence_parallel and not self.supports_sequence_parallel:
             raise ValueError(
@@ -124,7 +124,7 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from ultrascale.models.tp_plans import style_from_name
+    from ultrascale.parallel.tensor import style_from_name
 
     path, hf = found
     config = hf.config

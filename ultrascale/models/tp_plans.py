@@ -1,13 +1,11 @@
 """Tensor-parallel plans: model knowledge, kept with the models.
 
 A plan is a literal dict `{module path (fnmatch wildcards allowed): ParallelStyle}`, applied
-by `ultrascale.parallel.tensor.apply_tp`. See that module for the per-block picture.
+by `ultrascale.parallel.tensor.apply_tp`. See that module for the per-block picture and for
+the style names (`STYLE_NAMES`) that user and Hugging Face plans use.
 """
 
 from __future__ import annotations
-
-import math
-from collections.abc import Callable, Mapping
 
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -17,23 +15,6 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
-
-# String names accepted in user plans (YAML / CLI) and in Hugging Face `base_model_tp_plan`s.
-STYLE_NAMES: dict[str, Callable[[], ParallelStyle]] = {
-    "colwise": ColwiseParallel,
-    "rowwise": RowwiseParallel,
-    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
-    "sequence_parallel": SequenceParallel,
-}
-
-
-def style_from_name(name: str) -> ParallelStyle:
-    try:
-        return STYLE_NAMES[name]()
-    except KeyError:
-        raise ValueError(f"unknown tensor-parallel style {name!r}; known: {', '.join(STYLE_NAMES)}") from None
 
 
 def llama_tp_plan(*, sequence_parallel: bool, loss_parallel: bool, prefix: str = "") -> dict[str, ParallelStyle]:
@@ -69,16 +50,3 @@ def llama_tp_plan(*, sequence_parallel: bool, loss_parallel: bool, prefix: str =
         # the tokens each) are summed across TP ranks by DTensor's backward.
         plan.update({"norm": SequenceParallel(), "layers.*.attention_norm": SequenceParallel(), "layers.*.ffn_norm": SequenceParallel()})
     return {prefix + path: style for path, style in plan.items()}
-
-
-def check_tp_divides(tp: int, sizes: Mapping[str, int], model_name: str) -> None:
-    """ValueError naming every size that `tp` does not divide and the degrees that would fit."""
-    bad = {name: size for name, size in sizes.items() if size % tp != 0}
-    if bad:
-        common = math.gcd(*sizes.values())
-        fits = [d for d in range(1, common + 1) if common % d == 0]
-        details = ", ".join(f"{name}={size}" for name, size in bad.items())
-        raise ValueError(
-            f"`tensor_parallel={tp}` must divide {details} of {model_name} (whole heads / rows per rank). "
-            f"Tensor-parallel degrees that fit: {fits}"
-        )

@@ -17,18 +17,41 @@ linear; with SP the communicated volume is the same but activations between bloc
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Union
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
-
-from ultrascale.models.tp_plans import style_from_name
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 TPPlan = Mapping[str, ParallelStyle]
+
+# String names accepted in user plans (YAML / CLI) and in Hugging Face `base_model_tp_plan`s.
+STYLE_NAMES: dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "sequence_parallel": SequenceParallel,
+}
+
+
+def style_from_name(name: str) -> ParallelStyle:
+    try:
+        return STYLE_NAMES[name]()
+    except KeyError:
+        raise ValueError(f"unknown tensor-parallel style {name!r}; known: {', '.join(STYLE_NAMES)}") from None
 
 
 def resolve_plan(plan: Mapping[str, Union[str, ParallelStyle]]) -> dict[str, ParallelStyle]:
@@ -90,3 +113,16 @@ def maybe_loss_parallel(enabled: bool) -> Iterator[None]:
     """
     with loss_parallel() if enabled else nullcontext():
         yield
+
+
+def check_tp_divides(tp: int, sizes: Mapping[str, int], model_name: str) -> None:
+    """ValueError naming every size that `tp` does not divide and the degrees that would fit."""
+    bad = {name: size for name, size in sizes.items() if size % tp != 0}
+    if bad:
+        common = math.gcd(*sizes.values())
+        fits = [d for d in range(1, common + 1) if common % d == 0]
+        details = ", ".join(f"{name}={size}" for name, size in bad.items())
+        raise ValueError(
+            f"`tensor_parallel={tp}` must divide {details} of {model_name} (whole heads / rows per rank). "
+            f"Tensor-parallel degrees that fit: {fits}"
+        )
