@@ -258,8 +258,11 @@ class HFCausalLM(CausalLMModule):
             self._weights_pending = False
 
     def _sharding_strategy(self) -> bool:
-        trainer = self._trainer
-        return trainer is not None and hasattr(trainer.strategy, "parallel_mesh")
+        try:
+            trainer = self.trainer
+        except RuntimeError:  # not attached to a Trainer
+            return False
+        return hasattr(trainer.strategy, "parallel_mesh")
 
     def init_weights(self) -> None:
         """Called by ultrascale strategies after sharding: each rank reads its slices of the weights."""

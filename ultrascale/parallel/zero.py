@@ -71,8 +71,10 @@ _ENGINES: "weakref.WeakKeyDictionary[torch.optim.Optimizer, ZeroEngine]" = weakr
 
 
 def zero_engine_for(optimizer: Any) -> Optional["ZeroEngine"]:
-    """The ZeRO-1/2 engine that owns `optimizer` (a LightningOptimizer is unwrapped), if any."""
-    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    """The ZeRO-1/2 engine that owns `optimizer`, if any. Wrappers that expose the wrapped optimizer
+    as `.optimizer` (Lightning's LightningOptimizer, accelerate's AcceleratedOptimizer) are unwrapped."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = getattr(optimizer, "optimizer", optimizer)
     try:
         return _ENGINES.get(optimizer)
     except TypeError:

@@ -6,6 +6,8 @@ The strategy is a thin adapter: it turns Lightning's lifecycle into calls of
 
 from __future__ import annotations
 
+import atexit
+import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -15,18 +17,9 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -40,6 +33,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from ultrascale.models.adapters import ModelAdapter, get_adapter
 from ultrascale.parallel.checkpoint import check_checkpoint_dir, load_sharded_checkpoint, save_sharded_checkpoint
+from ultrascale.parallel.device import process_group_backend
 from ultrascale.parallel.dims import ParallelDims, ParallelMesh, build_mesh
 from ultrascale.parallel.fsdp import is_fsdp_sharded, reshard, set_gradient_sync
 from ultrascale.parallel.init import broadcast_module_state, has_meta_tensors, materialize_meta_module
@@ -48,9 +42,19 @@ from ultrascale.parallel.parallelize import parallelize
 from ultrascale.parallel.tensor import maybe_loss_parallel, resolve_plan
 from ultrascale.parallel.transforms import ModelTransform
 from ultrascale.parallel.zero import ZeroEngine, zero_engine_for
+from ultrascale.strategies._lightning_compat import (
+    StrategyInternals,
+    attach_device_mesh,
+    check_lightning_internals,
+    logging_as_hook,
+    optimizers_to_device,
+    step_logged,
+)
 from ultrascale.strategies.launcher import LauncherName, make_launcher
 from ultrascale.strategies.precision import SUPPORTED_PRECISION, UltraScalePrecision
 from ultrascale.strategies.step import TokenNormalizedStep
+
+PathLike = Union[str, Path]
 
 # Parallelisms whose implementation lands after the 2D product; asking for them fails
 # in the constructor, before any process group exists, instead of silently running without.
@@ -61,7 +65,7 @@ _NOT_YET_IMPLEMENTED = {
 }
 
 
-class UltraScaleStrategy(ParallelStrategy):
+class UltraScaleStrategy(StrategyInternals):
     """N-D parallel training on a `DeviceMesh` with axes `pp, dp_replicate, dp_shard, cp, tp`.
 
     Registered as ``"ultrascale_4d"``. Any `LightningModule` works unchanged: after
@@ -89,7 +93,7 @@ class UltraScaleStrategy(ParallelStrategy):
             `LlamaLM`'s does), off otherwise.
         tp_plan: a tensor-parallel plan for models without an adapter: module path
             (wildcards allowed) -> `ParallelStyle` or a name in
-            `ultrascale.models.tp_plans.STYLE_NAMES` ("colwise", "rowwise", ...).
+            `ultrascale.parallel.tensor.STYLE_NAMES` ("colwise", "rowwise", ...).
         zero_stage: 3 = parameters, gradients and optimizer state sharded (FSDP2);
             2 = replicated parameters, sharded gradients and optimizer state;
             1 = replicated parameters and gradients, sharded optimizer state.
@@ -142,6 +146,7 @@ class UltraScaleStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
+        check_lightning_internals()
         super().__init__()
         self._degrees = {
             "dp_replicate": data_parallel_replicate,
@@ -261,13 +266,14 @@ class UltraScaleStrategy(ParallelStrategy):
     @property
     @override
     def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else UltraScalePrecision()
+        stored = self.stored_precision_plugin
+        return stored if stored is not None else UltraScalePrecision()
 
     @precision_plugin.setter
     @override
     def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
         if precision_plugin is None or isinstance(precision_plugin, UltraScalePrecision):
-            self._precision_plugin = precision_plugin
+            self.stored_precision_plugin = precision_plugin
             return
         name = getattr(precision_plugin, "precision", None)
         # Only Lightning's generic plugins are translated; a specialised one (double,
@@ -277,16 +283,17 @@ class UltraScaleStrategy(ParallelStrategy):
                 f"{type(self).__name__} supports `precision` in {SUPPORTED_PRECISION} (FSDP2 mixed precision), "
                 f"got {type(precision_plugin).__name__}(precision={name!r})"
             )
-        self._precision_plugin = UltraScalePrecision(name)
+        self.stored_precision_plugin = UltraScalePrecision(name)
 
     # ------------------------------------------------------------------ processes
     @override
-    def _configure_launcher(self) -> None:
+    def create_launcher(self) -> Any:
         assert self.cluster_environment is not None
         # Validate the layout here, at Trainer construction, before any process is started.
         self._parallel_dims = self.resolve_dims(self.num_nodes * self.num_processes)
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = make_launcher(self._launcher_name, self, self.num_processes, self.num_nodes)
+        if self.cluster_environment.creates_processes_externally:
+            return None
+        return make_launcher(self._launcher_name, self, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
@@ -298,18 +305,31 @@ class UltraScaleStrategy(ParallelStrategy):
         if self.sequence_parallel is not None or not dims.tp_enabled:
             # Known before the model exists: check the data module's sequence length before any process group.
             self._check_datamodule_seq_len(sequence_parallel=bool(self.sequence_parallel) and dims.tp_enabled)
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
+        self._process_group_backend = self._process_group_backend or process_group_backend(self.root_device)
+        self._init_process_group()
         self._parallel_mesh = build_mesh(dims, self.root_device.type)
         rank_zero_info(f"ultrascale mesh: {dims.describe()}")
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self.device_mesh
+        attach_device_mesh(self.lightning_module, self.device_mesh)
+
+    def _init_process_group(self) -> None:
+        if dist.is_initialized():  # an outer launcher or a previous fit created it
+            return
+        environment = self.cluster_environment
+        assert environment is not None and self._process_group_backend is not None
+        # env:// rendezvous at the address the cluster environment (torchrun, SLURM, Lightning's launcher) names.
+        os.environ["MASTER_ADDR"] = environment.main_address
+        os.environ["MASTER_PORT"] = str(environment.main_port)
+        dist.init_process_group(
+            self._process_group_backend,
+            rank=environment.global_rank(),
+            world_size=environment.world_size(),
+            timeout=self._timeout,
+            device_id=self.root_device if self.root_device.type != "cpu" else None,
+        )
+        if self._process_group_backend == "nccl":
+            # NCCL warns at exit about a process group that was never destroyed.
+            atexit.register(_destroy_process_group)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -338,7 +358,7 @@ class UltraScaleStrategy(ParallelStrategy):
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
-            self._reset_optimizers_and_schedulers()
+            self.reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
             if self.zero_stage in (1, 2):
                 for engine in self._zero_engines:  # a second fit: the old engines' hooks must go
@@ -346,7 +366,7 @@ class UltraScaleStrategy(ParallelStrategy):
                 self._zero_engines = [self._make_zero_engine(optimizer) for optimizer in self.optimizers]
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize(self, module: torch.nn.Module) -> None:
         adapter = get_adapter(module)
@@ -401,7 +421,7 @@ class UltraScaleStrategy(ParallelStrategy):
 
     def _model_transforms(self) -> list[ModelTransform]:
         """Callbacks that rewrite the model (activation checkpointing, FP8) run inside `parallelize`."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = _trainer_of(self.lightning_module)
         return [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, ModelTransform)]
 
     def _tensor_parallel_plan(self, module: torch.nn.Module, adapter: ModelAdapter) -> dict[str, Any]:
@@ -472,14 +492,14 @@ class UltraScaleStrategy(ParallelStrategy):
             if not isinstance(module, FSDPModule) or self._step_calls_module.get(name, False):
                 return getattr(module, name)(*args, **kwargs)
             if name in self._step_calls_module:  # known: the step reaches the model another way
-                return self._forward_redirection(module, module, name, *args, **kwargs)
+                return self.call_inside_module(module, name, *args, **kwargs)
             # First call: a step that calls `self(...)` enters the root itself. Entering it around the
             # step as well would make the outer exit reshard the root (one more all-gather per step),
             # so such steps are called directly from then on.
             entries: list[int] = []
             handle = module.register_forward_pre_hook(lambda *_: entries.append(1))
             try:
-                output = self._forward_redirection(module, module, name, *args, **kwargs)
+                output = self.call_inside_module(module, name, *args, **kwargs)
             finally:
                 handle.remove()
             self._step_calls_module[name] = len(entries) > 1
@@ -527,8 +547,7 @@ class UltraScaleStrategy(ParallelStrategy):
             loss_divisor=module.trainer.accumulate_grad_batches if automatic else 1,
         )
         if loss is not None:
-            results = module.trainer._results
-            if results is not None and "training_step.train_loss" in results:
+            if step_logged(module.trainer, "training_step.train_loss"):
                 raise ValueError(
                     f"{_class_name(module)}.training_step logs `train_loss` and returns `{NUM_TOKENS_KEY}`: "
                     f"{type(self).__name__} logs the exact `train_loss` of every optimizer step (the global token "
@@ -536,12 +555,8 @@ class UltraScaleStrategy(ParallelStrategy):
                 )
             # Lightning allows per-step logging from `on_before_optimizer_step`, which runs right
             # after this; the value is already global, so no sync.
-            previous = module._current_fx_name
-            module._current_fx_name = "on_before_optimizer_step"
-            try:
+            with logging_as_hook(module, "on_before_optimizer_step"):
                 module.log("train_loss", loss, prog_bar=True, sync_dist=False)
-            finally:
-                module._current_fx_name = previous
 
     def _check_batch_seq_len(self, args: tuple) -> None:
         batch = args[0] if args else None
@@ -550,7 +565,7 @@ class UltraScaleStrategy(ParallelStrategy):
             self.parallel_dims.check_seq_len(tokens.shape[1], sequence_parallel=bool(self._sequence_parallel_active))
 
     def _check_datamodule_seq_len(self, *, sequence_parallel: bool) -> None:
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = _trainer_of(self.lightning_module)
         datamodule = getattr(trainer, "datamodule", None)
         seq_len = getattr(datamodule, "seq_len", None)
         if isinstance(seq_len, int):
@@ -565,7 +580,7 @@ class UltraScaleStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ collectives
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
+        if not dist.is_initialized():
             return
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
@@ -574,7 +589,7 @@ class UltraScaleStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
+        if not dist.is_initialized():
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src)
@@ -582,13 +597,24 @@ class UltraScaleStrategy(ParallelStrategy):
 
     @override
     def reduce(
-        self, tensor: Union[torch.Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+        self, tensor: Union[torch.Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean"
     ) -> torch.Tensor:
+        """In place over `group` (default: all ranks), as Lightning's strategies do; "mean"/"avg" is a sum
+        divided by the group size (gloo has no AVG)."""
         if isinstance(tensor, DTensor):  # e.g. a loss computed under loss parallel
             tensor = tensor.full_tensor()
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        if not isinstance(tensor, torch.Tensor) or not dist.is_initialized():
+            return tensor
+        mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+        if reduce_op is None or mean:
+            op = dist.ReduceOp.SUM
+        else:
+            op = getattr(dist.ReduceOp, reduce_op.upper()) if isinstance(reduce_op, str) else reduce_op
+        dist.all_reduce(tensor, op=op, group=group)
+        if not mean:
+            return tensor
+        size = dist.get_world_size(group)
+        return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
 
     @contextmanager
     @override
@@ -641,7 +667,7 @@ class UltraScaleStrategy(ParallelStrategy):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         assert self.model is not None
         engine = zero_engine_for(optimizer)
         if engine is not None:
@@ -659,7 +685,7 @@ class UltraScaleStrategy(ParallelStrategy):
         pass
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(`storage_options=...`) is not supported")
         path = Path(self.broadcast(str(filepath)))
@@ -671,7 +697,7 @@ class UltraScaleStrategy(ParallelStrategy):
         save_sharded_checkpoint(tensors, checkpoint, path)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -682,7 +708,7 @@ class UltraScaleStrategy(ParallelStrategy):
 
         path = check_checkpoint_dir(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         tensors: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
         for i, optimizer in enumerate(optimizers):
             engine = zero_engine_for(optimizer)
@@ -706,7 +732,7 @@ class UltraScaleStrategy(ParallelStrategy):
         return metadata
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: PathLike) -> None:
         if self.is_global_zero:
             import shutil
 
@@ -722,6 +748,18 @@ class UltraScaleStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _trainer_of(module: Optional["pl.LightningModule"]) -> Optional["pl.Trainer"]:
+    try:
+        return module.trainer if module is not None else None
+    except RuntimeError:  # not attached to a Trainer
+        return None
 
 
 def _class_name(module: torch.nn.Module) -> str:

@@ -1,6 +1,6 @@
 """Choosing how rank processes are started.
 
-Lightning's default `_SubprocessScriptLauncher` re-runs `sys.argv` once per rank: right
+Lightning's default launcher (`SubprocessScriptLauncher`) re-runs `sys.argv` once per rank: right
 for a script or the `ultrascale` CLI, wrong inside pytest or a notebook (it would re-run
 pytest). There we fork instead; the forked workers return only their metrics, not
 rank 0's weights: those are sharded DTensors that cannot be shipped to the parent, and
@@ -11,29 +11,13 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Literal, Optional
+from typing import Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from typing_extensions import override
+
+from ultrascale.strategies._lightning_compat import ForkLauncher, SubprocessScriptLauncher
 
 LauncherName = Literal["auto", "subprocess", "fork"]
-
-
-class ForkLauncher(_MultiProcessingLauncher):
-    """Fork-based launcher that sends back metrics and trainer state, never the (sharded) weights."""
-
-    def __init__(self, strategy: "pl.strategies.ParallelStrategy") -> None:
-        super().__init__(strategy, start_method="fork")
-
-    @override
-    def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[_WorkerOutput]:
-        if self._strategy.local_rank != 0:
-            return None
-        callback = trainer.checkpoint_callback
-        best_model_path = getattr(callback, "best_model_path", None) if callback else None
-        return _WorkerOutput(best_model_path, None, trainer.state, results, self.get_extra_results(trainer))
 
 
 def in_interactive_or_pytest() -> bool:
@@ -44,7 +28,7 @@ def in_interactive_or_pytest() -> bool:
 
 def make_launcher(
     name: LauncherName, strategy: "pl.strategies.ParallelStrategy", num_processes: int, num_nodes: int
-) -> _SubprocessScriptLauncher | ForkLauncher:
+) -> SubprocessScriptLauncher | ForkLauncher:
     if name == "auto":
         on_cpu = all(device.type == "cpu" for device in (strategy.parallel_devices or []))
         # One process: the subprocess launcher starts no child and trains in this process,
@@ -54,5 +38,5 @@ def make_launcher(
     if name == "fork":
         return ForkLauncher(strategy)
     if name == "subprocess":
-        return _SubprocessScriptLauncher(strategy.cluster_environment, num_processes, num_nodes)
+        return SubprocessScriptLauncher(strategy.cluster_environment, num_processes, num_nodes)
     raise ValueError(f"unknown launcher={name!r}; choose 'auto', 'subprocess' or 'fork'")
