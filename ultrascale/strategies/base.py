@@ -33,7 +33,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from ultrascale.models.adapters import ModelAdapter, get_adapter
 from ultrascale.parallel.checkpoint import check_checkpoint_dir, load_sharded_checkpoint, save_sharded_checkpoint
-from ultrascale.parallel.device import process_group_backend
+from ultrascale.parallel.device import process_group_backend, tune_cpu_allocator
 from ultrascale.parallel.dims import ParallelDims, ParallelMesh, build_mesh
 from ultrascale.parallel.fsdp import is_fsdp_sharded, reshard, set_gradient_sync
 from ultrascale.parallel.init import broadcast_module_state, has_meta_tensors, materialize_meta_module
@@ -306,6 +306,8 @@ class UltraScaleStrategy(StrategyInternals):
             # Known before the model exists: check the data module's sequence length before any process group.
             self._check_datamodule_seq_len(sequence_parallel=bool(self.sequence_parallel) and dims.tp_enabled)
         self._process_group_backend = self._process_group_backend or process_group_backend(self.root_device)
+        if self.root_device.type == "cpu":
+            tune_cpu_allocator()
         self._init_process_group()
         self._parallel_mesh = build_mesh(dims, self.root_device.type)
         rank_zero_info(f"ultrascale mesh: {dims.describe()}")
