@@ -48,7 +48,8 @@ def test_config_validation_names_the_field():
 
 def test_flops_per_token_formula():
     model = Llama(TINY)
-    expected = 6 * (model.num_params() - TINY.vocab_size * TINY.dim) + 12 * TINY.n_layers * TINY.dim * 128
+    norms = (2 * TINY.n_layers + 1) * TINY.dim  # 1-D gains: no matmul
+    expected = 6 * (model.num_params() - TINY.vocab_size * TINY.dim - norms) + 12 * TINY.n_layers * TINY.dim * 128
     assert model.flops_per_token(128) == expected
     assert LlamaLM().flops_per_token(128) == expected  # meta copy before configure_model
 

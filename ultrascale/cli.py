@@ -69,7 +69,7 @@ def plan_main(args: list[str]) -> str:
 
     import torch
 
-    from ultrascale.estimate import STATE_BYTES, activation_bytes_per_layer, estimate_model_state_bytes, flops_per_token
+    from ultrascale.estimate import STATE_BYTES, activation_bytes_per_layer, estimate_model_state_bytes, model_flops
     from ultrascale.models.llama import LLAMA_PRESETS, Llama, LlamaConfig
     from ultrascale.parallel.tensor import check_tp_divides
     from ultrascale.parallel.dims import ParallelDims
@@ -99,7 +99,6 @@ def plan_main(args: list[str]) -> str:
         with torch.device("meta"):
             meta_model = Llama(config)
         psi = meta_model.num_params()
-        flops = meta_model.flops_per_token(options.seq_len)
     else:
         import transformers
 
@@ -111,7 +110,9 @@ def plan_main(args: list[str]) -> str:
         with torch.device("meta"):
             meta_model = transformers.AutoModelForCausalLM.from_config(config)
         psi = sum(p.numel() for p in meta_model.parameters())
-        flops = flops_per_token(psi - config.vocab_size * hidden, layers, hidden, options.seq_len)
+    flops_model = model_flops(meta_model)
+    assert flops_model is not None
+    flops = flops_model.per_token(options.seq_len)
     if dims.tp_enabled:
         check_tp_divides(dims.tp, sizes, name)
     weight, grad, optim = STATE_BYTES[(options.precision, "fsdp" if options.zero_stage == 3 else "zero12")]

@@ -15,6 +15,7 @@ from typing import Optional
 import torch.nn as nn
 
 __all__ = [
+    "ModelFlops",
     "ModelStateEstimate",
     "STATE_BYTES",
     "activation_bytes_per_layer",
@@ -24,6 +25,7 @@ __all__ = [
     "find_peak_tflops",
     "flops_per_token",
     "matmul_params",
+    "model_flops",
     "recompute_flops_per_token",
 ]
 
@@ -131,6 +133,61 @@ def flops_per_token(n_matmul_params: float, n_layers: int, hidden: int, seq_len:
     of PaLM, Megatron and torchtitan). For MoE, ``N`` is the *active* parameters.
     """
     return 6 * n_matmul_params + 12 * n_layers * hidden * seq_len
+
+
+class ModelFlops:
+    """FLOPs per token of one model as a function of the sequence length (`flops_per_token`)."""
+
+    def __init__(self, n_matmul_params: float, n_layers: int, hidden: int, source: str) -> None:
+        self.n_matmul_params, self.n_layers, self.hidden, self.source = n_matmul_params, n_layers, hidden, source
+
+    def per_token(self, seq_len: int) -> float:
+        return flops_per_token(self.n_matmul_params, self.n_layers, self.hidden, seq_len)
+
+    def __repr__(self) -> str:
+        return f"ModelFlops(N={self.n_matmul_params}, layers={self.n_layers}, attention width={self.hidden}, {self.source})"
+
+
+def model_flops(module: nn.Module) -> Optional[ModelFlops]:
+    """FLOPs model of the built-in Llama or a Hugging Face model found inside `module`; None if neither.
+
+    The one FLOP count of ultrascale: the MFU callback, `ultrascale plan` and
+    `Llama.flops_per_token` all use it. ``N`` = matmul parameters (embedding lookups
+    excluded, the LM head included also when tied; MoE experts at top-k/E), the attention
+    width is ``heads x head_dim`` (the width of ``QK^T``, which differs from the hidden size
+    in some HF models). Meta-device modules work: only shapes are read.
+    """
+    from ultrascale.models.llama import Llama
+
+    for sub in module.modules():
+        if isinstance(sub, Llama):
+            c = sub.config
+            # A tied head shares the embedding matrix that `matmul_params` skips, but it is a matmul.
+            n = matmul_params(sub) + (sub.output.weight.numel() if c.tie_embeddings else 0)
+            return ModelFlops(n, c.n_layers, c.n_heads * c.head_dim, "Llama config")
+    try:
+        from transformers import PretrainedConfig
+    except ImportError:  # transformers is a dependency, but the formula must not need it
+        return None
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if not isinstance(config, PretrainedConfig) or not hasattr(config, "num_hidden_layers"):
+            continue
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+        top_k = getattr(config, "num_experts_per_tok", None)
+        if experts and top_k:
+            n = active_params(sub, experts_per_token=top_k, num_experts=experts)
+            source = f"{type(config).__name__} (MoE: {top_k} of {experts} experts active)"
+        else:
+            n, source = matmul_params(sub), type(config).__name__
+        # A tied LM head shares the embedding matrix that `matmul_params` skips, but it is a matmul.
+        if getattr(config, "tie_word_embeddings", False) and hasattr(sub, "get_output_embeddings"):
+            head = sub.get_output_embeddings()
+            n += head.weight.numel() if head is not None else 0
+        return ModelFlops(n, config.num_hidden_layers, heads * head_dim, source)
+    return None
 
 
 def recompute_flops_per_token(

@@ -17,60 +17,15 @@ from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
-import torch.nn as nn
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ultrascale.callbacks._common import parallel_dims_of
-from ultrascale.estimate import active_params, find_peak_tflops, flops_per_token, matmul_params, recompute_flops_per_token
+from ultrascale.estimate import ModelFlops, find_peak_tflops, model_flops, recompute_flops_per_token
 
 __all__ = ["MFUMonitor", "ModelFlops", "measure_matmul_tflops", "model_flops"]
 
 PeakDtype = Literal["bf16", "fp16", "fp8", "tf32", "fp32"]
-
-
-class ModelFlops:
-    """FLOPs per token of one model as a function of the sequence length."""
-
-    def __init__(self, n_matmul_params: float, n_layers: int, hidden: int, source: str) -> None:
-        self.n_matmul_params, self.n_layers, self.hidden, self.source = n_matmul_params, n_layers, hidden, source
-
-    def per_token(self, seq_len: int) -> float:
-        return flops_per_token(self.n_matmul_params, self.n_layers, self.hidden, seq_len)
-
-
-def model_flops(module: nn.Module) -> Optional[ModelFlops]:
-    """FLOPs model of the built-in Llama or a Hugging Face model found inside `module`; None if neither."""
-    from ultrascale.models.llama import Llama
-
-    for sub in module.modules():
-        if isinstance(sub, Llama):
-            c = sub.config
-            n = sub.num_params(exclude_embedding=True) + (sub.output.weight.numel() if c.tie_embeddings else 0)
-            return ModelFlops(n, c.n_layers, c.n_heads * c.head_dim, "Llama config")
-    try:
-        from transformers import PretrainedConfig
-    except ImportError:  # transformers is a dependency, but the formula must not need it
-        return None
-    for sub in module.modules():
-        config = getattr(sub, "config", None)
-        if not isinstance(config, PretrainedConfig) or not hasattr(config, "num_hidden_layers"):
-            continue
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-        top_k = getattr(config, "num_experts_per_tok", None)
-        if experts and top_k:
-            n = active_params(sub, experts_per_token=top_k, num_experts=experts)
-            source = f"{type(config).__name__} (MoE: {top_k} of {experts} experts active)"
-        else:
-            n, source = matmul_params(sub), type(config).__name__
-        # A tied LM head shares the embedding matrix that `matmul_params` skips, but it is a matmul.
-        if getattr(config, "tie_word_embeddings", False) and hasattr(sub, "get_output_embeddings"):
-            head = sub.get_output_embeddings()
-            n += head.weight.numel() if head is not None else 0
-        return ModelFlops(n, config.num_hidden_layers, heads * head_dim, source)
-    return None
 
 
 def measure_matmul_tflops(dtype: torch.dtype, device: torch.device, size: int = 1024, repeats: int = 5) -> float:

@@ -407,19 +407,14 @@ class Llama(nn.Module):
         return total
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: ``6 * N + 12 * n_layers * dim * seq_len``.
+        """Training FLOPs per token, ``6 N + 12 L h s`` (`ultrascale.estimate.model_flops`, the one
+        count MFU and `ultrascale plan` use too): ``N`` excludes the embedding lookup but keeps the
+        output head, also when it is tied."""
+        from ultrascale.estimate import model_flops
 
-        PaLM appendix B / Ultra-Scale Playbook: ``6 N`` is forward (2) plus backward (4)
-        FLOPs per matmul parameter; ``N`` excludes the embedding lookup (no matmul) but
-        keeps the output head, also when it is tied. ``12 L D T`` is ``QK^T`` and ``AV``
-        (2 * 2 * D * T per layer forward, times 3 for backward), counting the full
-        ``T x T`` score matrix although causal kernels skip half of it.
-        """
-        config = self.config
-        matmul_params = self.num_params(exclude_embedding=True)
-        if config.tie_embeddings:
-            matmul_params += self.output.weight.numel()
-        return 6 * matmul_params + 12 * config.n_layers * config.dim * seq_len
+        flops = model_flops(self)
+        assert flops is not None
+        return int(flops.per_token(seq_len))
 
 
 _MOVED_TO_LM = ("CausalLMModule", "LlamaLM", "adamw_warmup_cosine", "warmup_cosine")
