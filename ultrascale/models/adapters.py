@@ -24,8 +24,6 @@ class ModelAdapter:
     """Architecture name used in error messages ('generic' for unknown models)."""
     blocks: tuple[nn.Module, ...]
     """The repeated transformer blocks: one FSDP unit / checkpoint region / pipeline unit each."""
-    block_path: str
-    """Dotted path of the ModuleList holding the blocks (e.g. 'model.layers'); '' if none was found."""
     tp_sizes: Mapping[str, int] = field(default_factory=dict)
     """Sizes that a tensor-parallel degree must divide (heads, kv heads, MLP hidden, vocab)."""
     tp_plan: Optional[Callable[..., dict[str, ParallelStyle]]] = None
@@ -69,9 +67,9 @@ def find_block_list(module: nn.Module) -> tuple[str, nn.ModuleList] | None:
 
 def get_adapter(module: nn.Module) -> ModelAdapter:
     found = find_block_list(module)
-    path, blocks = found if found is not None else ("", ())
+    blocks = found[1] if found is not None else ()
     name = _architecture_name(module)
-    common: dict[str, Any] = {"name": name, "blocks": tuple(blocks), "block_path": path}
+    common: dict[str, Any] = {"name": name, "blocks": tuple(blocks)}
     llama = _find_instance(module, "ultrascale.models.llama", "Llama")
     if llama is not None:
         return _llama_adapter(llama, common)

@@ -554,12 +554,6 @@ class ZeroEngine:
                 mine.copy_(bucket.master)
                 _all_gather(bucket.param_buffer, mine, group=self.group)
 
-    def sync_master_from_params(self) -> None:
-        """After the model weights were loaded without master weights: masters = weights."""
-        for bucket in self.buckets:
-            if not bucket.master_is_view:
-                bucket.master.copy_(bucket.param_buffer[self.rank * bucket.shard : (self.rank + 1) * bucket.shard])
-
 
 def _chunk_size(numel: int, world: int, rank: int) -> int:
     chunk = math.ceil(numel / world)
