@@ -124,3 +124,26 @@ def test_meta_init_materialises_each_shard():
     losses = results[0]["losses"]
     assert abs(losses[0] - math.log(512)) < 0.05  # a freshly initialised model predicts ~uniformly
     assert losses[-1] < losses[0] - 0.5  # and it trains: 5 steps on one batch (measured 6.25 -> 4.96)
+
+
+@pytest.mark.parametrize("cls, knob", [
+    (ultrascale.ZeRO1Strategy, "meta_init"),
+    (ultrascale.ZeRO2Strategy, "reshard_after_forward"),
+    (ultrascale.ZeRO3Strategy, "zero_bucket_mb"),
+    (ultrascale.HSDPStrategy, "tensor_parallel"),
+    (ultrascale.TensorParallelStrategy, "accumulate_grads_in_fp32"),
+])
+def test_shared_knobs_are_declared_once_and_strangers_refused(cls, knob):
+    """The process and FSDP knobs live in one TypedDict each; LightningCLI still sees them, typed."""
+    from jsonargparse import ArgumentParser
+
+    with pytest.raises(TypeError, match=rf"{cls.__name__}\(\) got unexpected keyword argument\(s\) \['{knob}'\]"):
+        cls(**{knob: 1})
+    parser = ArgumentParser()
+    parser.add_class_arguments(cls, "strategy")
+    parsed = parser.parse_args(["--strategy.timeout=0:00:07", "--strategy.launcher=fork", "--strategy.sync_module_states=false"])
+    strategy = cls(**vars(parsed.strategy))
+    assert strategy._timeout.total_seconds() == 7 and strategy._launcher_name == "fork"
+    assert strategy.sync_module_states is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--strategy.launcher=nonsense"])

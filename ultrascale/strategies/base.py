@@ -12,7 +12,7 @@ from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypedDict, Union
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,32 @@ from ultrascale.strategies.precision import SUPPORTED_PRECISION, UltraScalePreci
 from ultrascale.strategies.step import TokenNormalizedStep
 
 PathLike = Union[str, Path]
+
+
+class ProcessKnobs(TypedDict, total=False):
+    """How the processes start and talk: taken by every ultrascale strategy (see `UltraScaleStrategy`)."""
+
+    sync_module_states: bool
+    launcher: LauncherName
+    process_group_backend: Optional[str]
+    timeout: Optional[timedelta]
+
+
+class ShardingKnobs(ProcessKnobs, total=False):
+    """FSDP2 (ZeRO-3) knobs, plus the process knobs: the ZeRO-3, HSDP and TP strategies take them."""
+
+    reshard_after_forward: bool
+    meta_init: bool
+
+
+def checked_knobs(owner: str, knobs: dict[str, Any], allowed: type) -> dict[str, Any]:
+    """`knobs` if each is one of the TypedDict `allowed`'s keys; TypeError naming the strangers
+    (a `**knobs: Unpack[...]` signature is not enforced at run time)."""
+    names = allowed.__required_keys__ | allowed.__optional_keys__  # type: ignore[attr-defined]
+    unknown = sorted(set(knobs) - names)
+    if unknown:
+        raise TypeError(f"{owner}() got unexpected keyword argument(s) {unknown}; it takes {sorted(names)} besides its own")
+    return knobs
 
 # Parallelisms whose implementation lands after the 2D product; asking for them fails
 # in the constructor, before any process group exists, instead of silently running without.

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from ultrascale.parallel.dims import ParallelDims
-from ultrascale.strategies.base import UltraScaleStrategy
-from ultrascale.strategies.launcher import LauncherName
+from ultrascale.strategies.base import ShardingKnobs, UltraScaleStrategy, checked_knobs
 
 
 class TensorParallelStrategy(UltraScaleStrategy):
@@ -35,12 +32,7 @@ class TensorParallelStrategy(UltraScaleStrategy):
         loss_parallel: Optional[bool] = None,
         tp_plan: Optional[dict[str, Any]] = None,
         data_parallel_replicate: int = 1,
-        reshard_after_forward: bool = True,
-        meta_init: bool = False,
-        sync_module_states: bool = True,
-        launcher: LauncherName = "auto",
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        **knobs: Unpack[ShardingKnobs],
     ) -> None:
         if tensor_parallel != "auto" and (not isinstance(tensor_parallel, int) or tensor_parallel < 1):
             raise ValueError(f"TensorParallelStrategy(`tensor_parallel={tensor_parallel!r}`): give a positive int or 'auto'")
@@ -50,12 +42,7 @@ class TensorParallelStrategy(UltraScaleStrategy):
             sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel,
             tp_plan=tp_plan,
-            reshard_after_forward=reshard_after_forward,
-            meta_init=meta_init,
-            sync_module_states=sync_module_states,
-            launcher=launcher,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
+            **checked_knobs(type(self).__name__, knobs, ShardingKnobs),
         )
         self.tensor_parallel = tensor_parallel
 

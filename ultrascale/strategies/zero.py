@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Literal, Optional, Union
 
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from ultrascale.parallel.dims import ParallelDims
-from ultrascale.strategies.base import UltraScaleStrategy
-from ultrascale.strategies.launcher import LauncherName
+from ultrascale.strategies.base import ProcessKnobs, ShardingKnobs, UltraScaleStrategy, checked_knobs
 
 
 class _ShardedOptimizerStrategy(UltraScaleStrategy):
@@ -22,10 +19,7 @@ class _ShardedOptimizerStrategy(UltraScaleStrategy):
         self,
         zero_bucket_mb: Optional[float] = None,
         accumulate_grads_in_fp32: bool = False,
-        sync_module_states: bool = True,
-        launcher: LauncherName = "auto",
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        **knobs: Unpack[ProcessKnobs],
     ) -> None:
         super().__init__(
             data_parallel_replicate=1,
@@ -33,10 +27,7 @@ class _ShardedOptimizerStrategy(UltraScaleStrategy):
             zero_stage=self._stage,
             zero_bucket_mb=zero_bucket_mb,
             accumulate_grads_in_fp32=accumulate_grads_in_fp32,
-            sync_module_states=sync_module_states,
-            launcher=launcher,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
+            **checked_knobs(type(self).__name__, knobs, ProcessKnobs),
         )
 
 
@@ -84,26 +75,8 @@ class ZeRO3Strategy(UltraScaleStrategy):
 
     strategy_name = "ultrascale_zero3"
 
-    def __init__(
-        self,
-        reshard_after_forward: bool = True,
-        meta_init: bool = False,
-        sync_module_states: bool = True,
-        launcher: LauncherName = "auto",
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-    ) -> None:
-        super().__init__(
-            data_parallel_replicate=1,
-            data_parallel_shard=-1,
-            zero_stage=3,
-            reshard_after_forward=reshard_after_forward,
-            meta_init=meta_init,
-            sync_module_states=sync_module_states,
-            launcher=launcher,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
+    def __init__(self, **knobs: Unpack[ShardingKnobs]) -> None:
+        super().__init__(data_parallel_replicate=1, data_parallel_shard=-1, zero_stage=3, **checked_knobs(type(self).__name__, knobs, ShardingKnobs))
 
 
 class HSDPStrategy(UltraScaleStrategy):
@@ -124,12 +97,7 @@ class HSDPStrategy(UltraScaleStrategy):
     def __init__(
         self,
         data_parallel_replicate: Union[int, Literal["auto"]] = "auto",
-        reshard_after_forward: bool = True,
-        meta_init: bool = False,
-        sync_module_states: bool = True,
-        launcher: LauncherName = "auto",
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        **knobs: Unpack[ShardingKnobs],
     ) -> None:
         if data_parallel_replicate != "auto" and (
             not isinstance(data_parallel_replicate, int) or data_parallel_replicate < 1
@@ -137,17 +105,7 @@ class HSDPStrategy(UltraScaleStrategy):
             raise ValueError(
                 f"HSDPStrategy(`data_parallel_replicate={data_parallel_replicate!r}`): give a positive int or 'auto'"
             )
-        super().__init__(
-            data_parallel_replicate=1,
-            data_parallel_shard=-1,
-            zero_stage=3,
-            reshard_after_forward=reshard_after_forward,
-            meta_init=meta_init,
-            sync_module_states=sync_module_states,
-            launcher=launcher,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
+        super().__init__(data_parallel_replicate=1, data_parallel_shard=-1, zero_stage=3, **checked_knobs(type(self).__name__, knobs, ShardingKnobs))
         self.data_parallel_replicate = data_parallel_replicate
 
     @override
