@@ -29,12 +29,12 @@ def _imported_modules(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-def _violations(folder: Path, forbidden: tuple[str, ...]) -> list[str]:
+def _violations(folder: Path, forbidden: tuple[str, ...], root: Path = PACKAGE.parent) -> list[str]:
     bad = []
     for path in sorted(folder.rglob("*.py")):
         for line, module in _imported_modules(path):
             if module.startswith(".") or any(module == f or module.startswith(f + ".") for f in forbidden):
-                bad.append(f"{path.relative_to(PACKAGE.parent)}:{line}: imports {module}")
+                bad.append(f"{path.relative_to(root)}:{line}: imports {module}")
     return bad
 
 
@@ -48,12 +48,7 @@ def test_the_import_rule_catches_a_violation(tmp_path):
         "import torch\nfrom ultrascale.models.llama import Llama\n\ndef f():\n    import lightning.pytorch as pl\n"
         "from . import sibling\n"
     )
-    global PACKAGE
-    saved, PACKAGE = PACKAGE, tmp_path.parent
-    try:
-        found = _violations(tmp_path, FORBIDDEN_IN_PARALLEL)
-    finally:
-        PACKAGE = saved
+    found = _violations(tmp_path, FORBIDDEN_IN_PARALLEL, root=tmp_path)
     assert sorted(entry.split(": ", 1)[1] for entry in found) == [
         "imports .", "imports lightning.pytorch", "imports ultrascale.models.llama"
     ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import torch
 
 
@@ -26,12 +28,7 @@ def tune_cpu_allocator(trim_threshold: int = 256 * 2**20, mmap_threshold: int = 
     import ctypes
     import ctypes.util
 
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):
+    if platform.libc_ver()[0] != "glibc":
         return False
-    if mallopt is None:
-        return False
+    mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))

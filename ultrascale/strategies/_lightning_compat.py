@@ -75,14 +75,8 @@ def _resolve(where: str, name: str) -> bool:
     if not instance:
         return hasattr(target, name)
     # An attribute every instance gets: assigned (`self.<name> = ...`) in an `__init__` of the class's MRO.
-    return any(name in getattr(getattr(cls, "__init__", None), "__code__", _NO_CODE).co_names for cls in target.__mro__)
-
-
-class _NoCode:
-    co_names: tuple[str, ...] = ()
-
-
-_NO_CODE = _NoCode()
+    inits = (vars(cls).get("__init__") for cls in target.__mro__)
+    return any(name in init.__code__.co_names for init in inits if hasattr(init, "__code__"))
 
 
 def missing_lightning_internals() -> list[str]:
