@@ -30,6 +30,9 @@ class ModelAdapter:
     """`tp_plan(sequence_parallel=..., loss_parallel=...)` -> plan keyed by module path; None: no TP support."""
     supports_sequence_parallel: bool = False
     """Whether `tp_plan(sequence_parallel=True)` is implemented for this architecture."""
+    enable_context_parallel: Optional[Callable[[Any], None]] = None
+    """`enable_context_parallel(cp)` routes the model's attention through `cp.attention`
+    (`ultrascale.parallel.context.ContextParallel`); None: no context-parallel support."""
 
     def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
         """Raise (before any collective) if `tp` cannot be applied to this model."""
@@ -48,6 +51,20 @@ class ModelAdapter:
                 "attention mask from the local sequence length); set `sequence_parallel=False`."
             )
         check_tp_divides(tp, self.tp_sizes, self.name)
+
+    def check_context_parallel(self, cp: int) -> None:
+        """Raise (before any collective) if context parallel cannot be applied to this model."""
+        if self.enable_context_parallel is None:
+            raise ValueError(
+                f"context parallel (cp={cp}) has no attention hook for {self.name}: ultrascale routes the attention "
+                f"of the built-in Llama and of Hugging Face {'/'.join(HF_CONTEXT_PARALLEL_TYPES)} models "
+                "through ring / all-gather attention"
+            )
+
+
+HF_CONTEXT_PARALLEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""`config.model_type`s whose attention runs through transformers' AttentionInterface with
+RoPE from `position_ids`, so context parallel needs only the attention function swapped."""
 
 
 def find_block_list(module: nn.Module) -> tuple[str, nn.ModuleList] | None:
@@ -107,7 +124,16 @@ def _llama_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> Mode
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, prefix=_prefix(path)
         ),
         supports_sequence_parallel=True,
+        enable_context_parallel=lambda cp: _llama_context_parallel(llama, cp),
     )
+
+
+def _llama_context_parallel(llama: nn.Module, cp: Any) -> None:
+    from ultrascale.parallel.context import ContextParallelAttention
+
+    for block in llama.layers:
+        block.attention.sdpa = ContextParallelAttention(cp)
+    llama.document_masks = False  # the kernel reads documents from the whole-sequence layout
 
 
 def _find_hf_causal_lm(module: nn.Module) -> Optional[tuple[str, nn.Module]]:
@@ -148,7 +174,25 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
         },
         tp_plan=plan if base_plan else None,
         supports_sequence_parallel=False,
+        enable_context_parallel=(
+            (lambda cp: _hf_context_parallel(hf, cp)) if config.model_type in HF_CONTEXT_PARALLEL_TYPES else None
+        ),
     )
+
+
+def _hf_context_parallel(hf: nn.Module, cp: Any) -> None:
+    from transformers import AttentionInterface
+
+    from ultrascale.parallel.context import CONTEXT_PARALLEL_ATTRIBUTE, HF_ATTENTION_NAME, hf_context_parallel_attention
+
+    AttentionInterface.register(HF_ATTENTION_NAME, hf_context_parallel_attention)
+    attention_modules = [m for m in hf.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    if not attention_modules:
+        raise ValueError(f"context parallel: found no attention modules in {type(hf).__name__}")
+    for module in attention_modules:
+        setattr(module, CONTEXT_PARALLEL_ATTRIBUTE, cp)
+    # A name without a mask function: transformers builds no (T, T) mask; the layout replaces it.
+    hf.set_attn_implementation(HF_ATTENTION_NAME)
 
 
 def _architecture_name(module: nn.Module) -> str:

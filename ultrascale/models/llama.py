@@ -334,6 +334,9 @@ class Llama(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.document_masks = True
+        """Build per-document causal masks from restarting ``positions``; False when the attention
+        kernel derives them itself (context parallel sees only its share of the sequence)."""
         # One table for all blocks; non-persistent because it is derived from the config.
         cos, sin = precompute_rope(config.head_dim, config.max_seq_len, config.rope_theta, self.output.weight.device)
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, head_dim // 2)
@@ -393,7 +396,7 @@ class Llama(nn.Module):
         else:
             cos = self.rope_cos[positions].unsqueeze(1)  # (B, 1, T, head_dim // 2): broadcast over heads
             sin = self.rope_sin[positions].unsqueeze(1)
-            mask = document_causal_mask(positions)
+            mask = document_causal_mask(positions) if self.document_masks else None
         h = self.tok_embeddings(tokens)  # (B, T, dim)
         for layer in self.layers:
             h = layer(h, cos, sin, mask=mask)

@@ -5,6 +5,11 @@ from __future__ import annotations
 import platform
 
 import torch
+import torch.distributed as dist
+
+# torch 2.13 names the single-tensor collectives `*_single` and deprecates the `*_tensor` spellings.
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def process_group_backend(device: torch.device) -> str:

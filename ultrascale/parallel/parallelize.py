@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from ultrascale.parallel.context import ContextParallel
 from ultrascale.parallel.dims import ParallelMesh
 from ultrascale.parallel.fsdp import apply_fsdp
 from ultrascale.parallel.tensor import TPPlan, apply_tp
@@ -24,6 +25,8 @@ def parallelize(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     shard_parameters: bool = True,
+    context_parallel: Optional[ContextParallel] = None,
+    enable_context_parallel: Optional[Callable[[ContextParallel], None]] = None,
 ) -> nn.Module:
     """Apply the parallelisms of `mesh.dims` to `module` in place.
 
@@ -34,13 +37,19 @@ def parallelize(
     sharded by `ultrascale.parallel.zero.ZeroEngine` once the optimizer exists.
     """
     dims = mesh.dims
-    for name in ("pp", "cp", "ep"):
+    for name in ("pp", "ep"):
         if getattr(dims, name) != 1:
             raise NotImplementedError(f"parallelize: {name}={getattr(dims, name)} is not implemented yet")
     if dims.tp_enabled:
         if tp_plan is None:
             raise ValueError(f"tp={dims.tp} needs a tensor-parallel plan for {type(module).__name__}")
         apply_tp(module, mesh["tp"], tp_plan)
+    if dims.cp_enabled:
+        # CP has no parameters of its own: attention is routed through `context_parallel`, and the
+        # weights (replicated over cp) are sharded over dp_shard x cp by FSDP below.
+        if context_parallel is None or enable_context_parallel is None:
+            raise ValueError(f"cp={dims.cp} needs a ContextParallel and the model's attention hook for {type(module).__name__}")
+        enable_context_parallel(context_parallel)
     for transform in transforms:  # activation checkpointing, FP8: after TP, before sharding
         transform.transform_model(module, blocks)
     if not shard_parameters:  # ZeRO-1/2: parameters stay replicated; the optimizer is sharded later

@@ -48,6 +48,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ultrascale.parallel.device import all_gather_single, reduce_scatter_single
+
 # Optimizers whose update of element i reads only element i of the parameter, gradient and
 # state: stepping a slice equals slicing the full step. (LAMB/LARS-style trust ratios, Adafactor's
 # factored moments, Muon's orthogonalisation and L-BFGS are not.)
@@ -63,8 +65,8 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adadelta,
 )
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = reduce_scatter_single
+_all_gather = all_gather_single
 _gather_for_inspection = _all_gather  # not the training path: tests count `_all_gather` calls
 
 _ENGINES: "weakref.WeakKeyDictionary[torch.optim.Optimizer, ZeroEngine]" = weakref.WeakKeyDictionary()

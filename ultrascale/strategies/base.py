@@ -33,6 +33,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from ultrascale.models.adapters import ModelAdapter, get_adapter
 from ultrascale.parallel.checkpoint import check_checkpoint_dir, load_sharded_checkpoint, save_sharded_checkpoint
+from ultrascale.parallel.context import CONTEXT_PARALLEL_METHODS, ContextParallel, ContextParallelMethod
 from ultrascale.parallel.device import process_group_backend, tune_cpu_allocator
 from ultrascale.parallel.dims import ParallelDims, ParallelMesh, build_mesh
 from ultrascale.parallel.fsdp import is_fsdp_sharded, reshard, set_gradient_sync
@@ -85,7 +86,6 @@ def checked_knobs(owner: str, knobs: dict[str, Any], allowed: type) -> dict[str,
 # Parallelisms whose implementation lands after the 2D product; asking for them fails
 # in the constructor, before any process group exists, instead of silently running without.
 _NOT_YET_IMPLEMENTED = {
-    "context_parallel": "context parallelism (ring attention)",
     "pipeline_parallel": "pipeline parallelism",
     "expert_parallel": "expert parallelism",
 }
@@ -104,7 +104,17 @@ class UltraScaleStrategy(StrategyInternals):
         data_parallel_replicate: replicas of the sharded model (HSDP's replicate axis); 1 means off.
         data_parallel_shard: ranks that shard parameters, gradients and optimizer state (ZeRO-3);
             -1 means "the rest of the world size".
-        context_parallel: sequence-splitting degree (not implemented yet: must be 1).
+        context_parallel: ranks that split the sequence of every batch (ring / all-gather attention);
+            1 means off. Sequence lengths must be multiples of 2 * context_parallel (times
+            tensor_parallel under sequence parallel). The built-in Llama and Hugging Face
+            Llama/Mistral/Qwen2/Qwen3 are supported.
+        context_parallel_method: "allgather" (one all-gather of K/V per layer; backward
+            reduce-scatters dK/dV) or "ring" (K/V passed around the cp ring with P2P, overlapped
+            with the block in hand; no rank holds the whole sequence's K/V). See the README's
+            context-parallel benchmark for which to pick.
+        context_parallel_load_balance: zig-zag layout (rank r holds chunks r and 2cp-1-r of 2cp),
+            so every rank does the same causal attention work. False: contiguous chunks (the
+            last rank then computes cp times more attention than the first).
         tensor_parallel: tensor-parallel degree (Megatron column/row splits on DTensor); 1 means off.
             The model needs a TP plan: the built-in Llama and Hugging Face Llama/Mistral/Qwen2
             have one, any other model passes `tp_plan`.
@@ -156,6 +166,8 @@ class UltraScaleStrategy(StrategyInternals):
         data_parallel_replicate: int = 1,
         data_parallel_shard: int = -1,
         context_parallel: int = 1,
+        context_parallel_method: ContextParallelMethod = "allgather",
+        context_parallel_load_balance: bool = True,
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
         expert_parallel: int = 1,
@@ -183,7 +195,6 @@ class UltraScaleStrategy(StrategyInternals):
             "ep": expert_parallel,
         }
         knobs = {
-            "context_parallel": context_parallel,
             "pipeline_parallel": pipeline_parallel,
             "expert_parallel": expert_parallel,
         }
@@ -193,6 +204,11 @@ class UltraScaleStrategy(StrategyInternals):
                     f"{type(self).__name__}(`{knob}={value}`): {_NOT_YET_IMPLEMENTED[knob]} is not implemented in "
                     f"ultrascale yet; set `{knob}=1`."
                 )
+        if context_parallel_method not in CONTEXT_PARALLEL_METHODS:
+            raise ValueError(
+                f"{type(self).__name__}(`context_parallel_method={context_parallel_method!r}`): choose one of "
+                f"{CONTEXT_PARALLEL_METHODS}"
+            )
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"{type(self).__name__}(`zero_stage={zero_stage!r}`): choose 1, 2 or 3")
         if zero_stage != 3 and tensor_parallel != 1:
@@ -204,6 +220,9 @@ class UltraScaleStrategy(StrategyInternals):
             raise ValueError(f"{type(self).__name__}(`zero_bucket_mb={zero_bucket_mb}`): must be positive")
         if launcher not in ("auto", "subprocess", "fork"):
             raise ValueError(f"{type(self).__name__}(`launcher={launcher!r}`): choose 'auto', 'subprocess' or 'fork'")
+        self.context_parallel_method = context_parallel_method
+        self.context_parallel_load_balance = context_parallel_load_balance
+        self._context_parallel: Optional[ContextParallel] = None
         self.zero_stage = zero_stage
         self.zero_bucket_mb = zero_bucket_mb
         self.accumulate_grads_in_fp32 = accumulate_grads_in_fp32
@@ -336,6 +355,10 @@ class UltraScaleStrategy(StrategyInternals):
             tune_cpu_allocator()
         self._init_process_group()
         self._parallel_mesh = build_mesh(dims, self.root_device.type)
+        if dims.cp_enabled:
+            self._context_parallel = ContextParallel(
+                self._parallel_mesh["cp"], self.context_parallel_method, self.context_parallel_load_balance
+            )
         rank_zero_info(f"ultrascale mesh: {dims.describe()}")
         assert self.lightning_module is not None
         attach_device_mesh(self.lightning_module, self.device_mesh)
@@ -399,6 +422,8 @@ class UltraScaleStrategy(StrategyInternals):
     def _parallelize(self, module: torch.nn.Module) -> None:
         adapter = get_adapter(module)
         dims = self.parallel_dims
+        if dims.cp_enabled:
+            adapter.check_context_parallel(dims.cp)
         tp_plan = self._tensor_parallel_plan(module, adapter) if dims.tp_enabled else None
         self._sequence_parallel_active = tp_plan is not None and any(
             isinstance(style, SequenceParallel) for style in tp_plan.values()
@@ -428,6 +453,8 @@ class UltraScaleStrategy(StrategyInternals):
             mp_policy=precision.mixed_precision_policy(),
             reshard_after_forward=self.reshard_after_forward,
             shard_parameters=self.zero_stage == 3,
+            context_parallel=self._context_parallel,
+            enable_context_parallel=adapter.enable_context_parallel,
         )
         if meta:
             materialize_meta_module(module, self.root_device)
@@ -476,7 +503,6 @@ class UltraScaleStrategy(StrategyInternals):
     # Loss parallel must be active around the loss (inside the step) and around backward.
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._check_batch_seq_len(args)
         with maybe_loss_parallel(self._loss_parallel_active):
             output = self._call_step("training_step", *args, **kwargs)
         module = self.lightning_module
@@ -490,13 +516,11 @@ class UltraScaleStrategy(StrategyInternals):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._check_batch_seq_len(args)
         with maybe_loss_parallel(self._loss_parallel_active):
             return self._call_step("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._check_batch_seq_len(args)
         with maybe_loss_parallel(self._loss_parallel_active):
             return self._call_step("test_step", *args, **kwargs)
 
@@ -586,11 +610,17 @@ class UltraScaleStrategy(StrategyInternals):
             with logging_as_hook(module, "on_before_optimizer_step"):
                 module.log("train_loss", loss, prog_bar=True, sync_dist=False)
 
-    def _check_batch_seq_len(self, args: tuple) -> None:
-        batch = args[0] if args else None
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """Move the batch, check its sequence length against the layout and, under context parallel,
+        cut it to this rank's tokens: every step and callback (MFU, ...) then sees the local batch."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
         tokens = batch.get("input_ids") if isinstance(batch, Mapping) else None
         if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
             self.parallel_dims.check_seq_len(tokens.shape[1], sequence_parallel=bool(self._sequence_parallel_active))
+        if self._context_parallel is not None:
+            batch = self._context_parallel.shard_batch(batch)
+        return batch
 
     def _check_datamodule_seq_len(self, *, sequence_parallel: bool) -> None:
         trainer = _trainer_of(self.lightning_module)

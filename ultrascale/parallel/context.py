@@ -1,0 +1,496 @@
+"""Context parallel: the sequence of every batch split across the `cp` ranks, for the whole model.
+
+Everything but attention is per token, so a cp rank runs the model on its share of the
+sequence and only attention has to see the other ranks' keys and values. Two ways to
+bring them (`ContextParallel(method=...)`):
+
+- ``"allgather"`` (Llama 3's choice): one all-gather of K/V over cp per layer; backward
+  reduce-scatters dK/dV. Simple, one collective each way, but every rank briefly holds the
+  whole sequence's K/V (2 * T * n_kv_heads * head_dim per layer).
+- ``"ring"``: K/V blocks travel around the cp ring with non-blocking P2P while the block in
+  hand is computed; backward sends dK/dV around the ring with them. No rank ever holds more
+  than two K/V blocks, at the price of cp-1 sequential exchanges.
+
+Both compute attention block by block with a kernel that returns the log-sum-exp of every
+query row, and merge blocks exactly (online softmax, Milakov & Gimelshein 2018):
+
+    lse = logaddexp(lse_a, lse_b),   out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+Backward is written by hand (`_ContextAttention`): with the merged `out` and `lse` every
+block's dQ/dK/dV come from the kernel's own backward, since P_block = exp(S_block - lse)
+and D = rowsum(dO * O) are the same numbers the full attention would use.
+
+Causal load balance ("zig-zag"): the sequence is cut into 2*cp chunks and rank r holds
+chunks r and 2cp-1-r, so every rank owns as many early (cheap) as late (expensive) queries.
+Blocks that causality masks completely are skipped, not computed and thrown away;
+`ContextParallel.attention_work` counts the query-key pairs each rank computed.
+
+Document masks of packed sequences (positions restarting at 0) are computed on the whole
+sequence before it is split (`ContextParallel.shard_batch`), so a chunk knows which
+document each of its tokens, and each token of a K/V block, belongs to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ultrascale.parallel.device import all_gather_single, reduce_scatter_single
+
+ContextParallelMethod = Literal["allgather", "ring"]
+CONTEXT_PARALLEL_METHODS: tuple[str, ...] = ("allgather", "ring")
+
+
+# --------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class ContextLayout:
+    """Which tokens of a batch's sequence each cp rank holds.
+
+    With `load_balance` the sequence is cut into 2*cp chunks and rank r holds chunks
+    (r, 2cp-1-r); without, cp chunks and rank r holds chunk r. A rank's tokens are its
+    chunks concatenated in ascending order.
+    """
+
+    seq_len: int
+    cp: int
+    load_balance: bool
+    documents: Optional[torch.Tensor] = None
+    """(B, seq_len) document index of every token of the whole sequence (packed sequences), or None."""
+
+    def __post_init__(self) -> None:
+        if self.seq_len % self.num_chunks != 0:
+            raise ValueError(
+                f"context parallel: sequence length {self.seq_len} must be a multiple of {self.num_chunks} "
+                f"({'2*cp load-balanced chunks' if self.load_balance else 'cp chunks'}, cp={self.cp})"
+            )
+
+    @property
+    def num_chunks(self) -> int:
+        return 2 * self.cp if self.load_balance else self.cp
+
+    @property
+    def chunk_len(self) -> int:
+        return self.seq_len // self.num_chunks
+
+    def chunks_of(self, rank: int) -> tuple[int, ...]:
+        """Global chunk ids held by `rank`, ascending."""
+        return (rank, 2 * self.cp - 1 - rank) if self.load_balance else (rank,)
+
+    def token_index(self, rank: int, device: Optional[torch.device] = None) -> torch.Tensor:
+        """(seq_len / cp,) global position of each of `rank`'s tokens, in its local order."""
+        c = self.chunk_len
+        return torch.cat([torch.arange(j * c, (j + 1) * c, device=device) for j in self.chunks_of(rank)])
+
+    def local_documents(self, rank: int) -> Optional[torch.Tensor]:
+        """(B, seq_len / cp) document index of `rank`'s tokens, or None without packing."""
+        if self.documents is None:
+            return None
+        return self.documents.index_select(1, self.token_index(rank, self.documents.device))
+
+
+def document_ids(position_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """(B, T) document index per token of packed sequences (a document starts where the position is 0),
+    or None when no row restarts after its first token (plain causal attention)."""
+    if position_ids is None or position_ids.dim() != 2:
+        return None
+    starts = position_ids == 0
+    if not starts[:, 1:].any():
+        return None
+    return starts.cumsum(-1)
+
+
+# --------------------------------------------------------------------------- attention kernels
+# (out, lse) = forward(q, k, v, causal, bias, scale):  q (B, H, Tq, D), k/v (B, Hkv, Tk, D),
+#   bias None or additive (B|1, 1, Tq, Tk) in q's dtype; out (B, H, Tq, D), lse (B, H, Tq) fp32.
+# (dq, dk, dv) = backward(dout, q, k, v, out, lse, causal, bias, scale) with the *merged* out and lse.
+
+
+def _cpu_forward(q, k, v, causal, bias, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+    return out, lse
+
+
+def _cpu_backward(dout, q, k, v, out, lse, causal, bias, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
+    )
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    # (B, Hkv, T, D) -> (B, Hkv * groups, T, D), query head h reading kv head h // groups.
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _cuda_forward(q, k, v, causal, bias, scale):
+    # torch's memory-efficient kernel: fp32/bf16/fp16, additive bias, equal head counts.
+    groups = q.shape[1] // k.shape[1]
+    if bias is not None:
+        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, _repeat_kv(k, groups), _repeat_kv(v, groups), bias, True, 0.0, causal, scale=scale
+    )
+    return out, lse[..., : q.shape[2]].float()
+
+
+def _cuda_backward(dout, q, k, v, out, lse, causal, bias, scale):
+    groups = q.shape[1] // k.shape[1]
+    if bias is not None:
+        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: never read
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, _repeat_kv(k, groups), _repeat_kv(v, groups), bias, out, lse.contiguous(), seed, offset,
+        0.0, [True, True, True, False], causal, scale=scale,
+    )
+    if groups > 1:  # the repeated heads' gradients sum back onto their kv head
+        dk = dk.unflatten(1, (k.shape[1], groups)).sum(2)
+        dv = dv.unflatten(1, (v.shape[1], groups)).sum(2)
+    return dq, dk, dv
+
+
+_KERNELS = {"cpu": (_cpu_forward, _cpu_backward), "cuda": (_cuda_forward, _cuda_backward)}
+
+
+def attention_kernel(device: torch.device) -> tuple[Any, Any]:
+    """(forward, backward) of the attention-with-LSE kernel for `device`: the one place that chooses it."""
+    if device.type not in _KERNELS:
+        raise NotImplementedError(f"context parallel has no attention kernel for device type {device.type!r}")
+    return _KERNELS[device.type]
+
+
+# --------------------------------------------------------------------------- block plan
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Local queries [q_start, q_end) against the first k_end tokens of a K/V block."""
+
+    q_start: int
+    q_end: int
+    k_end: int
+    causal: bool  # own block: queries and keys are the same tokens in the same (ascending) order
+
+    def pairs(self) -> int:
+        n, m = self.q_end - self.q_start, self.k_end
+        return n * (n + 1) // 2 if self.causal else n * m
+
+
+def _plan(layout: ContextLayout, rank: int, source: int) -> list[_Block]:
+    """The blocks rank `rank`'s queries compute against `source`'s K/V; fully masked blocks are left out.
+
+    Both hold ascending chunk lists, so the keys a query chunk may see form a prefix of the
+    source's tokens: all source chunks with a smaller id (nothing of another rank is diagonal).
+    """
+    c = layout.chunk_len
+    q_chunks, k_chunks = layout.chunks_of(rank), layout.chunks_of(source)
+    if source == rank:
+        return [_Block(0, len(q_chunks) * c, len(k_chunks) * c, causal=True)]
+    blocks: list[_Block] = []
+    for a, q_chunk in enumerate(q_chunks):
+        visible = sum(1 for k_chunk in k_chunks if k_chunk < q_chunk)
+        if visible == 0:
+            continue
+        last = blocks[-1] if blocks else None
+        if last is not None and last.q_end == a * c and last.k_end == visible * c:
+            blocks[-1] = _Block(last.q_start, (a + 1) * c, visible * c, causal=False)  # same keys: one call
+        else:
+            blocks.append(_Block(a * c, (a + 1) * c, visible * c, causal=False))
+    return blocks
+
+
+def _document_bias(
+    layout: ContextLayout, rank: int, source: int, block: _Block, dtype: torch.dtype
+) -> Optional[torch.Tensor]:
+    """Additive (B, 1, Tq, Tk) mask: 0 where query and key share a document (and, in the own
+    block, key <= query), -inf elsewhere; None without packed documents."""
+    q_docs, k_docs = layout.local_documents(rank), layout.local_documents(source)
+    if q_docs is None or k_docs is None:
+        return None
+    allowed = q_docs[:, block.q_start : block.q_end, None] == k_docs[:, None, : block.k_end]  # (B, Tq, Tk)
+    if block.causal:
+        allowed &= torch.ones(allowed.shape[1:], dtype=torch.bool, device=allowed.device).tril()
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return bias.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
+
+
+# --------------------------------------------------------------------------- K/V exchange
+
+
+_KV_TAG, _GRAD_TAG = 0, 1  # K/V and dK/dV exchanges may be in flight together between the same ranks
+
+
+def _ring_exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, tag: int = _KV_TAG) -> list[Any]:
+    """Start sending `send` to the next cp rank and receiving the previous one's into `recv`."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    ops = [
+        dist.P2POp(dist.isend, send, dist.get_global_rank(group, (rank + 1) % size), group, tag),
+        dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (rank - 1) % size), group, tag),
+    ]
+    return dist.batch_isend_irecv(ops)
+
+
+def _wait(requests: list[Any]) -> None:
+    for request in requests:
+        request.wait()
+
+
+def _sources(kv: torch.Tensor, group: dist.ProcessGroup, method: str) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield (source rank, its stacked K/V (2, B, Hkv, Tl, D)) for every cp rank, own first, then
+    rank-1, rank-2, ... (the same order for both methods, so they give the same numbers).
+    The ring's next exchange is in flight while the caller computes on the block in hand."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if method == "allgather":
+        gathered = torch.empty((size * kv.shape[0], *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
+        all_gather_single(gathered, kv, group=group)  # gloo wants the ranks' tensors concatenated on dim 0
+        gathered = gathered.unflatten(0, (size, kv.shape[0]))
+        for step in range(size):
+            yield (rank - step) % size, gathered[(rank - step) % size]
+        return
+    current = kv
+    for step in range(size):
+        requests: list[Any] = []
+        if step < size - 1:
+            incoming = torch.empty_like(current)
+            requests = _ring_exchange(current, incoming, group)
+        yield (rank - step) % size, current
+        if requests:
+            _wait(requests)
+            current = incoming
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """out, lse (fp32, in place) <- the softmax over both key sets; rows that saw no key yet keep -inf."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    seen = torch.isfinite(new_lse)
+    safe = torch.where(seen, new_lse, torch.zeros_like(new_lse))
+    old_weight = torch.where(seen, torch.exp(lse - safe), torch.zeros_like(lse)).unsqueeze(-1)
+    new_weight = torch.where(seen, torch.exp(block_lse - safe), torch.zeros_like(lse)).unsqueeze(-1)
+    out.mul_(old_weight).add_(block_out.float() * new_weight)
+    lse.copy_(new_lse)
+
+
+def _fix_masked_rows(out: torch.Tensor, lse: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    # The CPU kernel returns lse = 0 (not -inf) for a row whose keys are all masked; as 0 it
+    # would count as exp(0) = 1 of probability mass in the merge.
+    if bias is None:
+        return out, lse
+    empty = torch.isinf(bias).all(-1)  # (B, 1, Tq)
+    return out, lse.masked_fill(empty, float("-inf"))
+
+
+class _ContextAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: "ContextParallel", scale: Optional[float]) -> torch.Tensor:
+        layout = cp.current_layout()
+        group, rank = cp.group, cp.rank
+        kernel_forward, _ = attention_kernel(q.device)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, H, Tl, D)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # (B, H, Tl)
+        kv = torch.stack([k, v]).contiguous()  # (2, B, Hkv, Tl, D): one message per exchange
+        for source, kv_source in _sources(kv, group, cp.method):
+            for block in _plan(layout, rank, source):
+                bias = _document_bias(layout, rank, source, block, q.dtype)
+                if bias is not None and torch.isinf(bias).all():
+                    continue  # no query of this block shares a document with any of its keys
+                q_block = q[:, :, block.q_start : block.q_end]
+                k_block, v_block = kv_source[0, :, :, : block.k_end], kv_source[1, :, :, : block.k_end]
+                block_out, block_lse = kernel_forward(q_block, k_block, v_block, block.causal and bias is None, bias, scale)
+                block_out, block_lse = _fix_masked_rows(block_out, block_lse, bias)
+                _merge(out[:, :, block.q_start : block.q_end], lse[:, :, block.q_start : block.q_end], block_out, block_lse)
+                cp.attention_work += block.pairs()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.layout, ctx.scale = cp, layout, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, layout, scale = ctx.cp, ctx.layout, ctx.scale
+        group, rank, size = cp.group, cp.rank, cp.size
+        _, kernel_backward = attention_kernel(q.device)
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        gathered_grads = None
+        if cp.method == "allgather":  # dK/dV of every source, reduce-scattered to the owners at the end
+            gathered_grads = torch.zeros((size, *kv.shape), dtype=torch.float32, device=kv.device)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # ring: travels with its K/V
+        for source, kv_source in _sources(kv, group, cp.method):
+            grads = gathered_grads[source] if gathered_grads is not None else dkv
+            for block in _plan(layout, rank, source):
+                bias = _document_bias(layout, rank, source, block, q.dtype)
+                if bias is not None and torch.isinf(bias).all():
+                    continue
+                rows = slice(block.q_start, block.q_end)
+                dq_block, dk_block, dv_block = kernel_backward(
+                    dout[:, :, rows], q[:, :, rows], kv_source[0, :, :, : block.k_end], kv_source[1, :, :, : block.k_end],
+                    out[:, :, rows], lse[:, :, rows].contiguous(), block.causal and bias is None, bias, scale,
+                )
+                dq[:, :, rows] += dq_block
+                grads[0, :, :, : block.k_end] += dk_block
+                grads[1, :, :, : block.k_end] += dv_block
+            if gathered_grads is None:  # pass the accumulated dK/dV on with its K/V; the last pass reaches the owner
+                incoming = torch.empty_like(dkv)
+                _wait(_ring_exchange(dkv, incoming, group, _GRAD_TAG))
+                dkv = incoming
+        if gathered_grads is not None:
+            reduce_scatter_single(dkv, gathered_grads.flatten(0, 1), op=dist.ReduceOp.SUM, group=group)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+# --------------------------------------------------------------------------- runtime
+
+
+class ContextParallel:
+    """Context parallel for one model: the cp mesh, the exchange method and the layout of the batch in flight.
+
+    `shard_batch` cuts a batch into this rank's tokens and records their layout;
+    `attention(q, k, v)` then computes causal attention of the local queries over the whole
+    sequence. The layout stays until the next batch, so activation checkpointing's recompute
+    in backward sees the same one.
+    """
+
+    def __init__(self, mesh: DeviceMesh, method: ContextParallelMethod = "allgather", load_balance: bool = True) -> None:
+        if method not in CONTEXT_PARALLEL_METHODS:
+            raise ValueError(f"context parallel method {method!r}: choose one of {CONTEXT_PARALLEL_METHODS}")
+        if mesh.ndim != 1:
+            raise ValueError(f"context parallel needs a 1-D cp mesh, got {mesh.ndim}-D")
+        self.mesh = mesh
+        self.method = method
+        self.load_balance = load_balance
+        self.layout: Optional[ContextLayout] = None
+        self.attention_work = 0
+        """Query-key pairs (per sequence and head) in the blocks this rank's attention computed, summed
+        over calls (an own, causal block counts its lower triangle); skipped blocks count nothing."""
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group()
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.get_local_rank()
+
+    def current_layout(self) -> ContextLayout:
+        if self.layout is None:
+            raise RuntimeError(
+                "context parallel attention ran on a batch that was not split over the cp ranks; "
+                "call `ContextParallel.shard_batch` (the ultrascale strategy does) before the forward"
+            )
+        return self.layout
+
+    def shard_batch(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's share of `batch` ``{"input_ids": (B, T), ...}``: every (B, T, ...) tensor is cut
+        on dim 1 to the rank's tokens; ``position_ids`` (the tokens' global positions) is added if
+        absent. Document boundaries are read from the whole ``position_ids`` before the cut."""
+        tokens = batch.get("input_ids") if isinstance(batch, Mapping) else None
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+            raise ValueError(
+                "context parallel splits batches of the form {'input_ids': (B, T), 'labels': (B, T), ...}; "
+                f"got {type(batch).__name__}" + (f" with keys {sorted(batch)}" if isinstance(batch, Mapping) else "")
+            )
+        batch_size, seq_len = tokens.shape
+        padding = batch.get("attention_mask")
+        if isinstance(padding, torch.Tensor) and not bool(padding.all()):
+            raise ValueError(
+                "context parallel does not take padding masks (`attention_mask` with zeros): pack the sequences "
+                "(labels -100 where there is no target) or pass `position_ids` restarting at 0 per document"
+            )
+        positions = batch.get("position_ids")
+        layout = ContextLayout(seq_len, self.size, self.load_balance, document_ids(positions))
+        index = layout.token_index(self.rank, tokens.device)
+        local: dict[str, Any] = {}
+        for key, value in batch.items():
+            if key == "attention_mask":
+                continue  # all ones: attention is causal over the whole sequence anyway
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (batch_size, seq_len):
+                local[key] = value.index_select(1, index.to(value.device))
+            else:
+                local[key] = value
+        if positions is None:
+            local["position_ids"] = index.unsqueeze(0).expand(batch_size, -1)
+        self.layout = layout
+        return local
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+        """Causal attention of this rank's queries over every rank's keys: ``q`` (B, H, Tl, D),
+        ``k``/``v`` (B, Hkv, Tl, D) in the local token order; returns (B, H, Tl, D)."""
+        return _ContextAttention.apply(q, k, v, self, scale)
+
+
+class ContextParallelAttention(nn.Module):
+    """Drop-in for `ultrascale.models.llama.ScaledDotProductAttention`: the same call, attention over
+    the whole context-parallel sequence. Document masks come from the layout, not from `mask`."""
+
+    def __init__(self, context_parallel: ContextParallel) -> None:
+        super().__init__()
+        self.context_parallel = context_parallel
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.context_parallel.attention(q, k, v)
+
+
+CONTEXT_PARALLEL_ATTRIBUTE = "ultrascale_context_parallel"
+"""Attribute of a Hugging Face attention module holding its `ContextParallel`."""
+
+HF_ATTENTION_NAME = "ultrascale_context_parallel"
+"""Name under which `hf_context_parallel_attention` is registered in transformers' `AttentionInterface`."""
+
+
+def hf_context_parallel_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature (``query`` (B, H, T, D) -> (B, T, H, D)), computed
+    over the context-parallel sequence. Causal masking and documents come from the layout; the
+    mask transformers would build is not built (the name has no mask function)."""
+    cp = getattr(module, CONTEXT_PARALLEL_ATTRIBUTE, None)
+    if cp is None:
+        raise RuntimeError(f"{type(module).__name__} runs context parallel attention but was not set up for it")
+    if sliding_window is not None and sliding_window < cp.current_layout().seq_len:
+        raise NotImplementedError(
+            f"{type(module).__name__}: sliding-window attention (window {sliding_window} < sequence "
+            f"{cp.current_layout().seq_len}) is not supported under context parallel"
+        )
+    if dropout and module.training:
+        raise NotImplementedError(f"{type(module).__name__}: attention dropout is not supported under context parallel")
+    if not getattr(module, "is_causal", True):
+        raise NotImplementedError(f"{type(module).__name__}: context parallel supports causal self-attention only")
+    out = cp.attention(query, key, value, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+__all__ = [
+    "CONTEXT_PARALLEL_ATTRIBUTE",
+    "CONTEXT_PARALLEL_METHODS",
+    "ContextLayout",
+    "ContextParallel",
+    "ContextParallelAttention",
+    "ContextParallelMethod",
+    "HF_ATTENTION_NAME",
+    "attention_kernel",
+    "document_ids",
+    "hf_context_parallel_attention",
+]
