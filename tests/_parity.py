@@ -34,7 +34,8 @@ class TokenDataset(Dataset):
     """
 
     def __init__(
-        self, n: int, seq_len: int, vocab_size: int, seed: int = 0, masked: bool = False, empty_rows: Iterable[int] = ()
+        self, n: int, seq_len: int, vocab_size: int, seed: int = 0, masked: bool = False, empty_rows: Iterable[int] = (),
+        packed: bool = False,
     ) -> None:
         g = torch.Generator().manual_seed(seed)
         self.blocks = torch.randint(0, vocab_size, (n, seq_len + 1), generator=g)
@@ -44,12 +45,24 @@ class TokenDataset(Dataset):
             self.labels[torch.arange(seq_len) < prompt[:, None]] = -100
         for row in empty_rows:
             self.labels[row] = -100
+        self.positions = None
+        if packed:  # 1-3 documents per row, boundaries anywhere: positions restart at 0 per document
+            self.positions = torch.empty(n, seq_len, dtype=torch.long)
+            for row in range(n):
+                cuts = sorted(torch.randint(1, seq_len, (int(torch.randint(0, 3, (), generator=g)),), generator=g).tolist())
+                position = torch.arange(seq_len)
+                for cut in cuts:
+                    position[cut:] = torch.arange(seq_len - cut)
+                self.positions[row] = position
 
     def __len__(self) -> int:
         return len(self.blocks)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.blocks[i, :-1], "labels": self.labels[i]}
+        item = {"input_ids": self.blocks[i, :-1], "labels": self.labels[i]}
+        if self.positions is not None:
+            item["position_ids"] = self.positions[i]
+        return item
 
 
 class ParityData(L.LightningDataModule):
@@ -177,7 +190,8 @@ def reference_run(
     out: dict[str, Any] = {"grads": None, "params": None}
     for step in range(steps):
         batch = next(batches)
-        loss = inline_token_loss(module(batch["input_ids"]), batch["labels"])
+        positions = (batch["position_ids"],) if "position_ids" in batch else ()  # packed documents
+        loss = inline_token_loss(module(batch["input_ids"], *positions), batch["labels"])
         loss.backward()
         losses.append(float(loss.detach()))
         if step == 0:
@@ -193,6 +207,7 @@ def reference_run(
         if step == 0:
             out["params"] = {n: p.detach().clone() for n, p in module.named_parameters()}
     out["losses"] = losses
+    out["final_params"] = {n: p.detach().clone() for n, p in module.named_parameters()}
     return out
 
 

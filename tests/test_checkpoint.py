@@ -188,3 +188,15 @@ def test_file_instead_of_directory(tmp_path):
     torch.save({"state_dict": {}}, bad)
     message = run_ranks(_load, 1, str(bad))[0]
     assert message.startswith("ValueError") and "is a file" in message
+
+
+def test_context_parallel_checkpoint_resumes_without_cp(tmp_path):
+    """Saved with cp=2 (weights sharded over dp_shard x cp = 2 ranks), resumed as plain ZeRO-3 over
+    2 data-parallel ranks: the same global batches, the same loss curve."""
+    cp2 = ultrascale.ContextParallelStrategy(context_parallel=2)
+    uninterrupted = step_losses(run_ranks(_train, 2, TOTAL_STEPS, None, None, cp2))
+    run_ranks(_train, 2, STOP_STEP, str(tmp_path), None, cp2)
+    results = run_ranks(_train, 2, TOTAL_STEPS, None, str(tmp_path / f"epoch=0-step={STOP_STEP}.ckpt"), "ultrascale_zero3")
+    resumed = step_losses(results)
+    assert len(resumed) == TOTAL_STEPS - STOP_STEP
+    assert_close(torch.tensor(resumed), torch.tensor(uninterrupted[STOP_STEP:]), rtol=0, atol=1e-5)

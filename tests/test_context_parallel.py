@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.testing import assert_close
 
 import ultrascale
 from tests._dist import init_gloo, run_ranks
@@ -137,3 +138,190 @@ def test_llama_parity(layout):
     losses = step_losses(results)
     assert all(math.isfinite(v) for v in losses)
     assert_parity(results[0], reference, losses)
+
+
+def _train_packed(rank, world_size, method):
+    recorder = Recorder()
+    strategy = ultrascale.ContextParallelStrategy(context_parallel=world_size, context_parallel_method=method)
+    trainer = parity_trainer(world_size, strategy, recorder, STEPS)
+    trainer.fit(make_llama(), ParityData(packed_data(), MICRO_BATCH))
+    return recorder.result()
+
+
+def packed_data() -> TokenDataset:
+    return TokenDataset(STEPS * MICRO_BATCH, SEQ, 512, seed=6, masked=True, packed=True)
+
+
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+def test_llama_packed_documents_parity(method):
+    """Packed documents (position_ids restarting at 0 inside chunks): the document masks are read from
+    the whole sequence before it is cut; the reference runs the whole sequence with its own mask."""
+    data = packed_data()
+    assert (data.positions[:, 1:] == 0).any(dim=1).sum() > len(data) // 2  # most rows hold several documents
+    reference = reference_run(make_llama(), data, global_batch=MICRO_BATCH, steps=STEPS)
+    results = run_ranks(_train_packed, 2, method)
+    assert_parity(results[0], reference, step_losses(results))
+
+
+# ----------------------------------------------------------------------------- Hugging Face checkpoints
+
+HF_VOCAB = 128
+
+
+def make_hf_checkpoint(folder, arch: str):
+    import transformers
+
+    config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[arch]
+    config = config_class(vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def make_hf(path, export_dir=None):
+    from ultrascale.models.hf import HFCausalLM
+
+    return HFCausalLM(path, learning_rate=3e-3, warmup_steps=1, max_steps=1000, min_lr_ratio=1.0, eps=1e-6,
+                      export_dir=export_dir)
+
+
+def hf_data() -> TokenDataset:
+    return TokenDataset(STEPS * MICRO_BATCH, SEQ, HF_VOCAB, seed=7, masked=True, empty_rows=[5])
+
+
+def _train_hf(rank, world_size, path, strategy_kwargs, export_dir):
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**strategy_kwargs), recorder, STEPS)
+    module = make_hf(path, export_dir)
+    trainer.fit(module, ParityData(hf_data(), MICRO_BATCH))
+    return {**recorder.result(), "attn": module.model.config._attn_implementation}
+
+
+HF_LAYOUTS = {
+    "qwen2-cp2": ("qwen2", 2, {"context_parallel": 2}),
+    "qwen2-dp2xcp2": ("qwen2", 4, {"context_parallel": 2, "data_parallel_shard": 2, "context_parallel_method": "ring"}),
+    "llama-cp2xtp2": ("llama", 4, {"context_parallel": 2, "tensor_parallel": 2, "data_parallel_shard": 1}),
+}
+
+
+@pytest.mark.parametrize("layout", list(HF_LAYOUTS))
+def test_hf_parity_and_export(tmp_path, layout):
+    import transformers
+
+    arch, world, kwargs = HF_LAYOUTS[layout]
+    path = make_hf_checkpoint(tmp_path / "source", arch)
+    reference = reference_run(make_hf(path), hf_data(), global_batch=MICRO_BATCH, steps=STEPS)
+    results = run_ranks(_train_hf, world, path, kwargs, str(tmp_path / "exported"))
+    assert results[0]["attn"] == "ultrascale_context_parallel"  # HF's own modelling code, our attention function
+    assert_parity(results[0], reference, step_losses(results))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True)
+    assert exported.config._attn_implementation != "ultrascale_context_parallel"  # a plain HF folder again
+    final = {name[len("model."):]: value for name, value in reference["final_params"].items()}
+    state = exported.state_dict()
+    assert set(state) == set(final)
+    for name, value in final.items():
+        # Ten Adam steps of one-process vs cp reduction order: far below one update (lr 3e-3).
+        assert_close(state[name], value, rtol=0, atol=5e-5, msg=lambda m: f"{name}: {m}")
+
+
+# ----------------------------------------------------------------------------- with other features
+
+
+def _train_llama_with(rank, world_size, strategy, callbacks, precision):
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, strategy, recorder, STEPS, callbacks=callbacks, precision=precision)
+    trainer.fit(make_llama(), ParityData(masked_data(), MICRO_BATCH))
+    return recorder.result()
+
+
+def test_activation_checkpointing_recomputes_with_the_same_layout():
+    """Full activation checkpointing reruns attention in backward: it must see the batch's layout."""
+    from ultrascale.callbacks import ActivationCheckpointing
+
+    reference = reference_run(make_llama(), masked_data(), global_batch=MICRO_BATCH, steps=STEPS)
+    strategy = ultrascale.ContextParallelStrategy(context_parallel=2, context_parallel_method="ring")
+    results = run_ranks(_train_llama_with, 2, strategy, [ActivationCheckpointing(mode="full")], "32-true")
+    wrapped = "_checkpoint_wrapped_module."  # named_parameters shows the wrapper; state dicts do not
+    result = {key: {n.replace(wrapped, ""): t for n, t in results[0][key].items()} for key in ("grads", "params")}
+    assert_parity(result, reference, step_losses(results))
+
+
+def test_bf16_mixed_trains_close_to_fp32():
+    reference = reference_run(make_llama(), masked_data(), global_batch=MICRO_BATCH, steps=STEPS)
+    strategy = ultrascale.ContextParallelStrategy(context_parallel=2)
+    results = run_ranks(_train_llama_with, 2, strategy, [], "bf16-mixed")
+    assert_close(torch.tensor(step_losses(results)), torch.tensor(reference["losses"]), rtol=0, atol=2e-2)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _odd_sequence(rank, world_size, seq_len, where):
+    import lightning as L
+    import torch.distributed as dist
+
+    from tests._dist import counting_calls
+
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, max_steps=1, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False,
+                        strategy=ultrascale.ContextParallelStrategy(context_parallel=2))
+    data = ParityData(TokenDataset(8, seq_len, 512), 4)
+    if where == "datamodule":
+        data.seq_len = seq_len  # what ultrascale's data modules expose
+    names = ("broadcast", "all_gather_single", "all_gather_into_tensor", "all_reduce", "batch_isend_irecv")
+    with counting_calls(dist, *names) as calls:
+        try:
+            trainer.fit(make_llama(), data)
+        except ValueError as error:
+            cp = trainer.strategy._context_parallel
+            return {"error": str(error), "initialized": dist.is_initialized(), "collectives": sum(calls.values()),
+                    "attention_work": cp.attention_work if cp is not None else None}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("where", ["datamodule", "batch"])
+def test_sequence_not_dividing_2cp_fails_before_any_collective(where):
+    """Known from the data module: refused before the process group exists. Known only from the
+    first batch: refused before the batch's tokens are exchanged."""
+    results = run_ranks(_odd_sequence, 2, 30, where)
+    for result in results:
+        assert result["error"] is not None and "sequence length 30" in result["error"]
+        assert "2*cp=4 load-balanced chunks" in result["error"] and "use 28 or 32" in result["error"]
+        if where == "datamodule":
+            assert not result["initialized"] and result["collectives"] == 0
+        else:  # weights were broadcast at setup, but attention never ran: no K/V was exchanged
+            assert result["attention_work"] == 0
+
+
+def test_unsupported_models_are_refused_by_name():
+    import transformers
+
+    from ultrascale.models.adapters import get_adapter
+
+    generic = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)]))
+    with pytest.raises(ValueError, match="context parallel \\(cp=2\\) has no attention hook for generic.*llama/mistral/qwen2/qwen3"):
+        get_adapter(generic).check_context_parallel(2)
+    config = transformers.GPTNeoXConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                        intermediate_size=16)
+    with pytest.raises(ValueError, match="no attention hook for GPTNeoXForCausalLM"):
+        get_adapter(transformers.GPTNeoXForCausalLM(config)).check_context_parallel(2)
+    with pytest.raises(ValueError, match="context_parallel_method='zigzag'"):
+        ultrascale.ContextParallelStrategy(context_parallel=2, context_parallel_method="zigzag")
+
+
+def test_padding_masks_are_refused():
+    from unittest import mock
+
+    mesh = mock.Mock(ndim=1, size=lambda: 2, get_local_rank=lambda: 0)
+    cp = ContextParallel(mesh)
+    batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long), "attention_mask": torch.tensor([[1] * 8, [1] * 6 + [0] * 2])}
+    with pytest.raises(ValueError, match="does not take padding masks"):
+        cp.shard_batch(batch)
+    batch["attention_mask"] = torch.ones(2, 8, dtype=torch.long)
+    local = cp.shard_batch(batch)
+    assert "attention_mask" not in local and local["position_ids"][0].tolist() == [0, 1, 6, 7]
