@@ -68,6 +68,7 @@ class Meter(Throughput):
     def __init__(self) -> None:
         super().__init__()
         self.baseline_kib = self.peak_kib = 0
+        self.cpu_start = self.cpu_end = 0.0
         self.first_loss = float("nan")
 
     def on_train_start(self, trainer, pl_module):
@@ -75,8 +76,15 @@ class Meter(Throughput):
             f.write("5")  # VmHWM := VmRSS
         self.baseline_kib = _status_kib("VmRSS")
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if batch_idx == WARMUP_STEPS:
+            self.cpu_start = time.process_time()
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if batch_idx >= WARMUP_STEPS:
+            self.cpu_end = time.process_time()
         if batch_idx == 0:
             self.first_loss = float(trainer.callback_metrics["train_loss"])
 
@@ -104,6 +112,7 @@ def _train(rank, world_size, method, seq_len, args):
     return {
         "tokens_per_s": meter.steps * batch * seq_len / (meter.end - meter.start),
         "peak_mib": (meter.peak_kib - meter.baseline_kib) / 1024,
+        "cpu_s_per_step": (meter.cpu_end - meter.cpu_start) / meter.steps,
         "first_loss": meter.first_loss,
     }
 
@@ -160,15 +169,18 @@ def main() -> None:
     train: dict[tuple[int, str | None, int], dict] = {}
     for seq_len in args.seq_lens:
         for cp, method in configs:
+            t0 = time.perf_counter()
             per_rank = run_ranks(_train, cp, method or "allgather", seq_len, args)
             result = {
+                "cpu_s_per_step": sum(r["cpu_s_per_step"] for r in per_rank),
                 "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in per_rank),
                 "peak_mib": max(r["peak_mib"] for r in per_rank),
                 "first_loss": per_rank[0]["first_loss"],
             }
             train[(cp, method, seq_len)] = result
             print(f"seq {seq_len} cp={cp} {method or '-'}: {result['tokens_per_s']:,.0f} tokens/s, peak +{result['peak_mib']:.0f} MiB/rank, "
-                  f"loss step 0 {result['first_loss']:.6f}", flush=True)
+                  f"CPU {1000 * result['cpu_s_per_step']:.0f} ms/step (all ranks), loss step 0 {result['first_loss']:.6f} "
+                  f"({time.perf_counter() - t0:.1f} s, load {_load()})", flush=True)
 
     balance: dict[tuple[int, str, bool], list[dict]] = {}
     for cp in (c for c in args.cps if c > 1):

@@ -78,3 +78,14 @@ def test_plan_refuses_impossible_layouts(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--preset", "llama3_8b", "--world", "8", "--tp", "3"])
     assert "cannot infer `dp_shard`" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_context_parallel_recipe(tmp_path):
+    recipe = RECIPE.parent / "tiny_cpu_cp.yaml"
+    out = ultrascale("fit", "--config", str(recipe), *FAST, cwd=tmp_path)
+    assert "ultrascale mesh: pp=1 x dp_replicate=1 x dp_shard=2 x cp=2 x tp=1 (world 4)" in out
+    assert "`Trainer.fit` stopped: `max_steps=6` reached." in out
+    out = ultrascale("fit", "--config", str(recipe), *FAST, "--trainer.strategy.init_args.context_parallel_method", "ring",
+                     "--trainer.max_steps", "2", cwd=tmp_path)
+    assert "`Trainer.fit` stopped: `max_steps=2` reached." in out

@@ -325,3 +325,12 @@ def test_padding_masks_are_refused():
     batch["attention_mask"] = torch.ones(2, 8, dtype=torch.long)
     local = cp.shard_batch(batch)
     assert "attention_mask" not in local and local["position_ids"][0].tolist() == [0, 1, 6, 7]
+
+
+def test_registered_name_uses_every_device_of_the_node_for_cp():
+    import lightning as L
+
+    trainer = L.Trainer(strategy="ultrascale_cp", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, ultrascale.ContextParallelStrategy)
+    assert trainer.strategy.parallel_dims.cp == 2 and trainer.strategy.parallel_dims.dp_shard == 1
+    assert trainer.strategy.context_layout is None  # no batch yet

@@ -33,7 +33,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from ultrascale.models.adapters import ModelAdapter, get_adapter
 from ultrascale.parallel.checkpoint import check_checkpoint_dir, load_sharded_checkpoint, save_sharded_checkpoint
-from ultrascale.parallel.context import CONTEXT_PARALLEL_METHODS, ContextParallel, ContextParallelMethod
+from ultrascale.parallel.context import CONTEXT_PARALLEL_METHODS, ContextLayout, ContextParallel, ContextParallelMethod
 from ultrascale.parallel.device import process_group_backend, tune_cpu_allocator
 from ultrascale.parallel.dims import ParallelDims, ParallelMesh, build_mesh
 from ultrascale.parallel.fsdp import is_fsdp_sharded, reshard, set_gradient_sync
@@ -264,6 +264,12 @@ class UltraScaleStrategy(StrategyInternals):
         if self._parallel_mesh is None:
             raise RuntimeError("the device mesh exists only after the processes have been initialised")
         return self._parallel_mesh
+
+    @property
+    def context_layout(self) -> Optional[ContextLayout]:
+        """Under context parallel, which tokens of the current batch this rank holds
+        (`layout.token_index(cp_rank)`): steps, callbacks and predictions see only those. None otherwise."""
+        return self._context_parallel.layout if self._context_parallel is not None else None
 
     @property
     def device_mesh(self) -> DeviceMesh:
