@@ -114,7 +114,7 @@ class UltraScaleStrategy(StrategyInternals):
             context-parallel benchmark for which to pick.
         context_parallel_load_balance: zig-zag layout (rank r holds chunks r and 2cp-1-r of 2cp),
             so every rank does the same causal attention work. False: contiguous chunks (the
-            last rank then computes cp times more attention than the first).
+            last rank then computes about 2cp-1 times the attention of the first).
         tensor_parallel: tensor-parallel degree (Megatron column/row splits on DTensor); 1 means off.
             The model needs a TP plan: the built-in Llama and Hugging Face Llama/Mistral/Qwen2
             have one, any other model passes `tp_plan`.
