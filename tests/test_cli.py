@@ -86,6 +86,6 @@ def test_context_parallel_recipe(tmp_path):
     out = ultrascale("fit", "--config", str(recipe), *FAST, cwd=tmp_path)
     assert "ultrascale mesh: pp=1 x dp_replicate=1 x dp_shard=2 x cp=2 x tp=1 (world 4)" in out
     assert "`Trainer.fit` stopped: `max_steps=6` reached." in out
-    out = ultrascale("fit", "--config", str(recipe), *FAST, "--trainer.strategy.init_args.context_parallel_method", "ring",
+    out = ultrascale("fit", "--config", str(recipe), *FAST, "--trainer.strategy.init_args.context_parallel_method", "allgather",
                      "--trainer.max_steps", "2", cwd=tmp_path)
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in out

@@ -123,9 +123,9 @@ def _train_llama(rank, world_size, make_strategy):
 
 
 LLAMA_LAYOUTS = {
-    "cp2-allgather": (2, lambda: ultrascale.ContextParallelStrategy(context_parallel=2)),
-    "cp2-ring": (2, lambda: ultrascale.ContextParallelStrategy(context_parallel=2, context_parallel_method="ring")),
-    "dp2xcp2": (4, lambda: ultrascale.UltraScaleStrategy(data_parallel_shard=2, context_parallel=2, context_parallel_method="ring")),
+    "cp2-allgather": (2, lambda: ultrascale.ContextParallelStrategy(context_parallel=2, context_parallel_method="allgather")),
+    "cp2-ring": (2, lambda: ultrascale.ContextParallelStrategy(context_parallel=2)),  # the default method
+    "dp2xcp2": (4, lambda: ultrascale.UltraScaleStrategy(data_parallel_shard=2, context_parallel=2)),
     "cp2xtp2": (4, lambda: ultrascale.ContextParallelStrategy(context_parallel=2, tensor_parallel=2)),
 }
 
@@ -204,8 +204,9 @@ def _train_hf(rank, world_size, path, strategy_kwargs, export_dir):
 
 HF_LAYOUTS = {
     "qwen2-cp2": ("qwen2", 2, {"context_parallel": 2}),
-    "qwen2-dp2xcp2": ("qwen2", 4, {"context_parallel": 2, "data_parallel_shard": 2, "context_parallel_method": "ring"}),
-    "llama-cp2xtp2": ("llama", 4, {"context_parallel": 2, "tensor_parallel": 2, "data_parallel_shard": 1}),
+    "qwen2-dp2xcp2": ("qwen2", 4, {"context_parallel": 2, "data_parallel_shard": 2, "context_parallel_method": "allgather"}),
+    "llama-cp2xtp2": ("llama", 4, {"context_parallel": 2, "tensor_parallel": 2, "data_parallel_shard": 1,
+                                   "context_parallel_method": "allgather"}),
 }
 
 

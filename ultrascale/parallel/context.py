@@ -6,7 +6,8 @@ bring them (`ContextParallel(method=...)`):
 
 - ``"allgather"`` (Llama 3's choice): one all-gather of K/V over cp per layer; backward
   reduce-scatters dK/dV. Simple, one collective each way, but every rank briefly holds the
-  whole sequence's K/V (2 * T * n_kv_heads * head_dim per layer).
+  whole sequence's K/V (2 * T * n_kv_heads * head_dim values per layer) and, in backward,
+  fp32 dK/dV for all of it (measured: +9-13 MiB per rank over ring in benchmarks/cp_scaling.py).
 - ``"ring"``: K/V blocks travel around the cp ring with non-blocking P2P while the block in
   hand is computed; backward sends dK/dV around the ring with them. No rank ever holds more
   than two K/V blocks, at the price of cp-1 sequential exchanges.
@@ -326,8 +327,10 @@ class _ContextAttention(torch.autograd.Function):
         if cp.method == "allgather":  # dK/dV of every source, reduce-scattered to the owners at the end
             gathered_grads = torch.zeros((size, *kv.shape), dtype=torch.float32, device=kv.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # ring: travels with its K/V
+        pending: list[Any] = []  # ring: the previous step's dK/dV exchange, in flight while this step computes
+        incoming = dkv
         for source, kv_source in _sources(kv, group, cp.method):
-            grads = gathered_grads[source] if gathered_grads is not None else dkv
+            contributions = []  # (k_end, dK, dV) of each block against this source
             for block in _plan(layout, rank, source):
                 bias = _document_bias(layout, rank, source, block, q.dtype)
                 if bias is not None and torch.isinf(bias).all():
@@ -338,12 +341,22 @@ class _ContextAttention(torch.autograd.Function):
                     out[:, :, rows], lse[:, :, rows].contiguous(), block.causal and bias is None, bias, scale,
                 )
                 dq[:, :, rows] += dq_block
-                grads[0, :, :, : block.k_end] += dk_block
-                grads[1, :, :, : block.k_end] += dv_block
-            if gathered_grads is None:  # pass the accumulated dK/dV on with its K/V; the last pass reaches the owner
-                incoming = torch.empty_like(dkv)
-                _wait(_ring_exchange(dkv, incoming, group, _GRAD_TAG))
+                contributions.append((block.k_end, dk_block, dv_block))
+            if gathered_grads is None:
+                # The previous rank's partial dK/dV of this source arrives; add ours and pass it on with
+                # its K/V (the last pass reaches the owner).
+                _wait(pending)
                 dkv = incoming
+            grads = gathered_grads[source] if gathered_grads is not None else dkv
+            for k_end, dk_block, dv_block in contributions:
+                grads[0, :, :, :k_end] += dk_block
+                grads[1, :, :, :k_end] += dv_block
+            if gathered_grads is None:
+                incoming = torch.empty_like(dkv)
+                pending = _ring_exchange(dkv, incoming, group, _GRAD_TAG)
+        if gathered_grads is None:
+            _wait(pending)
+            dkv = incoming
         if gathered_grads is not None:
             reduce_scatter_single(dkv, gathered_grads.flatten(0, 1), op=dist.ReduceOp.SUM, group=group)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
@@ -361,7 +374,7 @@ class ContextParallel:
     in backward sees the same one.
     """
 
-    def __init__(self, mesh: DeviceMesh, method: ContextParallelMethod = "allgather", load_balance: bool = True) -> None:
+    def __init__(self, mesh: DeviceMesh, method: ContextParallelMethod = "ring", load_balance: bool = True) -> None:
         if method not in CONTEXT_PARALLEL_METHODS:
             raise ValueError(f"context parallel method {method!r}: choose one of {CONTEXT_PARALLEL_METHODS}")
         if mesh.ndim != 1:

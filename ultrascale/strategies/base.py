@@ -110,8 +110,8 @@ class UltraScaleStrategy(StrategyInternals):
             Llama/Mistral/Qwen2/Qwen3 are supported.
         context_parallel_method: "allgather" (one all-gather of K/V per layer; backward
             reduce-scatters dK/dV) or "ring" (K/V passed around the cp ring with P2P, overlapped
-            with the block in hand; no rank holds the whole sequence's K/V). See the README's
-            context-parallel benchmark for which to pick.
+            with the block in hand; no rank holds the whole sequence's K/V). Default "ring": as fast
+            as "allgather" in benchmarks/cp_scaling.py, with less memory per rank.
         context_parallel_load_balance: zig-zag layout (rank r holds chunks r and 2cp-1-r of 2cp),
             so every rank does the same causal attention work. False: contiguous chunks (the
             last rank then computes about 2cp-1 times the attention of the first).
@@ -166,7 +166,7 @@ class UltraScaleStrategy(StrategyInternals):
         data_parallel_replicate: int = 1,
         data_parallel_shard: int = -1,
         context_parallel: int = 1,
-        context_parallel_method: ContextParallelMethod = "allgather",
+        context_parallel_method: ContextParallelMethod = "ring",
         context_parallel_load_balance: bool = True,
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,

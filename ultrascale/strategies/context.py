@@ -33,7 +33,7 @@ class ContextParallelStrategy(UltraScaleStrategy):
     def __init__(
         self,
         context_parallel: Union[int, Literal["auto"]] = "auto",
-        context_parallel_method: ContextParallelMethod = "allgather",
+        context_parallel_method: ContextParallelMethod = "ring",
         context_parallel_load_balance: bool = True,
         tensor_parallel: int = 1,
         sequence_parallel: Optional[bool] = None,
