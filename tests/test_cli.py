@@ -89,3 +89,15 @@ def test_context_parallel_recipe(tmp_path):
     out = ultrascale("fit", "--config", str(recipe), *FAST, "--trainer.strategy.init_args.context_parallel_method", "allgather",
                      "--trainer.max_steps", "2", cwd=tmp_path)
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in out
+
+
+@pytest.mark.parametrize("flag, value", [("--seq-len", "-5"), ("--micro-batch", "0"), ("--world", "0"),
+                                         ("--device-memory-gib", "-1")])
+def test_plan_refuses_non_positive_sizes(capsys, flag, value):
+    from ultrascale.cli import main
+
+    arguments = ["plan", "--preset", "tiny", "--world", "2", flag, value]
+    with pytest.raises(SystemExit) as exit_info:
+        main(arguments)
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: {value} must be > 0" in capsys.readouterr().err

@@ -227,3 +227,60 @@ def test_mixtral_export_roundtrip(tmp_path):
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
     for name, value in again.state_dict().items():
         assert torch.equal(value, model.state_dict()[name]), name
+
+
+# ----------------------------------------------------------------------------- exports never destroy anything
+
+
+def _short_finetune(rank, world_size, path, ckpt_dir):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy="ultrascale_zero3", max_steps=2, logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=2)],
+    )
+    trainer.fit(HFCausalLM(path, learning_rate=1e-2, max_steps=2), ParityData(TokenDataset(16, SEQ, VOCAB, seed=8), 8))
+
+
+def _checksums(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_export_never_destroys_its_source_or_other_files(tmp_path):
+    from ultrascale.cli import main
+
+    source = make_checkpoint(tmp_path / "source")
+    make_tokenizer(source)
+    run_ranks(_short_finetune, 1, str(source), str(tmp_path / "ckpts"))
+    checkpoint = str(tmp_path / "ckpts" / "last.ckpt")
+    before = _checksums(source)
+    for overwrite in ([], ["--overwrite"]):  # onto the source: refused, with or without --overwrite
+        with pytest.raises(ValueError, match="it is the model's source folder"):
+            main(["export-hf", "--checkpoint", checkpoint, "--out", str(source), *overwrite])
+    assert _checksums(source) == before  # every original file intact, nothing added
+    with pytest.raises(ValueError, match="source folder"):  # and refused before training, not after it
+        HFCausalLM(str(source), export_dir=str(source))
+
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"is not empty \(\['notes.txt'\]\).*--overwrite"):
+        main(["export-hf", "--checkpoint", checkpoint, "--out", str(busy)])
+    with pytest.raises(FileExistsError, match="export_overwrite=True"):
+        HFCausalLM(str(source), export_dir=str(busy))
+    assert (busy / "notes.txt").read_text() == "mine"
+    main(["export-hf", "--checkpoint", checkpoint, "--out", str(busy), "--overwrite"])
+    assert not (busy / "notes.txt").exists() and (busy / "config.json").is_file()
+    assert transformers.AutoModelForCausalLM.from_pretrained(busy, local_files_only=True) is not None
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left behind
+
+
+def test_truncated_safetensors_is_named(tmp_path):
+    source = make_checkpoint(tmp_path / "source")
+    shard = sorted(source.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:6])  # cut inside the header
+    with pytest.raises(ValueError, match=rf"{shard.name}: not a readable safetensors file"):
+        HFCausalLM(str(source))  # at construction, before any process or weight

@@ -58,9 +58,29 @@ def export_hf_main(args: list[str]) -> None:
     parser.add_argument("--checkpoint", required=True, help="ultrascale checkpoint directory (e.g. .../last.ckpt)")
     parser.add_argument("--out", required=True, help="folder to write (loadable with from_pretrained)")
     parser.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (default 2GB)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a non-empty --out folder (never the model's source folder)")
     options = parser.parse_args(args)
-    out = export_hf_checkpoint(options.checkpoint, options.out, options.max_shard_size)
+    out = export_hf_checkpoint(options.checkpoint, options.out, options.max_shard_size, overwrite=options.overwrite)
     print(f"wrote {out}")
+
+
+def _positive(kind: type) -> Any:
+    """argparse type: a number > 0 of `kind`, else a usage error naming the value."""
+
+    def parse(text: str) -> Any:
+        import argparse
+
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text} must be > 0")
+        return value
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
 
 
 def plan_main(args: list[str]) -> str:
@@ -78,17 +98,18 @@ def plan_main(args: list[str]) -> str:
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--preset", choices=sorted(LLAMA_PRESETS), help="built-in Llama preset")
     model.add_argument("--hf-config", help="Hugging Face checkpoint folder (only config.json is read)")
-    parser.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
-    parser.add_argument("--dp-replicate", type=int, default=1)
-    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--world", type=_positive(int), required=True, help="number of ranks (GPUs)")
+    parser.add_argument("--dp-replicate", type=_positive(int), default=1)
+    parser.add_argument("--tp", type=_positive(int), default=1)
     parser.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3))
     parser.add_argument("--precision", default="bf16-mixed", choices=("32-true", "bf16-mixed", "bf16-true"))
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--seq-len", type=_positive(int), default=4096)
+    parser.add_argument("--micro-batch", type=_positive(int), default=1)
     parser.add_argument("--full-recompute", action="store_true", help="activation checkpointing of every block")
     parser.add_argument("--eager-attention", action="store_true",
                         help="attention keeps its s x s scores (no flash / fused kernel)")
-    parser.add_argument("--device-memory-gib", type=float, default=None, help="memory of one device, to say whether it fits")
+    parser.add_argument("--device-memory-gib", type=_positive(float), default=None,
+                        help="memory of one device, to say whether it fits")
     options = parser.parse_args(args)
     dims = ParallelDims.resolve(options.world, dp_replicate=options.dp_replicate, dp_shard=-1, tp=options.tp)
     if options.preset:

@@ -39,6 +39,7 @@ def check_hf_folder(path: str | Path) -> Path:
             n.endswith(".bin") for n in found
         ) else ""
         raise FileNotFoundError(f"{path} has no *.safetensors weights{hint}; files: {found}")
+    safetensors_keys(path)  # reads each file's header only: a truncated or corrupt file is named now
     return path
 
 
@@ -47,9 +48,33 @@ def safetensors_keys(path: Path) -> set[str]:
 
     keys: set[str] = set()
     for file in sorted(path.glob(f"*{WEIGHT_SUFFIX}")):
-        with safe_open(str(file), framework="pt") as f:
-            keys.update(f.keys())
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                keys.update(f.keys())
+        except Exception as error:  # safetensors' own error names no file
+            raise ValueError(f"{file}: not a readable safetensors file (truncated or corrupt?): {error}") from error
     return keys
+
+
+def check_export_target(out_dir: str | Path, source_dir: Optional[str | Path], overwrite: bool = False) -> Path:
+    """The folder an export may write, or a clear error before anything is touched: never the model's
+    source folder (its weights would be replaced by the files being written), and not a non-empty
+    folder unless `overwrite`."""
+    out = Path(out_dir).resolve()
+    if source_dir is not None and out == Path(source_dir).resolve():
+        raise ValueError(
+            f"refusing to export into {out}: it is the model's source folder (pretrained_path); its weights would be "
+            "replaced. Choose another output folder."
+        )
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"export target {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        found = sorted(p.name for p in out.iterdir())
+        raise FileExistsError(
+            f"export target {out} is not empty ({found[:5]}{' ...' if len(found) > 5 else ''}); choose an empty or "
+            "new folder, or pass overwrite (`ultrascale export-hf --overwrite`, `HFCausalLM(export_overwrite=True)`)"
+        )
+    return out
 
 
 class _MixtralLayout:
@@ -198,6 +223,7 @@ class HFCausalLM(CausalLMModule):
         min_lr_ratio: float = 0.1,
         attn_implementation: str = "sdpa",
         export_dir: Optional[str] = None,
+        export_overwrite: bool = False,
     ) -> None:
         """
         Args:
@@ -212,6 +238,8 @@ class HFCausalLM(CausalLMModule):
             min_lr_ratio: final learning rate as a fraction of `learning_rate`.
             attn_implementation: Hugging Face attention kernel ("sdpa", "eager", "flash_attention_2").
             export_dir: if set, the trained model is written there as a Hugging Face folder when fit ends.
+                Checked when the module is built: not the source folder, and empty unless `export_overwrite`.
+            export_overwrite: replace a non-empty `export_dir` (once the new folder is complete).
         """
         super().__init__()
         self.save_hyperparameters()
@@ -220,6 +248,8 @@ class HFCausalLM(CausalLMModule):
         if dtype not in DTYPES:
             raise ValueError(f"HFCausalLM: `dtype={dtype!r}`; choose one of {sorted(DTYPES)}")
         self.pretrained_path = str(check_hf_folder(pretrained_path))
+        if export_dir is not None:  # refused now, not after the training it would have exported
+            check_export_target(export_dir, self.pretrained_path, export_overwrite)
         self.config = AutoConfig.from_pretrained(self.pretrained_path, local_files_only=True)
         self.model: Optional[torch.nn.Module] = None
 
@@ -307,21 +337,48 @@ def _hf_state_dict_from_module(module: HFCausalLM) -> Optional[dict[str, torch.T
     return {k: v.detach().cpu() for k, v in module.model.state_dict().items()}
 
 
-def export_hf_from_module(module: HFCausalLM, out_dir: str | Path) -> None:
+def export_hf_from_module(module: HFCausalLM, out_dir: str | Path, overwrite: Optional[bool] = None) -> None:
     state = _hf_state_dict_from_module(module)
+    if overwrite is None:
+        overwrite = bool(module.hparams.get("export_overwrite", False))
     if state is not None:
-        write_hf_folder(state, module.config, module.pretrained_path, out_dir)
+        write_hf_folder(state, module.config, module.pretrained_path, out_dir, overwrite=overwrite)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
 
 
 def write_hf_folder(state: dict[str, torch.Tensor], config: Any, source_dir: Optional[str], out_dir: str | Path,
-                    max_shard_size: str = "2GB") -> Path:
-    """Write HF-named weights as a Hugging Face folder: sharded safetensors, config, generation config, tokenizer."""
+                    max_shard_size: str = "2GB", overwrite: bool = False) -> Path:
+    """Write HF-named weights as a Hugging Face folder: sharded safetensors, config, generation config, tokenizer.
+
+    Checked first (`check_export_target`), then written into a hidden temporary folder beside
+    `out_dir` and renamed into place, so a failed export leaves no half-written folder and
+    `overwrite` replaces the old folder only once the new one is complete."""
+    import os
+    import tempfile
+
+    final = check_export_target(out_dir, source_dir, overwrite)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        _write_hf_files(state, config, source_dir, out, max_shard_size)
+        if final.exists():  # overwrite: move the old folder aside, publish, then delete it
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            os.replace(final, old / final.name)
+            os.replace(out, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(out, final)
+    finally:
+        if out.exists():
+            shutil.rmtree(out)
+    return final
+
+
+def _write_hf_files(state: dict[str, torch.Tensor], config: Any, source_dir: Optional[str], out: Path,
+                    max_shard_size: str) -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -337,10 +394,10 @@ def write_hf_folder(state: dict[str, torch.Tensor], config: Any, source_dir: Opt
         for name in TOKENIZER_FILES:
             if (Path(source_dir) / name).is_file():
                 shutil.copy2(Path(source_dir) / name, out / name)
-    return out
 
 
-def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "2GB") -> Path:
+def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "2GB",
+                         overwrite: bool = False) -> Path:
     """Turn an ultrascale training checkpoint of an `HFCausalLM` (any layout) into a Hugging Face folder.
 
     Runs in one process, without a process group: DCP reassembles every tensor from the shards.
@@ -353,6 +410,9 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path, max_shard_
     path = check_checkpoint_dir(checkpoint)
     meta = torch.load(path / METADATA_FILE, map_location="cpu", weights_only=False)
     hparams = meta.get("hyper_parameters", {})
+    source = hparams.get("pretrained_path")
+    source = source if source and Path(source).is_dir() else None
+    check_export_target(out_dir, source, overwrite)  # before reading any tensor
     if "hf_config" not in meta:
         raise ValueError(f"{path} was not written by an HFCausalLM (no Hugging Face config in it); cannot export")
     config_dict = dict(meta["hf_config"])
@@ -364,6 +424,4 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path, max_shard_
     state = {key[len("state_dict.") :]: torch.empty(tensors[key].size, dtype=tensors[key].properties.dtype) for key in names}
     dcp.load({"state_dict": state}, checkpoint_id=str(path), no_dist=True)
     hf_state = {key[len("model.") :]: value for key, value in state.items()}
-    source = hparams.get("pretrained_path")
-    source = source if source and Path(source).is_dir() else None
-    return write_hf_folder(hf_state, config, source, out_dir, max_shard_size)
+    return write_hf_folder(hf_state, config, source, out_dir, max_shard_size, overwrite)
