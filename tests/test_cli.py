@@ -101,3 +101,22 @@ def test_plan_refuses_non_positive_sizes(capsys, flag, value):
         main(arguments)
     assert exit_info.value.code == 2
     assert f"argument {flag}: {value} must be > 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ckpt_path_last_finds_a_checkpoint_whose_publishing_was_interrupted(tmp_path):
+    """Only the complete `.old` copy of last.ckpt is left (a save killed between the two renames, where
+    the filesystem cannot swap atomically): `--ckpt_path last` resumes from it instead of step 0."""
+    checkpoints = tmp_path / "ckpts"
+    extra = tmp_path / "checkpoints.yaml"
+    extra.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n      init_args:\n"
+        f"        dirpath: {checkpoints}\n        save_last: true\n        every_n_train_steps: 6\n"
+    )
+    ultrascale("fit", "--config", str(RECIPE), "--config", str(extra), *FAST, cwd=tmp_path)
+    (checkpoints / "last.ckpt").rename(checkpoints / ".last.ckpt.old-0123456789ab")
+    out = ultrascale("fit", "--config", str(RECIPE), "--config", str(extra), *FAST, "--trainer.max_steps", "8",
+                     "--ckpt_path", "last", cwd=tmp_path)
+    assert "restored" in out and "Restored all states from the checkpoint" in out
+    assert "`Trainer.fit` stopped: `max_steps=8` reached." in out
+    assert (checkpoints / "last.ckpt" / "meta.pt").is_file()

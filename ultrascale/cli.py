@@ -44,6 +44,25 @@ class UltraScaleCLI(LightningCLI):
             **kwargs,
         )
 
+    def before_fit(self) -> None:
+        self._restore_interrupted_last()
+
+    before_validate = before_test = before_predict = before_fit
+
+    def _restore_interrupted_last(self) -> None:
+        """`--ckpt_path last`: Lightning looks for `last*.ckpt` by name before any strategy runs. A save
+        killed between the two renames that publish a checkpoint (possible where the filesystem has
+        no atomic exchange, e.g. NFS) leaves only its complete `.old` copy: put it back first, once,
+        in the launching process."""
+        from ultrascale.parallel.checkpoint import restore_old_versions
+
+        if self.config.get(self.subcommand, {}).get("ckpt_path") != "last":
+            return
+        for callback in self.trainer.checkpoint_callbacks:
+            if getattr(callback, "dirpath", None):
+                for restored in restore_old_versions(callback.dirpath):
+                    print(f"ultrascale: restored {restored} from the copy an interrupted save left behind")
+
 
 def export_hf_main(args: list[str]) -> None:
     import argparse
