@@ -31,6 +31,14 @@ the all-gather, i.e. 2Ψ(N-1)/N, the same as DDP's ring all-reduce.
 Checkpoints: the bucket layout depends on N, so state is saved per parameter (by its
 name) as 1-D DTensors sharded over the dp ranks and re-laid out on load (one all-to-all),
 which makes a ZeRO-1/2 checkpoint loadable at any world size.
+
+Across ZeRO families: ZeRO-3 (FSDP2) saves the same keys (`state.<name>.<key>`) but
+parameter-shaped, with the step per parameter rather than per group and without "master"
+(its fp32 weights are the model weights). `saved_optimizer_layout` tells the two apart from
+DCP's metadata; `ZeroEngine.param_shaped_template` / `load_param_shaped_state_dict` read a
+ZeRO-3 optimizer state into ZeRO-1/2, and `flat_state_template` / `param_shaped_from_flat` a
+ZeRO-1/2 one into FSDP's layout. Each converted state tensor is gathered whole on every rank
+once, one tensor at a time (transient memory of one parameter's state, not of the model).
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ultrascale.parallel.device import all_gather_single, reduce_scatter_single
 
@@ -556,6 +564,93 @@ class ZeroEngine:
                 mine.copy_(bucket.master)
                 _all_gather(bucket.param_buffer, mine, group=self.group)
 
+    # ------------------------------------------------------------------ checkpoints of other layouts
+    @property
+    def has_master_copies(self) -> bool:
+        """The optimizer steps fp32 copies of the weights (bf16-mixed): a checkpoint must provide them."""
+        return bool(self.buckets) and not self.buckets[0].master_is_view
+
+    def _flat_dtensor(self, value: torch.Tensor, dtype: Optional[torch.dtype] = None) -> DTensor:
+        """Any tensor / DTensor of a parameter's state, flattened into this engine's 1-D chunk layout."""
+        full = (value.full_tensor() if isinstance(value, DTensor) else value).reshape(-1)
+        numel = full.numel()
+        chunk = math.ceil(numel / self.world)
+        start = min(numel, self.rank * chunk)
+        local = full[start : start + _chunk_size(numel, self.world, self.rank)]
+        return self._to_dtensor(local.to(dtype or local.dtype).clone(), numel)
+
+    def _param_shaped_dtensor(self, shape: torch.Size, dtype: torch.dtype) -> DTensor:
+        """An empty DTensor of `shape`, dim 0 sharded over the dp ranks (a DCP read target)."""
+        rows = _chunk_size(shape[0], self.world, self.rank)
+        local = torch.zeros((rows, *shape[1:]), dtype=dtype, device=self.buckets[0].param_buffer.device)
+        placements = [Shard(0)] if self.dp_mesh.ndim == 1 else [Replicate(), Shard(0)]
+        return DTensor.from_local(local, self.dp_mesh, placements, run_check=False, shape=shape, stride=_contiguous_stride(shape))
+
+    def param_shaped_template(self, metadata: Any, prefix: str) -> dict[str, Any]:
+        """What to give DCP to read an optimizer state saved parameter-shaped (ZeRO-3 / FSDP) at `prefix`.
+
+        `metadata` is the checkpoint's DCP `state_dict_metadata`; the template holds exactly the
+        saved entries of this engine's parameters (tensors dim-0 sharded over the dp ranks)."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        saved_names = _saved_state_names(metadata, prefix)
+        state: dict[str, dict[str, Any]] = {}
+        for bucket in self.buckets:
+            for name, p in zip(bucket.names, bucket.params):
+                saved = saved_names.get(_clean_name(name))
+                if saved is None:
+                    raise ValueError(
+                        f"the checkpoint holds no optimizer state for parameter {_clean_name(name)!r} "
+                        f"(it has state for {len(saved_names)} parameters)"
+                    )
+                entry: dict[str, Any] = {}
+                for key, md in _saved_entries(metadata, f"{prefix}.state.{saved}."):
+                    if not isinstance(md, TensorStorageMetadata):
+                        entry[key] = None
+                    elif len(md.size) == 0:
+                        entry[key] = torch.zeros((), dtype=md.properties.dtype)
+                    elif md.size.numel() != p.numel():
+                        raise ValueError(
+                            f"checkpoint entry {prefix}.state.{saved}.{key} has shape {tuple(md.size)}, "
+                            f"parameter {name!r} has {tuple(p.shape)}"
+                        )
+                    else:
+                        entry[key] = self._param_shaped_dtensor(md.size, md.properties.dtype)
+                state[saved] = entry
+        return {"state": state, "param_groups": _saved_groups(metadata, prefix)}
+
+    @torch.no_grad()
+    def load_param_shaped_state_dict(self, loaded: dict[str, Any], weights: Optional[dict[str, Any]] = None) -> None:
+        """Load a parameter-shaped (ZeRO-3 / FSDP) optimizer state read with `param_shaped_template`.
+
+        `weights` (name -> full weight, the checkpoint's model weights at full precision) become
+        the master copies when the engine keeps them (ZeRO-3 has no separate masters)."""
+        if len(loaded["param_groups"]) != len(self.group_buckets):
+            raise ValueError(
+                f"the checkpoint's optimizer has {len(loaded['param_groups'])} param group(s), this one "
+                f"{len(self.group_buckets)}"
+            )
+        weights = {_clean_name(k): v for k, v in (weights or {}).items()}
+        state: dict[str, dict[str, Any]] = {}
+        groups = []
+        for saved_group, buckets in zip(loaded["param_groups"], self.group_buckets):
+            scalars: dict[str, Any] = {}
+            for bucket in buckets:
+                for name in bucket.names:
+                    entry = state[name] = {}
+                    for key, value in loaded["state"][_clean_name(name)].items():
+                        if isinstance(value, torch.Tensor) and value.dim() > 0:
+                            entry[key] = self._flat_dtensor(value, bucket.master.dtype)
+                        else:  # the step: one per parameter in ZeRO-3, one per group here
+                            scalars.setdefault(key, value)
+                    if self.has_master_copies:
+                        if _clean_name(name) not in weights:
+                            raise ValueError(f"the checkpoint holds no weights for {_clean_name(name)!r}")
+                        entry["master"] = self._flat_dtensor(weights[_clean_name(name)], bucket.master.dtype)
+            hyper = {k: v for k, v in saved_group.items() if k != "params"}
+            groups.append({"hyper": hyper, "scalars": scalars, "params": [n for b in buckets for n in b.names]})
+        self.load_sharded_state_dict({"state": state, "param_groups": groups})
+
 
 def _chunk_size(numel: int, world: int, rank: int) -> int:
     chunk = math.ceil(numel / world)
@@ -564,3 +659,152 @@ def _chunk_size(numel: int, world: int, rank: int) -> int:
 
 def _elementwise(value: Any, bucket: _Bucket) -> bool:
     return isinstance(value, torch.Tensor) and value.shape == bucket.master.shape and value.dim() > 0
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    return tuple(reversed(stride))
+
+
+# Wrappers that add a segment to parameter names but not to state-dict keys (what FSDP's
+# get_optimizer_state_dict uses): activation checkpointing, torch.compile.
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _clean_name(name: str) -> str:
+    for segment in _WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
+
+
+def saved_optimizer_layout(metadata: Any, prefix: str) -> Optional[str]:
+    """How the optimizer state at `prefix` of a checkpoint (its DCP `state_dict_metadata`) was saved:
+    "flat" (ZeRO-1/2: per-parameter 1-D DTensors, param groups as {"hyper", "scalars", "params"}),
+    "param" (ZeRO-3 / FSDP / torch's optimizer state dict: parameter-shaped), or None (no such state)."""
+    groups = f"{prefix}.param_groups."
+    found = False
+    for key in metadata:
+        if key.startswith(groups):
+            found = True
+            parts = key[len(groups) :].split(".")
+            if len(parts) >= 3 and parts[1] in ("hyper", "scalars"):
+                return "flat"
+    return "param" if found else None
+
+
+def _saved_state_names(metadata: Any, prefix: str) -> dict[str, str]:
+    """Parameter names with state in the checkpoint (`<prefix>.state.<name>.<key>`): cleaned name -> saved name."""
+    head = f"{prefix}.state."
+    names = {key[len(head) :].rsplit(".", 1)[0] for key in metadata if key.startswith(head)}
+    return {_clean_name(name): name for name in names}
+
+
+def _saved_entries(metadata: Any, head: str) -> list[tuple[str, Any]]:
+    """(key, storage metadata) of the saved leaves directly under `head` (which ends with a dot)."""
+    return sorted((key[len(head) :], md) for key, md in metadata.items() if key.startswith(head) and "." not in key[len(head) :])
+
+
+def _saved_groups(metadata: Any, prefix: str, inner: str = "") -> list[dict[str, Any]]:
+    """Read targets for the param groups' non-tensor entries (`<prefix>.param_groups.<g>.<inner><key>`)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    groups: list[dict[str, Any]] = []
+    g = 0
+    while any(key.startswith(f"{prefix}.param_groups.{g}.") for key in metadata):
+        group: dict[str, Any] = {}
+        for key, md in _saved_entries(metadata, f"{prefix}.param_groups.{g}.{inner}"):
+            group[key] = torch.zeros((), dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) and len(md.size) == 0 else None
+        groups.append(group)
+        g += 1
+    return groups
+
+
+def _flat_read_target(numel: int, dtype: torch.dtype, like: Any) -> torch.Tensor:
+    """An empty 1-D tensor of `numel` to read a flattened state into, sharded over the first mesh dim
+    that shards `like` (a parameter-shaped DTensor), replicated over the others."""
+    if not isinstance(like, DTensor):
+        return torch.zeros(numel, dtype=dtype, device=like.device)
+    mesh = like.device_mesh
+    sharded = next((i for i, p in enumerate(like.placements) if p.is_shard()), None)
+    placements = [Shard(0) if i == sharded else Replicate() for i in range(mesh.ndim)]
+    size = numel if sharded is None else _chunk_size(numel, mesh.size(sharded), mesh.get_local_rank(sharded))
+    local = torch.zeros(size, dtype=dtype, device=like.to_local().device)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size([numel]), stride=(1,))
+
+
+def relayout_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`value` (a tensor / DTensor holding `like.numel()` elements in any shape and layout), gathered,
+    reshaped to `like`'s shape and dtype and laid out like it (a collective when `value` is a DTensor)."""
+    full = (value.full_tensor() if isinstance(value, DTensor) else value).reshape(like.shape).to(like.dtype)
+    if isinstance(like, DTensor):
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+    return full.clone()
+
+
+def flat_state_template(current: dict[str, Any], metadata: Any, prefix: str) -> dict[str, Any]:
+    """What to give DCP to read a ZeRO-1/2 (flat) optimizer state at `prefix` into an optimizer whose
+    state dict is `current` (parameter-shaped, from torch's `get_optimizer_state_dict`)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved_names = _saved_state_names(metadata, prefix)
+    state: dict[str, dict[str, Any]] = {}
+    for fqn, entry in current["state"].items():
+        saved = saved_names.get(_clean_name(fqn))
+        if saved is None:
+            raise ValueError(
+                f"the checkpoint holds no optimizer state for parameter {fqn!r} (it has state for {len(saved_names)} parameters)"
+            )
+        like = next((v for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+        if like is None:
+            raise ValueError(f"cannot convert the optimizer state of {fqn!r}: it has no parameter-shaped tensor")
+        out: dict[str, Any] = {}
+        for key, md in _saved_entries(metadata, f"{prefix}.state.{saved}."):
+            if not isinstance(md, TensorStorageMetadata) or len(md.size) != 1 or md.size[0] != like.numel():
+                shape = tuple(md.size) if isinstance(md, TensorStorageMetadata) else "bytes"
+                raise ValueError(
+                    f"checkpoint entry {prefix}.state.{saved}.{key} has shape {shape}, not the flattened "
+                    f"state of parameter {fqn!r} of shape {tuple(like.shape)} ({like.numel()} elements)"
+                )
+            out[key] = _flat_read_target(md.size[0], md.properties.dtype, like)
+        state[saved] = out
+    groups = [
+        {**top, "hyper": hyper, "scalars": scalars}
+        for top, hyper, scalars in zip(
+            _saved_groups(metadata, prefix), _saved_groups(metadata, prefix, "hyper."), _saved_groups(metadata, prefix, "scalars.")
+        )
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+@torch.no_grad()
+def param_shaped_from_flat(loaded: dict[str, Any], current: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A ZeRO-1/2 optimizer state read with `flat_state_template`, in `current`'s (parameter-shaped)
+    layout, and the saved fp32 master weights by parameter name (empty unless saved under bf16-mixed:
+    then they, not the bf16 model weights, are the weights to resume from)."""
+    if len(loaded["param_groups"]) != len(current["param_groups"]):
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(loaded['param_groups'])} param group(s), this one "
+            f"{len(current['param_groups'])}"
+        )
+    saved_names = {_clean_name(name): name for name in loaded["state"]}
+    state: dict[str, dict[str, Any]] = {}
+    masters: dict[str, torch.Tensor] = {}
+    for saved_group, group in zip(loaded["param_groups"], current["param_groups"]):
+        for fqn in group["params"]:
+            saved = loaded["state"][saved_names[_clean_name(fqn)]]
+            entry = current["state"].get(fqn, {})
+            like = next(v for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+            new: dict[str, Any] = {}
+            for key, value in saved.items():
+                if key == "master":
+                    masters[fqn] = value
+                else:
+                    new[key] = relayout_like(value, entry.get(key, like))
+            for key, value in saved_group["scalars"].items():
+                new[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            state[fqn] = new
+    groups = [{**saved_group["hyper"], "params": group["params"]} for saved_group, group in zip(loaded["param_groups"], current["param_groups"])]
+    return {"state": state, "param_groups": groups}, masters

@@ -42,7 +42,14 @@ from ultrascale.parallel.loss import NUM_TOKENS_KEY
 from ultrascale.parallel.parallelize import parallelize
 from ultrascale.parallel.tensor import maybe_loss_parallel, resolve_plan
 from ultrascale.parallel.transforms import ModelTransform
-from ultrascale.parallel.zero import ZeroEngine, zero_engine_for
+from ultrascale.parallel.zero import (
+    ZeroEngine,
+    flat_state_template,
+    param_shaped_from_flat,
+    relayout_like,
+    saved_optimizer_layout,
+    zero_engine_for,
+)
 from ultrascale.strategies._lightning_compat import (
     StrategyInternals,
     attach_device_mesh,
@@ -757,15 +764,22 @@ class UltraScaleStrategy(StrategyInternals):
             "state_dict": checkpoint.pop("state_dict"),
             **{f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))},
         }
-        checkpoint["ultrascale"] = {"parallel_dims": self.parallel_dims.__dict__, "num_optimizers": len(tensors) - 1}
+        checkpoint["ultrascale"] = {
+            "parallel_dims": self.parallel_dims.__dict__,
+            "num_optimizers": len(tensors) - 1,
+            "zero_stage": self.zero_stage,
+        }
         save_sharded_checkpoint(tensors, checkpoint, path)
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load a sharded checkpoint, resharded to this run's layout.
+
+        Any ZeRO family resumes any other: ZeRO-3 (FSDP2, any TP / CP layout) saves the optimizer
+        state parameter-shaped, ZeRO-1/2 as flattened per-parameter tensors; a state saved in the
+        other layout is read in its own layout and converted (`_read_targets`, `_convert_loaded`)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
             set_model_state_dict,
             set_optimizer_state_dict,
         )
@@ -773,27 +787,92 @@ class UltraScaleStrategy(StrategyInternals):
         path = check_checkpoint_dir(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
         optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        tensors: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
-        for i, optimizer in enumerate(optimizers):
-            engine = zero_engine_for(optimizer)
-            if engine is not None:
-                engine.init_state()  # so that the template holds every state tensor DCP should fill
-                tensors[f"optimizer_{i}"] = engine.sharded_state_dict()
-            else:
-                tensors[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
+        tensors, layouts, currents = self._read_targets(path, optimizers)
         metadata = load_sharded_checkpoint(path, tensors)
         saved_optimizers = metadata.get("ultrascale", {}).get("num_optimizers", len(optimizers))
         if optimizers and saved_optimizers != len(optimizers):
             raise ValueError(f"checkpoint {path} holds {saved_optimizers} optimizer(s), the model configures {len(optimizers)}")
         options = StateDictOptions(strict=self.lightning_module.strict_loading)
+        optimizer_states = self._convert_loaded(tensors, optimizers, layouts, currents)
         set_model_state_dict(self.model, tensors["state_dict"], options=options)
         for i, optimizer in enumerate(optimizers):
             engine = zero_engine_for(optimizer)
-            if engine is not None:
-                engine.load_sharded_state_dict(tensors[f"optimizer_{i}"])
+            if engine is None:
+                set_optimizer_state_dict(self.model, optimizer, optimizer_states[i], options=options)
+            elif layouts[i] == "param":
+                engine.load_param_shaped_state_dict(tensors[f"optimizer_{i}"], weights=tensors["state_dict"])
             else:
-                set_optimizer_state_dict(self.model, optimizer, tensors[f"optimizer_{i}"], options=options)
+                engine.load_sharded_state_dict(tensors[f"optimizer_{i}"])
         return metadata
+
+    def _read_targets(self, path: Path, optimizers: list[torch.optim.Optimizer]) -> tuple[dict[str, Any], list[Optional[str]], list[Any]]:
+        """What DCP reads the checkpoint into, per optimizer in the layout it was *saved* in (from the
+        checkpoint's DCP metadata): "flat" (ZeRO-1/2) or "param" (ZeRO-3 / FSDP). Also returns each
+        optimizer's saved layout and, for FSDP optimizers, their current (parameter-shaped) state dict."""
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        try:
+            saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except Exception as error:
+            raise RuntimeError(f"could not read the sharded checkpoint at {path}: {error}") from error
+        assert self.model is not None
+        tensors: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        layouts: list[Optional[str]] = []
+        currents: list[Any] = []
+        for i, optimizer in enumerate(optimizers):
+            prefix = f"optimizer_{i}"
+            engine = zero_engine_for(optimizer)
+            layout = saved_optimizer_layout(saved, prefix)
+            current: Any = None
+            try:
+                if engine is not None:
+                    engine.init_state()  # so that the template holds every state tensor DCP should fill
+                    if layout == "param":
+                        tensors[prefix] = engine.param_shaped_template(saved, prefix)
+                        if engine.has_master_copies:  # the fp32 masters come from the saved (fp32) weights
+                            tensors["state_dict"] = {
+                                k: torch.zeros(v.shape, dtype=saved[f"state_dict.{k}"].properties.dtype, device=v.device)
+                                if isinstance(saved.get(f"state_dict.{k}"), TensorStorageMetadata) else v
+                                for k, v in tensors["state_dict"].items()
+                            }
+                    else:
+                        tensors[prefix] = engine.sharded_state_dict()
+                else:
+                    current = get_optimizer_state_dict(self.model, optimizer)
+                    tensors[prefix] = flat_state_template(current, saved, prefix) if layout == "flat" else current
+            except ValueError as error:
+                raise ValueError(self._family_mismatch(path, layout, self.zero_stage, error)) from error
+            layouts.append(layout)
+            currents.append(current)
+        return tensors, layouts, currents
+
+    def _convert_loaded(self, tensors: dict[str, Any], optimizers: list[torch.optim.Optimizer], layouts: list[Optional[str]], currents: list[Any]) -> list[Any]:
+        """The FSDP optimizers' states in their own layout (a ZeRO-1/2 one converted; its fp32
+        master weights, if saved, replace the model weights read in `tensors`)."""
+        states: list[Any] = []
+        for i, optimizer in enumerate(optimizers):
+            state = tensors[f"optimizer_{i}"]
+            if zero_engine_for(optimizer) is None and layouts[i] == "flat":
+                state, masters = param_shaped_from_flat(state, currents[i])
+                for name, master in masters.items():
+                    if name in tensors["state_dict"]:
+                        tensors["state_dict"][name] = relayout_like(master, tensors["state_dict"][name])
+            states.append(state)
+        return states
+
+    @staticmethod
+    def _family_mismatch(path: Path, layout: Optional[str], zero_stage: int, error: Exception) -> str:
+        saved_as = {"flat": "ZeRO-1/2 (flattened per-parameter optimizer state)", "param": "ZeRO-3 / FSDP (parameter-shaped optimizer state)"}
+        return (
+            f"cannot resume checkpoint {path}, saved with {saved_as.get(layout or '', 'no optimizer state')}, "
+            f"under zero_stage={zero_stage}: {error}. ZeRO-1/2 and ZeRO-3 checkpoints resume under any zero_stage "
+            "(and world size / TP layout) when the model and its optimizer param groups are the same."
+        )
 
     @override
     def remove_checkpoint(self, filepath: PathLike) -> None:
