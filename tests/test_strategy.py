@@ -93,7 +93,7 @@ def test_fork_launcher_inside_pytest():
 
 def test_single_process_trains_in_this_process():
     t = trainer("ultrascale_zero3", devices=1, max_steps=3, enable_checkpointing=False, enable_progress_bar=False)
-    assert type(t.strategy.launcher).__name__ == "_SubprocessScriptLauncher"  # starts no child for one process
+    assert type(t.strategy.launcher).__name__ == "SubprocessScriptLauncher"  # starts no child for one process
     model = LlamaLM(preset="tiny", max_steps=3)
     try:
         t.fit(model, ParityData(TokenDataset(48, 16, 512), 8))

@@ -13,15 +13,22 @@ Tested range: see `LIGHTNING_TESTED` and the `lightning` pin in pyproject.toml.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Generator, Iterable
+import multiprocessing
+import os
+from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
 from typing import Any, Optional
 
 import lightning
 import lightning.pytorch as pl
 import torch
+import torch.multiprocessing
+from lightning.fabric.utilities import move_data_to_device
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
+
+from ultrascale.launch import STOP_GRACE_S, die_with_parent, end_processes
 
 LIGHTNING_TESTED = ">=2.6.4,<2.7"
 
@@ -113,15 +120,119 @@ except ImportError as error:  # pragma: no cover - depends on the installed Ligh
         f"installed, ultrascale is tested with lightning{LIGHTNING_TESTED}"
     ) from error
 
-SubprocessScriptLauncher = _SubprocessScriptLauncher
+class SubprocessScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's script re-running launcher, which also ends the child ranks when rank 0 (this
+    process) fails.
+
+    Lightning ends everything when a *child* exits non-zero (its child-process observer SIGKILLs
+    the children and this process), but not when rank 0 raises: the exception leaves `launch`
+    and the children are left to notice by themselves, which a rank blocked in a collective
+    does only at the collective timeout, and a stopped (SIGSTOP) rank never does. Here they
+    are ended (SIGTERM + SIGCONT, SIGKILL after `STOP_GRACE_S`) and reaped before the
+    exception goes on.
+    """
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except BaseException:
+            self.end_children()
+            raise
+
+    def end_children(self) -> None:
+        """End and reap the child ranks still running."""
+        # Lightning's observer thread watches this very list and, seeing a child that exited
+        # non-zero (as the ones ended here will), SIGKILLs this process too, before its error is
+        # reported. Emptied, the list tells the observer that all is done; the launcher keeps a copy.
+        observed = self.procs
+        self.procs = list(observed)
+        observed.clear()
+        end_processes(self.procs)
 
 
 class ForkLauncher(_MultiProcessingLauncher):
     """Fork-based launcher that sends back metrics and trainer state, never the (sharded) weights:
-    those are DTensors that cannot be shipped to the parent (use a checkpoint)."""
+    those are DTensors that cannot be shipped to the parent (use a checkpoint).
+
+    No rank outlives a launch: when a rank fails the others get `STOP_GRACE_S` to end by
+    themselves, then SIGTERM, then SIGKILL after `STOP_GRACE_S` (Lightning's launcher waits
+    30 s before the SIGKILL that a stopped or collective-blocked rank needs); when this
+    process raises (Ctrl-C, a timeout) the ranks are ended too, and the kernel SIGKILLs
+    them if this process dies (`die_with_parent`). Lightning's `launch` is followed
+    step for step otherwise (fork start method only).
+    """
 
     def __init__(self, strategy: "pl.strategies.ParallelStrategy") -> None:
         super().__init__(strategy, start_method="fork")
+        self._fitted_once = False
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        if torch.cuda.is_initialized():
+            raise RuntimeError(
+                "The fork launcher cannot start processes once CUDA is initialized in this process (a `torch.cuda.*` "
+                "call, a model moved to the GPU): remove those calls, or use `launcher='subprocess'`."
+            )
+        if self._fitted_once and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            raise NotImplementedError(
+                "Calling `trainer.fit()` twice on the same Trainer with the fork launcher is not supported: create a "
+                "new Trainer and pass `fit(ckpt_path=...)`."
+            )
+        strategy = self._strategy
+        assert strategy.cluster_environment is not None
+        # Chosen here, in the parent, so that every rank connects to the same port.
+        os.environ["MASTER_PORT"] = str(strategy.cluster_environment.main_port)
+        return_queue = multiprocessing.get_context("fork").SimpleQueue()
+        context = torch.multiprocessing.start_processes(
+            self._run_rank,
+            args=(os.getpid(), trainer, function, args, kwargs, return_queue),
+            nprocs=strategy.num_processes,
+            start_method="fork",
+            join=False,
+        )
+        self.procs = context.processes
+        try:
+            # On a rank's failure: the others get the grace, then SIGTERM, then SIGKILL; then it raises.
+            while not context.join(grace_period=STOP_GRACE_S):
+                pass
+        except BaseException:
+            end_processes(self.procs)  # this process raised (Ctrl-C, a timeout): no rank may outlive it
+            raise
+        worker_output = return_queue.get()
+        if trainer is None:
+            return worker_output
+        self._fitted_once |= trainer.state.fn == TrainerFn.FITTING
+        callback = trainer.checkpoint_callback
+        if callback and hasattr(callback, "best_model_path"):
+            callback.best_model_path = str(worker_output.best_model_path)
+        trainer.state = worker_output.trainer_state
+        self.update_main_process_results(trainer, worker_output.extra)
+        return worker_output.trainer_results
+
+    def _run_rank(
+        self,
+        process_idx: int,
+        parent_pid: int,
+        trainer: Optional["pl.Trainer"],
+        function: Callable,
+        args: Any,
+        kwargs: Any,
+        return_queue: Any,
+    ) -> None:
+        die_with_parent(parent_pid)
+        self.procs = []  # a rank starts no ranks (Lightning's `kill`, from its SIGTERM handler, reads these)
+        if "OMP_NUM_THREADS" not in os.environ:  # as Lightning's launchers: share the cores between the ranks
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            threads = max(1, cores // self._strategy.num_processes)
+            torch.set_num_threads(threads)
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+        os.environ["LOCAL_RANK"] = str(process_idx)
+        results = function(*args, **kwargs)
+        if trainer is not None:
+            results = self._collect_rank_zero_results(trainer, results)
+        if process_idx == 0:
+            return_queue.put(move_data_to_device(results, "cpu"))
 
     @override
     def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[_WorkerOutput]:

@@ -5,6 +5,12 @@ for a script or the `ultrascale` CLI, wrong inside pytest or a notebook (it woul
 pytest). There we fork instead; the forked workers return only their metrics, not
 rank 0's weights: those are sharded DTensors that cannot be shipped to the parent, and
 the parent is not where training state lives anyway (use a checkpoint).
+
+Neither launcher leaves a rank behind when the run fails (see the classes in
+`_lightning_compat`): the fork launcher ends the other ranks shortly after one fails
+and whenever the parent raises, and its ranks die with the parent; the subprocess
+launcher ends its child ranks when rank 0 (the launching process) raises, as Lightning
+already ends everything when a child fails.
 """
 
 from __future__ import annotations
