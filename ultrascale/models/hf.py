@@ -224,6 +224,7 @@ class HFCausalLM(CausalLMModule):
         attn_implementation: str = "sdpa",
         export_dir: Optional[str] = None,
         export_overwrite: bool = False,
+        trust_remote_code: bool = False,
     ) -> None:
         """
         Args:
@@ -240,6 +241,9 @@ class HFCausalLM(CausalLMModule):
             export_dir: if set, the trained model is written there as a Hugging Face folder when fit ends.
                 Checked when the module is built: not the source folder, and empty unless `export_overwrite`.
             export_overwrite: replace a non-empty `export_dir` (once the new folder is complete).
+            trust_remote_code: let transformers import and run Python files shipped in the checkpoint
+                folder (architectures transformers does not know). Off: the folder is read as data.
+                Turn it on only for a folder whose code you trust.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -250,7 +254,9 @@ class HFCausalLM(CausalLMModule):
         self.pretrained_path = str(check_hf_folder(pretrained_path))
         if export_dir is not None:  # refused now, not after the training it would have exported
             check_export_target(export_dir, self.pretrained_path, export_overwrite)
-        self.config = AutoConfig.from_pretrained(self.pretrained_path, local_files_only=True)
+        self.config = AutoConfig.from_pretrained(
+            self.pretrained_path, local_files_only=True, trust_remote_code=trust_remote_code
+        )
         self.model: Optional[torch.nn.Module] = None
 
     @property
@@ -276,14 +282,15 @@ class HFCausalLM(CausalLMModule):
         if meta or self._sharding_strategy():
             check_sharded_loading_supported(self.config)
             self.model = AutoModelForCausalLM.from_config(
-                self.config, torch_dtype=dtype, attn_implementation=self.hparams.attn_implementation
+                self.config, torch_dtype=dtype, attn_implementation=self.hparams.attn_implementation,
+                trust_remote_code=self.hparams.trust_remote_code,
             )
             # Not meta (tied embeddings): the weights are loaded by `init_weights` after sharding too.
             self._weights_pending = True
         else:
             self.model = AutoModelForCausalLM.from_pretrained(
                 self.pretrained_path, torch_dtype=dtype, local_files_only=True,
-                attn_implementation=self.hparams.attn_implementation,
+                attn_implementation=self.hparams.attn_implementation, trust_remote_code=self.hparams.trust_remote_code,
             )
             self._weights_pending = False
 
@@ -402,13 +409,14 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path, max_shard_
 
     Runs in one process, without a process group: DCP reassembles every tensor from the shards.
     """
-    import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig
 
-    from ultrascale.parallel.checkpoint import METADATA_FILE, check_checkpoint_dir
+    from ultrascale.parallel.checkpoint import check_checkpoint_dir, read_checkpoint_metadata
+    from ultrascale.parallel.safe_load import load_dcp, read_dcp_metadata
 
     path = check_checkpoint_dir(checkpoint)
-    meta = torch.load(path / METADATA_FILE, map_location="cpu", weights_only=False)
+    meta = read_checkpoint_metadata(path)  # data, not code: a planted payload is refused, never run
+    tensors = read_dcp_metadata(path).state_dict_metadata
     hparams = meta.get("hyper_parameters", {})
     source = hparams.get("pretrained_path")
     source = source if source and Path(source).is_dir() else None
@@ -419,9 +427,8 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path, max_shard_
     model_type = config_dict.pop("model_type")
     config = AutoConfig.for_model(model_type, **config_dict)
     prefix = "state_dict.model."
-    tensors = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     names = [key for key in tensors if key.startswith(prefix)]
     state = {key[len("state_dict.") :]: torch.empty(tensors[key].size, dtype=tensors[key].properties.dtype) for key in names}
-    dcp.load({"state_dict": state}, checkpoint_id=str(path), no_dist=True)
+    load_dcp({"state_dict": state}, path, no_dist=True)
     hf_state = {key[len("model.") :]: value for key, value in state.items()}
     return write_hf_folder(hf_state, config, source, out_dir, max_shard_size, overwrite)

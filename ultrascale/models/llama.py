@@ -148,6 +148,10 @@ class LlamaConfig:
         return cls(**{**LLAMA_PRESETS[name], **overrides})
 
 
+# A LlamaConfig in a checkpoint's hyper-parameters is plain data: let `torch.load(weights_only=True)`
+# rebuild it (checkpoint folders are read as data, `ultrascale.parallel.safe_load`).
+torch.serialization.add_safe_globals([LlamaConfig])
+
 # Meta's published params.json values. The Llama-3 feed-forward sizes follow from the
 # rule in `resolved_ffn_hidden_dim`: 8B -> 14336, 70B -> 28672, 405B -> 53248.
 # 405B is a Llama-3.1 model whose long-context RoPE scaling is not implemented here,

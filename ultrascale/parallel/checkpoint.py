@@ -44,6 +44,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ultrascale.parallel.safe_load import UnsafeCheckpointError, load_dcp, read_torch_file
+
 METADATA_FILE = "meta.pt"
 DCP_METADATA_FILE = ".metadata"
 # A temporary directory modified this recently may belong to a save still in progress (another
@@ -128,14 +130,27 @@ def load_sharded_checkpoint(path: str | Path, state: dict[str, Any]) -> dict[str
     path = check_checkpoint_dir(path)
     if _rank() == 0:
         remove_leftovers(path.parent)
+    metadata = read_checkpoint_metadata(path)  # first: a planted payload is refused before any DCP read
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        load_dcp(state, path)
+    except UnsafeCheckpointError:
+        raise
     except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
+        if isinstance(error.__cause__, UnsafeCheckpointError) or "refusing to" in str(error):
+            raise UnsafeCheckpointError(f"{path}: {error}") from error
         raise RuntimeError(f"could not read the sharded checkpoint at {path}: {error}") from error
+    return metadata
+
+
+def read_checkpoint_metadata(path: str | Path) -> dict[str, Any]:
+    """`meta.pt` of checkpoint `path`, read as data (`ultrascale.parallel.safe_load`)."""
+    file = Path(path) / METADATA_FILE
     try:
-        return torch.load(path / METADATA_FILE, map_location="cpu", weights_only=False)
+        return read_torch_file(file)
+    except UnsafeCheckpointError:
+        raise
     except Exception as error:
-        raise RuntimeError(f"could not read {path / METADATA_FILE}: {error}") from error
+        raise RuntimeError(f"could not read {file}: {error}") from error
 
 
 def remove_leftovers(folder: str | Path, grace_s: float | None = None) -> list[Path]:

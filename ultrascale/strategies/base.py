@@ -809,15 +809,18 @@ class UltraScaleStrategy(StrategyInternals):
         """What DCP reads the checkpoint into, per optimizer in the layout it was *saved* in (from the
         checkpoint's DCP metadata): "flat" (ZeRO-1/2) or "param" (ZeRO-3 / FSDP). Also returns each
         optimizer's saved layout and, for FSDP optimizers, their current (parameter-shaped) state dict."""
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from ultrascale.parallel.safe_load import UnsafeCheckpointError, read_dcp_metadata
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
         )
 
         try:
-            saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            saved = read_dcp_metadata(path).state_dict_metadata
+        except UnsafeCheckpointError:
+            raise
         except Exception as error:
             raise RuntimeError(f"could not read the sharded checkpoint at {path}: {error}") from error
         assert self.model is not None
