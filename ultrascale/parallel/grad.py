@@ -18,6 +18,7 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
+    total_norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Clip gradients by their global norm over all ranks; returns the (unclipped) global norm.
 
@@ -26,12 +27,13 @@ def clip_grad_norm_(
     where a gradient replicated over some mesh axes is counted once (its local sum is
     divided by the replication factor). One all-reduce per device mesh, over all of its
     ranks at once: DTensor's own reduction of a 2-D partial norm would run one all-reduce
-    per axis, in an order that can differ between ranks.
+    per axis, in an order that can differ between ranks. `total_norm`: the global norm if the
+    caller already has it (the strategy's non-finite check computed it this step).
     """
     parameters = [p for p in parameters if p.grad is not None]
     if not parameters:
         return torch.tensor(0.0)
-    total = global_grad_norm([p.grad for p in parameters], norm_type)
+    total = total_norm if total_norm is not None else global_grad_norm([p.grad for p in parameters], norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite: {total.item()}")
     # foreach kernels cannot mix DTensors of different meshes (or with plain tensors).

@@ -389,6 +389,17 @@ class ZeroEngine:
         self._reduced = False
 
     @torch.no_grad()
+    def discard_step(self) -> None:
+        """Drop this step's reduced gradients without an update (a skipped non-finite step)."""
+        self.reduce_gradients()  # any pending reduction must finish before its buffers are reused
+        for bucket in self.buckets:
+            bucket.master.grad = None
+            bucket.grad_shard = None
+            if bucket.grad_buffer is not None:
+                bucket.grad_buffer.zero_()
+        self._reduced = False
+
+    @torch.no_grad()
     def init_state(self) -> None:
         """Create the optimizer's state tensors without changing the weights (a zero-lr step on
         zero gradients), so that a checkpoint can be loaded into them."""
@@ -412,18 +423,26 @@ class ZeroEngine:
         return (b.grad_shard for b in self.buckets if b.grad_shard is not None)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the global norm: the slices are disjoint, so ||g||^p = all-reduce(sum |slice|^p)."""
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global gradient norm: the slices are disjoint, so ||g||^p = all-reduce(sum |slice|^p)."""
         shards = list(self.grad_shards())
         if not shards:
             return torch.tensor(0.0)
         if math.isinf(norm_type):
             total = torch.stack([s.abs().max().float() for s in shards]).max()
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
-        else:
-            total = torch.stack([torch.linalg.vector_norm(s.float(), norm_type) ** norm_type for s in shards]).sum()
-            dist.all_reduce(total, group=self.group)
-            total = total ** (1.0 / norm_type)
+            return total
+        total = torch.stack([torch.linalg.vector_norm(s.float(), norm_type) ** norm_type for s in shards]).sum()
+        dist.all_reduce(total, group=self.group)
+        return total ** (1.0 / norm_type)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, total_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Clip by the global norm (`grad_norm`, or `total_norm` if the caller already has it)."""
+        shards = list(self.grad_shards())
+        if not shards:
+            return torch.tensor(0.0)
+        total = total_norm if total_norm is not None else self.grad_norm(norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for s in shards:
             s.mul_(coef.to(s.dtype))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Literal
+from typing import Any, Optional, Literal
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -29,6 +29,8 @@ class UltraScalePrecision(Precision):
         if precision not in SUPPORTED_PRECISION:
             raise ValueError(f"ultrascale supports precision {SUPPORTED_PRECISION}, got precision={precision!r}")
         self.precision = precision
+        self.step_grad_norm: Optional[torch.Tensor] = None
+        """This step's global L2 gradient norm if the strategy already reduced it (used once by clipping)."""
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -57,11 +59,13 @@ class UltraScalePrecision(Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
+        # The strategy's non-finite check already reduced this step's global norm: reuse it.
+        total, self.step_grad_norm = self.step_grad_norm, None
         engine = zero_engine_for(optimizer)
         if engine is not None:  # ZeRO-1/2: the reduced gradients are the engine's slices
-            engine.clip_grad_norm_(clip_val)
+            engine.clip_grad_norm_(clip_val, total_norm=total)
         else:
-            clip_grad_norm_(self.main_params(optimizer), clip_val)
+            clip_grad_norm_(self.main_params(optimizer), clip_val, total_norm=total)
 
     @override
     def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:

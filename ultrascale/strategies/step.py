@@ -17,8 +17,10 @@ number of valid tokens.
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Iterable, Mapping
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -87,3 +89,66 @@ class TokenNormalizedStep:
         num_tokens = num_tokens.clamp(min=1)
         scale_gradients(grads, loss_divisor / num_tokens)
         return (loss_sum / num_tokens).float()
+
+
+NonFinitePolicy = Literal["stop", "skip", "off"]
+
+
+class StepGuard:
+    """Catches a non-finite step on the step it happens, and notes loss spikes.
+
+    Every rank calls `check` with the same global numbers (the step's token-mean loss and the
+    global gradient norm), so every rank takes the same decision and no collective is left
+    waiting. A spike is a loss whose robust z-score over the last `window` steps,
+    0.6745 * (loss - median) / MAD (Iglewicz & Hoaglin), exceeds `spike_threshold`.
+    """
+
+    def __init__(self, policy: NonFinitePolicy = "stop", max_skips: int = 10, window: int = 100,
+                 spike_threshold: float = 6.0) -> None:
+        if policy not in ("stop", "skip", "off"):
+            raise ValueError(f"`nonfinite={policy!r}`: choose 'stop', 'skip' or 'off'")
+        if max_skips < 0:
+            raise ValueError(f"`max_nonfinite_skips={max_skips}` must be >= 0")
+        self.policy = policy
+        self.max_skips = max_skips
+        self.skipped = 0
+        self.spikes = 0
+        self._losses: deque[float] = deque(maxlen=window)
+        self.spike_threshold = spike_threshold
+
+    def check(self, *, step: int, rank: int, loss: Optional[float], grad_norm: float) -> bool:
+        """True if the optimizer may step. Raises FloatingPointError under "stop", or under "skip"
+        once more than `max_skips` steps were skipped."""
+        finite = math.isfinite(grad_norm) and (loss is None or math.isfinite(loss))
+        if finite:
+            return True
+        what = f"loss {loss}, global gradient norm {grad_norm}" if loss is not None else f"global gradient norm {grad_norm}"
+        if self.policy == "skip" and self.skipped < self.max_skips:
+            self.skipped += 1
+            return False
+        reason = (
+            f"{self.skipped} step(s) were skipped already, the limit (max_nonfinite_skips={self.max_skips})"
+            if self.policy == "skip" else "nonfinite='stop'"
+        )
+        raise FloatingPointError(
+            f"non-finite step {step} (rank {rank}): {what}; stopped ({reason}). Look at this step's batch and the "
+            "learning rate; `nonfinite='skip'` skips such steps instead (no optimizer update), up to max_nonfinite_skips."
+        )
+
+    def spike(self, loss: Optional[float]) -> Optional[float]:
+        """The loss's robust z-score if it is a spike against the window (then counted), else None."""
+        if loss is None or not math.isfinite(loss):
+            return None
+        history = sorted(self._losses)
+        self._losses.append(loss)
+        if len(history) < 10:
+            return None
+        median = history[len(history) // 2]
+        mad = sorted(abs(x - median) for x in history)[len(history) // 2]
+        if mad <= 0:
+            return None
+        z = 0.6745 * (loss - median) / mad
+        if z <= self.spike_threshold:
+            return None
+        self.spikes += 1
+        return z

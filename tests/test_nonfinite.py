@@ -1,0 +1,105 @@
+"""A non-finite step is caught on the step it happens: the strategy checks the step's global loss and
+global gradient norm. "stop" raises with the step and rank; "skip" drops the step (no update) and
+the weights equal those of a run that never saw that batch; loss spikes are noted."""
+
+import math
+
+import pytest
+
+import ultrascale
+from tests._dist import run_ranks
+from tests._parity import ParityData, Recorder, TokenDataset, parity_trainer
+from torch.testing import assert_close
+from ultrascale.models.lm import LlamaLM
+from ultrascale.strategies.step import StepGuard
+
+SEQ, BATCH, STEPS, BAD_STEP = 16, 4, 6, 3
+
+
+class InfAtStep(LlamaLM):
+    """The loss of one step is multiplied by inf: every gradient becomes inf/NaN."""
+
+    def __init__(self, bad_step=BAD_STEP, **kwargs):
+        super().__init__(preset="tiny", learning_rate=3e-3, warmup_steps=1, min_lr_ratio=1.0, max_steps=100, eps=1e-6, **kwargs)
+        self.bad_step = bad_step
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        if self.trainer.global_step == self.bad_step:
+            out["loss"] = out["loss"] * float("inf")
+        return out
+
+
+def data(drop_batch=None):
+    dataset = TokenDataset(STEPS * BATCH, SEQ, 512, seed=2, masked=True)
+    if drop_batch is not None:  # the same data without the rows of that global batch
+        keep = [i for i in range(len(dataset)) if not drop_batch * BATCH <= i < (drop_batch + 1) * BATCH]
+        dataset.blocks, dataset.labels = dataset.blocks[keep], dataset.labels[keep]
+    return dataset
+
+
+STRATEGIES = {
+    "zero3": (2, dict()),
+    "tp2xdp2": (4, dict(tensor_parallel=2, data_parallel_shard=2)),
+    "zero2": (2, dict(zero_stage=2, zero_bucket_mb=0.05)),
+}
+
+
+def _run(rank, world_size, layout, policy, steps, drop_batch, bad_step):
+    kwargs = STRATEGIES[layout][1]
+    strategy = ultrascale.UltraScaleStrategy(nonfinite=policy, **kwargs)
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, strategy, recorder, steps, gradient_clip_val=1.0)
+    module = InfAtStep(bad_step=bad_step)
+    try:
+        trainer.fit(module, ParityData(data(drop_batch), BATCH))
+    except FloatingPointError as error:
+        return {"error": str(error)}
+    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in module.named_parameters()}
+    metrics = recorder.logger.steps
+    return {"error": None, "weights": weights, "losses": recorder.losses, "metrics": metrics}
+
+
+@pytest.mark.parametrize("layout", ["zero3", "tp2xdp2"])
+def test_stop_names_the_step_and_rank(layout):
+    world = STRATEGIES[layout][0]
+    results = run_ranks(_run, world, layout, "stop", STEPS, None, BAD_STEP)
+    for rank, result in enumerate(results):
+        assert result["error"] is not None, "the inf step trained on"
+        assert f"non-finite step {BAD_STEP} (rank {rank})" in result["error"]
+        assert "global gradient norm" in result["error"] and "nonfinite='skip'" in result["error"]
+
+
+@pytest.mark.parametrize("layout", ["zero3", "tp2xdp2", "zero2"])
+def test_skip_equals_a_run_without_that_batch(layout):
+    world = STRATEGIES[layout][0]
+    skipped = run_ranks(_run, world, layout, "skip", STEPS, None, BAD_STEP)[0]
+    # The reference never sees that batch and has no bad step; with a constant learning rate after
+    # warm-up and AdamW's step count untouched by the skip, the weights must be the same.
+    without = run_ranks(_run, world, layout, "stop", STEPS - 1, BAD_STEP, -1)[0]
+    assert skipped["error"] is None and without["error"] is None
+    assert not math.isfinite(skipped["losses"][BAD_STEP])  # the bad step's loss is logged as it was
+    assert skipped["losses"][:BAD_STEP] + skipped["losses"][BAD_STEP + 1:] == pytest.approx(without["losses"], abs=1e-6)
+    for name, value in without["weights"].items():
+        assert_close(skipped["weights"][name], value, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert any(m.get("skipped_steps") == 1.0 for m in skipped["metrics"].values())
+
+
+def test_skip_stops_after_the_limit():
+    guard = StepGuard("skip", max_skips=2)
+    assert guard.check(step=0, rank=0, loss=1.0, grad_norm=1.0)
+    assert not guard.check(step=1, rank=0, loss=float("nan"), grad_norm=1.0)
+    assert not guard.check(step=2, rank=0, loss=1.0, grad_norm=float("inf"))
+    with pytest.raises(FloatingPointError, match=r"non-finite step 3 \(rank 0\).*2 step\(s\) were skipped already"):
+        guard.check(step=3, rank=0, loss=float("inf"), grad_norm=1.0)
+    with pytest.raises(ValueError, match="nonfinite='sometimes'"):
+        StepGuard("sometimes")
+
+
+def test_loss_spikes_are_noted_robustly():
+    guard = StepGuard()
+    losses = [3.0 + 0.01 * math.sin(i) for i in range(50)]
+    assert all(guard.spike(x) is None for x in losses)  # noise is not a spike
+    z = guard.spike(4.0)
+    assert z is not None and z > 6 and guard.spikes == 1
+    assert guard.spike(3.0) is None  # one outlier in the window does not move the median
