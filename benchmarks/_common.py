@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import time
 from pathlib import Path
 
@@ -56,3 +58,23 @@ def write_results(text: str, out: str | Path) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(text)
     print(f"written to {out}")
+
+
+def cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def machine() -> str:
+    """One line for a results file: CPU model, usable cores, OS."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model}, {cores()} CPU cores available, {platform.system()} {platform.release()}"
+
+
+def load_average() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"

@@ -56,7 +56,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ultrascale  # noqa: E402
-from _common import Data, Throughput, WARMUP_STEPS, write_results  # noqa: E402
+from _common import Data, Throughput, WARMUP_STEPS, cores, load_average, machine as machine_line, write_results  # noqa: E402
 from ultrascale.launch import init_gloo, run_ranks  # noqa: E402
 from ultrascale.models.llama import LlamaConfig  # noqa: E402
 from ultrascale.models.lm import LlamaLM  # noqa: E402
@@ -165,10 +165,6 @@ def _balance(rank, world_size, method, load_balance, args):
 # ----------------------------------------------------------------------------- machine
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def _machine_busy_s() -> float:
     """CPU seconds all processes of the machine have spent busy (/proc/stat), since boot."""
     with open("/proc/stat") as f:
@@ -192,7 +188,7 @@ class ForeignLoad:
     def stop(self) -> float:
         wall = time.perf_counter() - self.t
         foreign = (_machine_busy_s() - self.busy) - (_own_cpu_s() - self.own)
-        return max(0.0, foreign) / (wall * _cores())
+        return max(0.0, foreign) / (wall * cores())
 
 
 def _wait_for_quiet(max_wait: float, threshold: float = 0.1, window: float = 0.3) -> float:
@@ -228,20 +224,6 @@ class Undisturbed:
             self.spent += time.perf_counter() - start
             self.redone += 1
             print(f"  (redone: other processes took {100 * foreign:.0f}% of the cores)", flush=True)
-
-
-def _machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{model}, {_cores()} CPU cores available, {platform.system()} {platform.release()}"
-
-
-def _load() -> str:
-    return "/".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
 
 
 # ----------------------------------------------------------------------------- main
@@ -290,7 +272,7 @@ def _parse() -> argparse.Namespace:
 
 def main() -> None:
     args = _parse()
-    start, load_before = time.perf_counter(), _load()
+    start, load_before = time.perf_counter(), load_average()
     configs = [(cp, method) for cp in args.cps for method in ((None,) if cp == 1 else CONTEXT_PARALLEL_METHODS)]
     runs: dict[tuple[int, str | None, int], list[dict]] = {(cp, m, s): [] for cp, m in configs for s in args.seq_lens}
     machine = Undisturbed(args.max_wait)
@@ -343,14 +325,14 @@ def main() -> None:
         return rows
 
     cfg = _config(args)
-    oversubscribed = [cp for cp in args.cps if cp > _cores()]
+    oversubscribed = [cp for cp in args.cps if cp > cores()]
     kv_mib = 2 * args.tokens_per_step * cfg.n_kv_heads * cfg.head_dim * 4 / MiB  # the same at every seq: batch x seq fixed
     lines = [
         "# Context parallel: tokens/s and peak memory per rank against sequence length; load balance",
         "",
         f"`{_command(args)}` ({elapsed:.0f} s, of which {machine.spent:.0f} s waiting for idle cores or in redone runs)",
         "",
-        f"Machine: {_machine()}; load average {load_before} before, {_load()} after. "
+        f"Machine: {machine_line()}; load average {load_before} before, {load_average()} after. "
         f"torch {torch.__version__}, lightning {L.__version__}, Python {platform.python_version()}. "
         f"The machine is shared: {machine.redone} runs were redone because other processes took more than "
         f"{100 * machine.threshold:.0f}% of the cores during them; during the kept runs they took a median "
@@ -364,9 +346,9 @@ def main() -> None:
         f"{args.steps} steps per run of which the first {WARMUP_STEPS} are warm-up; {args.runs} runs of each: tokens/s is "
         f"the best run's (run-to-run spread: median {100 * statistics.median(spread):.0f}%, max {100 * max(spread):.0f}%), "
         "CPU work and memory the median. "
-        + (f"cp={'/'.join(map(str, oversubscribed))} puts more ranks than cores ({_cores()}) on the machine: "
+        + (f"cp={'/'.join(map(str, oversubscribed))} puts more ranks than cores ({cores()}) on the machine: "
            "its tokens/s is that of an oversubscribed machine. " if oversubscribed else "")
-        + f"cp=1 uses one core, cp=2 {min(2, _cores())}.",
+        + f"cp=1 uses one core, cp=2 {min(2, cores())}.",
         "",
         "## Training throughput: global tokens/s (ratio to cp=1 at that sequence length)",
         "",
@@ -433,7 +415,7 @@ def _summary(args, configs, med, balance, noise) -> list[str]:
         memory = {m: med[(cp, m, longest)]["peak_mib"] / base["peak_mib"] for m in methods}
         out.append(
             f"- cp={cp} at seq {longest}: {speedup['allgather']:.2f}x (allgather) / {speedup['ring']:.2f}x (ring) the "
-            f"tokens/s of cp=1, on {min(cp, _cores())} cores instead of 1, for {work['allgather']:.2f}x / "
+            f"tokens/s of cp=1, on {min(cp, cores())} cores instead of 1, for {work['allgather']:.2f}x / "
             f"{work['ring']:.2f}x its CPU work per step (K/V exchanges, and ZeRO-3 over the cp ranks gathers the "
             f"weights), and {memory['allgather']:.2f} / {memory['ring']:.2f} of its peak memory per rank."
         )
@@ -477,8 +459,8 @@ def _summary(args, configs, med, balance, noise) -> list[str]:
         out.append(f"- cp={cp} balance: " + "; ".join(text)
                    + f". Without zig-zag the last rank computes {max(pairs) / min(pairs):.1f}x the pairs of the first "
                    f"(2cp-1 = {2 * cp - 1}); with it every rank computes the same."
-                   + (f" Here {cp} ranks share {_cores()} cores, so wall time follows the total work, which zig-zag "
-                      "does not change." if cp > _cores() else ""))
+                   + (f" Here {cp} ranks share {cores()} cores, so wall time follows the total work, which zig-zag "
+                      "does not change." if cp > cores() else ""))
     return out
 
 

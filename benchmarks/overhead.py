@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import platform
 import resource
 import statistics
@@ -56,11 +55,11 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ultrascale  # noqa: E402,F401  (registers the strategies)
-from _common import Data, RandomTokens, Throughput, WARMUP_STEPS, write_results  # noqa: E402
+from _common import Data, RandomTokens, Throughput, WARMUP_STEPS, load_average, machine, write_results  # noqa: E402
 from ultrascale.data import ResumableBlockSampler  # noqa: E402
 from ultrascale.launch import run_ranks  # noqa: E402
 from ultrascale.parallel.device import tune_cpu_allocator  # noqa: E402
-from ultrascale.models.llama import LlamaLM, warmup_cosine  # noqa: E402
+from ultrascale.models.lm import LlamaLM, warmup_cosine  # noqa: E402
 from ultrascale.parallel.loss import cross_entropy_sum  # noqa: E402
 
 VARIANTS = ("ultrascale_zero3", "hand_fsdp2")
@@ -211,7 +210,7 @@ def main() -> None:
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps")
 
-    load_before = _load()
+    load_before = load_average()
     workers = {"ultrascale_zero3": _ultrascale, "hand_fsdp2": _hand}
     measured: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory() as log_dir:
@@ -267,7 +266,7 @@ def main() -> None:
         f"(gloo, 1 torch thread each), fp32, {args.steps} steps per run of which the first {WARMUP_STEPS} are "
         f"warm-up (not timed), {args.runs} alternating runs of each (ultrascale, hand, ultrascale, ...).",
         "",
-        f"Machine: {_machine()}; load average {load_before} before, {_load()} after. "
+        f"Machine: {machine()}; load average {load_before} before, {load_average()} after. "
         f"torch {torch.__version__}, lightning {L.__version__}, Python {platform.python_version()}.",
         "",
         f"Trainer: {trainer_flags}. Hand loop: the same FSDP2 layout and SUM reductions, token-sum backward, "
@@ -314,21 +313,6 @@ def main() -> None:
 
 def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def _machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{model}, {cores} CPU cores available, {platform.system()} {platform.release()}"
-
-
-def _load() -> str:
-    return "/".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
 
 
 if __name__ == "__main__":
