@@ -171,9 +171,12 @@ HF_VOCAB = 128
 def make_hf_checkpoint(folder, arch: str):
     import transformers
 
-    config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[arch]
+    config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
+                    "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config}[arch]
+    extra = {"sliding_window": None} if arch == "mistral" else {}
     config = config_class(vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                          tie_word_embeddings=False, **extra)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -205,6 +208,8 @@ def _train_hf(rank, world_size, path, strategy_kwargs, export_dir):
 HF_LAYOUTS = {
     "qwen2-cp2": ("qwen2", 2, {"context_parallel": 2}),
     "qwen2-dp2xcp2": ("qwen2", 4, {"context_parallel": 2, "data_parallel_shard": 2, "context_parallel_method": "allgather"}),
+    "mistral-cp2": ("mistral", 2, {"context_parallel": 2}),
+    "qwen3-cp2": ("qwen3", 2, {"context_parallel": 2}),
     "llama-cp2xtp2": ("llama", 4, {"context_parallel": 2, "tensor_parallel": 2, "data_parallel_shard": 1,
                                    "context_parallel_method": "allgather"}),
 }
@@ -219,7 +224,10 @@ def test_hf_parity_and_export(tmp_path, layout):
     reference = reference_run(make_hf(path), hf_data(), global_batch=MICRO_BATCH, steps=STEPS)
     results = run_ranks(_train_hf, world, path, kwargs, str(tmp_path / "exported"))
     assert results[0]["attn"] == "ultrascale_context_parallel"  # HF's own modelling code, our attention function
-    assert_parity(results[0], reference, step_losses(results))
+    # Weights after step 1 within 3e-5 = 1% of one Adam update (lr 3e-3) instead of the harness's 1e-5:
+    # Qwen3's embedding has entries whose gradient is ~1e-8, where Adam's first update (slope lr/eps =
+    # 3e3) turns summation-order noise into 1.6e-5 (the same with both methods); gradients match to 1e-6.
+    assert_parity(results[0], reference, step_losses(results), param_atol=3e-5)
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True)
     assert exported.config._attn_implementation != "ultrascale_context_parallel"  # a plain HF folder again
     final = {name[len("model."):]: value for name, value in reference["final_params"].items()}
