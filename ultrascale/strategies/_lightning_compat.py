@@ -200,6 +200,9 @@ class ForkLauncher(_MultiProcessingLauncher):
             end_processes(self.procs)  # this process raised (Ctrl-C, a timeout): no rank may outlive it
             raise
         worker_output = return_queue.get()
+        for process in self.procs:  # joined and reaped: release their sentinel pipes now, not at Trainer collection
+            process.close()
+        self.procs = []
         if trainer is None:
             return worker_output
         self._fitted_once |= trainer.state.fn == TrainerFn.FITTING
