@@ -280,13 +280,12 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     lse.copy_(new_lse)
 
 
-def _fix_masked_rows(out: torch.Tensor, lse: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _masked_rows_to_minus_inf(lse: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     # The CPU kernel returns lse = 0 (not -inf) for a row whose keys are all masked; as 0 it
     # would count as exp(0) = 1 of probability mass in the merge.
     if bias is None:
-        return out, lse
-    empty = torch.isinf(bias).all(-1)  # (B, 1, Tq)
-    return out, lse.masked_fill(empty, float("-inf"))
+        return lse
+    return lse.masked_fill(torch.isinf(bias).all(-1), float("-inf"))  # bias rows (B, 1, Tq)
 
 
 class _ContextAttention(torch.autograd.Function):
@@ -306,7 +305,7 @@ class _ContextAttention(torch.autograd.Function):
                 q_block = q[:, :, block.q_start : block.q_end]
                 k_block, v_block = kv_source[0, :, :, : block.k_end], kv_source[1, :, :, : block.k_end]
                 block_out, block_lse = kernel_forward(q_block, k_block, v_block, block.causal and bias is None, bias, scale)
-                block_out, block_lse = _fix_masked_rows(block_out, block_lse, bias)
+                block_lse = _masked_rows_to_minus_inf(block_lse, bias)
                 _merge(out[:, :, block.q_start : block.q_end], lse[:, :, block.q_start : block.q_end], block_out, block_lse)
                 cp.attention_work += block.pairs()
         out = out.to(q.dtype)
