@@ -91,6 +91,22 @@ def test_context_parallel_recipe(tmp_path):
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in out
 
 
+@pytest.mark.slow
+def test_pp_recipe_fit_validate_and_registered_name(tmp_path):
+    recipe = RECIPE.parent / "tiny_cpu_pp.yaml"
+    out = ultrascale("fit", "--config", str(recipe), *FAST, cwd=tmp_path)
+    assert "ultrascale mesh: pp=2 x dp_replicate=1 x dp_shard=2 x cp=1 x tp=1 (world 4)" in out
+    assert "pipeline parallel: 1F1B, 2 ranks x 1 stage(s), 4 micro-batches, layers per stage [1, 1]" in out
+    assert "`Trainer.fit` stopped: `max_steps=6` reached." in out
+    assert "val_loss" in out or list((tmp_path / "runs").rglob("events.out.tfevents.*"))
+    last = tmp_path / "runs" / "ultrascale" / "version_0" / "checkpoints" / "last.ckpt"
+    out = ultrascale("fit", "--config", str(recipe), *FAST, "--trainer.strategy", "ultrascale_pp", "--trainer.devices", "2",
+                     "--trainer.max_steps", "8", "--ckpt_path", str(last), cwd=tmp_path)
+    assert "ultrascale mesh: pp=2 x dp_replicate=1 x dp_shard=1 x cp=1 x tp=1 (world 2)" in out  # "auto": every device
+    assert "Restored all states from the checkpoint" in out
+    assert "`Trainer.fit` stopped: `max_steps=8` reached." in out
+
+
 @pytest.mark.parametrize("flag, value", [("--seq-len", "-5"), ("--micro-batch", "0"), ("--world", "0"),
                                          ("--device-memory-gib", "-1")])
 def test_plan_refuses_non_positive_sizes(capsys, flag, value):

@@ -8,6 +8,7 @@ from ultrascale.parallel.loss import token_loss
 from ultrascale.strategies import (
     ContextParallelStrategy,
     HSDPStrategy,
+    PipelineParallelStrategy,
     TensorParallelStrategy,
     UltraScalePrecision,
     UltraScaleStrategy,
@@ -18,4 +19,4 @@ from ultrascale.strategies import (
 
 __version__ = "0.1.0"
 
-__all__ = ["ParallelDims", "token_loss", "UltraScaleStrategy", "ZeRO1Strategy", "ZeRO2Strategy", "ZeRO3Strategy", "HSDPStrategy", "TensorParallelStrategy", "ContextParallelStrategy", "UltraScalePrecision", "__version__"]
+__all__ = ["ParallelDims", "token_loss", "UltraScaleStrategy", "ZeRO1Strategy", "ZeRO2Strategy", "ZeRO3Strategy", "HSDPStrategy", "TensorParallelStrategy", "ContextParallelStrategy", "PipelineParallelStrategy", "UltraScalePrecision", "__version__"]

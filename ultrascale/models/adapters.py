@@ -33,6 +33,9 @@ class ModelAdapter:
     enable_context_parallel: Optional[Callable[[Any], None]] = None
     """`enable_context_parallel(cp)` routes the model's attention through `cp.attention`
     (`ultrascale.parallel.context.ContextParallel`); None: no context-parallel support."""
+    pipeline_parts: Optional[Callable[[], Any]] = None
+    """`pipeline_parts()` -> `ultrascale.parallel.pipeline.PipelineParts` (where the embedding,
+    layers, norm and head are, and how to run the model on hidden states); None: no PP support."""
 
     def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
         """Raise (before any collective) if `tp` cannot be applied to this model."""
@@ -125,6 +128,17 @@ def _llama_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> Mode
         ),
         supports_sequence_parallel=True,
         enable_context_parallel=lambda cp: _llama_context_parallel(llama, cp),
+        pipeline_parts=lambda: _llama_pipeline_parts(llama),
+    )
+
+
+def _llama_pipeline_parts(llama: nn.Module) -> Any:
+    from ultrascale.parallel.pipeline import PipelineParts
+
+    # `Llama.forward` takes hidden states (B, T, dim) in place of tokens when its embedding is a gap.
+    return PipelineParts(
+        root=llama, embed="tok_embeddings", layers="layers", norm="norm", head="output",
+        run=lambda root, x, position_ids, is_first: root(x, position_ids),
     )
 
 
@@ -177,6 +191,32 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
         enable_context_parallel=(
             (lambda cp: _hf_context_parallel(hf, cp)) if config.model_type in HF_CONTEXT_PARALLEL_TYPES else None
         ),
+        pipeline_parts=(lambda: _hf_pipeline_parts(hf)) if config.model_type in HF_PIPELINE_TYPES else None,
+    )
+
+
+HF_PIPELINE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""`config.model_type`s whose `*ForCausalLM` forward takes `inputs_embeds`, runs `model.layers` in
+order on `hidden_states` and ends in `model.norm` and `lm_head` (their `base_model_pp_plan`), so
+a stage runs the unchanged HF forward with the other stages' parts as gaps."""
+
+
+def _hf_pipeline_parts(hf: nn.Module) -> Any:
+    from ultrascale.parallel.pipeline import PipelineParts
+
+    base = hf.base_model_prefix
+    plan = getattr(hf.config, "base_model_pp_plan", None) or {}
+    for part in ("embed_tokens", "layers", "norm"):
+        if part not in plan:
+            raise ValueError(f"pipeline parallel: {type(hf).__name__}'s base_model_pp_plan has no `{part}`: {sorted(plan)}")
+
+    def run(root: nn.Module, x: Any, position_ids: Any, is_first: bool) -> Any:
+        inputs = {"input_ids": x} if is_first else {"inputs_embeds": x}
+        # No KV cache: training never reuses it, and packed documents are detected only without one.
+        return root(**inputs, position_ids=position_ids, use_cache=False).logits
+
+    return PipelineParts(
+        root=hf, embed=f"{base}.embed_tokens", layers=f"{base}.layers", norm=f"{base}.norm", head="lm_head", run=run
     )
 
 

@@ -339,6 +339,13 @@ def _hf_state_dict_from_module(module: HFCausalLM) -> Optional[dict[str, torch.T
 
     assert module.model is not None
     if dist.is_initialized():
+        mesh = getattr(module._trainer.strategy, "parallel_mesh", None) if module._trainer is not None else None
+        if mesh is not None and mesh.dims.pp_enabled:
+            from ultrascale.parallel.pipeline import gather_stage_states
+
+            # Each rank holds its stages' parameters only: gathered within the stage, then sent to rank 0.
+            state = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True))
+            return gather_stage_states({k: v.detach().cpu() for k, v in state.items()}, mesh["stage"])
         state = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if dist.get_rank() == 0 else None
     return {k: v.detach().cpu() for k, v in module.model.state_dict().items()}

@@ -384,7 +384,9 @@ class Llama(nn.Module):
         tensor that restarts at 0 marks packed documents: each then attends only to itself
         (a per-document causal mask), as if it were alone. Default ``arange(T)``.
         """
-        if tokens.dim() != 2:
+        # After the first pipeline stage the input is the hidden state (B, T, dim) and the embedding
+        # is a `PipelineGap` that passes it through (`ultrascale.parallel.pipeline`).
+        if tokens.dim() != 2 and not (tokens.dim() == 3 and tokens.is_floating_point()):
             raise ValueError(f"Llama expects tokens of shape (B, T), got {tuple(tokens.shape)}.")
         seq_len = tokens.shape[1]
         mask = None

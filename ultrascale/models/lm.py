@@ -82,7 +82,13 @@ class CausalLMModule(lightning.LightningModule):
         self.val_token_mean = MeanMetric()
 
     def batch_loss(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """``{"loss": mean over the batch's valid tokens, "num_tokens": their number}``."""
+        """``{"loss": mean over the batch's valid tokens, "num_tokens": their number}``.
+
+        Under pipeline parallel the model is split over ranks: the strategy runs the batch through
+        the pipeline (in training, forward and backward of every micro-batch) and returns the same."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if getattr(strategy, "pipeline_active", False):
+            return strategy.pipeline_loss(batch)
         return token_loss(self(batch["input_ids"], batch.get("position_ids")), batch["labels"])
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> Dict[str, torch.Tensor]:

@@ -25,10 +25,13 @@ MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 #                 (CP ranks hold the same weights, so ZeRO shards over them too)
 #   dp_cp       = dp_replicate x dp_shard x cp : ranks that hold different tokens of a global
 #                 batch: the step's loss sum and valid-token count are all-reduced over them
+#   stage       = dp_replicate x dp_shard x cp x tp : the ranks of one pipeline stage (they start
+#                 from the same weights of that stage: the initial broadcast runs over them)
 FLAT_AXES: dict[str, tuple[str, ...]] = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "stage": ("dp_replicate", "dp_shard", "cp", "tp"),
 }
 
 
@@ -119,6 +122,11 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard * self.cp
 
     @property
+    def stage(self) -> int:
+        """Ranks of one pipeline stage: world_size / pp."""
+        return self.world_size // self.pp
+
+    @property
     def dp_replicate_enabled(self) -> bool:
         return self.dp_replicate > 1
 
@@ -186,6 +194,8 @@ class ParallelMesh:
     """1-D: dp_shard x cp, the ranks over which ZeRO shards parameters."""
     dp_cp: DeviceMesh
     """1-D: dp_replicate x dp_shard x cp, the ranks that hold different tokens (loss normalisation)."""
+    stage: DeviceMesh
+    """1-D: dp_replicate x dp_shard x cp x tp, the ranks of this rank's pipeline stage."""
     fsdp: DeviceMesh
     """FSDP's mesh: `dp_shard_cp` (1-D), or 2-D (dp_replicate, dp_shard_cp) for HSDP."""
 

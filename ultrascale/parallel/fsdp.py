@@ -47,6 +47,32 @@ def apply_fsdp(
     set_gradient_sum(module)
 
 
+def apply_fsdp_to_stages(
+    stages: Sequence[nn.Module],
+    dp_mesh: DeviceMesh,
+    *,
+    blocks: Sequence[nn.Module],
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> None:
+    """FSDP under pipeline parallel: each of this rank's blocks is one unit and each pipeline stage
+    module the root unit of its remaining parts (embedding, or norm and head).
+
+    Nothing is resharded after forward: a stage runs the forwards of several micro-batches before
+    their backwards, and the zero-bubble schedules compute weight gradients outside autograd's
+    accumulation, on the gathered parameters (FSDP's post-backward then reduce-scatters once per
+    step, called by the schedule). The memory is ZeRO-2's for parameters; the Playbook's
+    ZeRO-3 + PP advice.
+    """
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    for stage in stages:
+        stage_blocks = [b for b in blocks if any(b is m for m in stage.modules())]
+        _check_no_parameter_spans_units(stage, stage_blocks)
+        for block in stage_blocks:
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+        fully_shard(stage, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+        set_gradient_sum(stage)
+
+
 def set_gradient_sum(module: nn.Module) -> None:
     """Reduce-scatter (and HSDP's all-reduce) with SUM: FSDP's default divides by the dp size."""
     for fsdp_module in fsdp_modules(module):

@@ -19,6 +19,7 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     total_norm: torch.Tensor | None = None,
+    across: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Clip gradients by their global norm over all ranks; returns the (unclipped) global norm.
 
@@ -28,12 +29,15 @@ def clip_grad_norm_(
     divided by the replication factor). One all-reduce per device mesh, over all of its
     ranks at once: DTensor's own reduction of a 2-D partial norm would run one all-reduce
     per axis, in an order that can differ between ranks. `total_norm`: the global norm if the
-    caller already has it (the strategy's non-finite check computed it this step).
+    caller already has it (the strategy's non-finite check computed it this step). `across`: ranks
+    that hold *other* parameters (pipeline stages), whose gradients count in the norm too.
     """
     parameters = [p for p in parameters if p.grad is not None]
+    if total_norm is None:
+        total_norm = global_grad_norm([p.grad for p in parameters], norm_type, across=across)
     if not parameters:
-        return torch.tensor(0.0)
-    total = total_norm if total_norm is not None else global_grad_norm([p.grad for p in parameters], norm_type)
+        return total_norm
+    total = total_norm
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite: {total.item()}")
     # foreach kernels cannot mix DTensors of different meshes (or with plain tensors).
@@ -42,17 +46,23 @@ def clip_grad_norm_(
     return total
 
 
-def global_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+def global_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0, across: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """||g||_p over all ranks: each DTensor mesh reduced once, then `across` (pipeline stages,
+    which hold different parameters; every rank of it must call this, with or without gradients)."""
     inf = math.isinf(norm_type)
-    parts = []
+    parts = [torch.zeros(())]
     for mesh, group in _group_by_mesh(grads).items():
         local = torch.stack([_local_power(g, norm_type, inf) for g in group])
         value = local.max() if inf else local.sum()
         if mesh is not None and mesh.size() > 1:
             dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=_flat_group(mesh))
         parts.append(value)
-    combined = torch.stack([p.to(parts[0].device) for p in parts])
-    return combined.max() if inf else combined.sum() ** (1.0 / norm_type)
+    device = parts[-1].device
+    combined = torch.stack([p.to(device) for p in parts])
+    total = combined.max() if inf else combined.sum()
+    if across is not None and dist.get_world_size(across) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=across)
+    return total if inf else total ** (1.0 / norm_type)
 
 
 def _group_by_mesh(items: list, key=lambda t: t) -> dict[DeviceMesh | None, list]:

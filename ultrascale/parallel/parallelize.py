@@ -10,7 +10,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ultrascale.parallel.context import ContextParallel
 from ultrascale.parallel.dims import ParallelMesh
-from ultrascale.parallel.fsdp import apply_fsdp
+from ultrascale.parallel.fsdp import apply_fsdp, apply_fsdp_to_stages
+from ultrascale.parallel.pipeline import PipelineLayout, PipelineParts, PipelineStageModule, plan_for_present, split_model
 from ultrascale.parallel.tensor import TPPlan, apply_tp
 from ultrascale.parallel.transforms import ModelTransform
 
@@ -27,7 +28,8 @@ def parallelize(
     shard_parameters: bool = True,
     context_parallel: Optional[ContextParallel] = None,
     enable_context_parallel: Optional[Callable[[ContextParallel], None]] = None,
-) -> nn.Module:
+    pipeline: Optional[tuple[PipelineParts, PipelineLayout]] = None,
+) -> list[PipelineStageModule]:
     """Apply the parallelisms of `mesh.dims` to `module` in place.
 
     Order (see ARCHITECTURE.md): pipeline split, then TP/SP, EP, CP, activation
@@ -35,15 +37,25 @@ def parallelize(
     earlier steps left, so TP's DTensors on the tp axis become 2-D (dp, tp) DTensors.
     With `shard_parameters=False` (ZeRO-1/2) parameters stay whole; the optimizer state is
     sharded by `ultrascale.parallel.zero.ZeroEngine` once the optimizer exists.
+
+    Under pipeline parallel (`pipeline` = the model's parts and the layout) the parts other
+    ranks hold become `PipelineGap`s first; every later step sees only this rank's parts, and
+    the returned stage modules (one per local stage) are what the schedule runs. Without it
+    the list is empty.
     """
     dims = mesh.dims
-    for name in ("pp", "ep"):
-        if getattr(dims, name) != 1:
-            raise NotImplementedError(f"parallelize: {name}={getattr(dims, name)} is not implemented yet")
+    if dims.ep != 1:
+        raise NotImplementedError(f"parallelize: ep={dims.ep} is not implemented yet")
+    if dims.pp_enabled:
+        if pipeline is None:
+            raise ValueError(f"pp={dims.pp} needs the model's pipeline parts and a layout for {type(module).__name__}")
+        parts, layout = pipeline
+        split_model(parts, layout, mesh["pp"].get_local_rank())
+        blocks = [b for b in blocks if not _dropped(module, b)]
     if dims.tp_enabled:
         if tp_plan is None:
             raise ValueError(f"tp={dims.tp} needs a tensor-parallel plan for {type(module).__name__}")
-        apply_tp(module, mesh["tp"], tp_plan)
+        apply_tp(module, mesh["tp"], plan_for_present(module, tp_plan) if dims.pp_enabled else tp_plan)
     if dims.cp_enabled:
         # CP has no parameters of its own: attention is routed through `context_parallel`, and the
         # weights (replicated over cp) are sharded over dp_shard x cp by FSDP below.
@@ -52,8 +64,15 @@ def parallelize(
         enable_context_parallel(context_parallel)
     for transform in transforms:  # activation checkpointing, FP8: after TP, before sharding
         transform.transform_model(module, blocks)
+    stages: list[PipelineStageModule] = []
+    if dims.pp_enabled:
+        pp_rank = mesh["pp"].get_local_rank()
+        stages = [PipelineStageModule(parts, layout, stage, pp_rank) for stage in layout.stage_ids(pp_rank)]
     if not shard_parameters:  # ZeRO-1/2: parameters stay replicated; the optimizer is sharded later
-        return module
+        return stages
+    if stages:
+        apply_fsdp_to_stages(stages, mesh.fsdp, blocks=blocks, mp_policy=mp_policy)
+        return stages
     # HSDP: on the 2-D (replicate, shard) mesh FSDP all-reduces gradients across replicas
     # after reduce-scattering them within one; plain FSDP uses the 1-D shard mesh.
     apply_fsdp(
@@ -63,4 +82,9 @@ def parallelize(
         mp_policy=mp_policy,
         reshard_after_forward=reshard_after_forward,
     )
-    return module
+    return stages
+
+
+def _dropped(module: nn.Module, block: nn.Module) -> bool:
+    """Whether `block` is no longer part of `module` (another pipeline rank holds it)."""
+    return not any(sub is block for sub in module.modules())

@@ -143,6 +143,7 @@ class ZeroEngine:
         bucket_bytes: int = 100 * 2**20,
         compute_dtype: Optional[torch.dtype] = None,
         accumulate_dtype: Optional[torch.dtype] = None,
+        norm_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroEngine: `stage={stage}` must be 1 or 2 (stage 3 is FSDP)")
@@ -156,6 +157,8 @@ class ZeroEngine:
             raise ValueError("ZeroEngine needs an optimizer that has not stepped yet (its state would be lost)")
         if bucket_bytes <= 0:
             raise ValueError(f"ZeroEngine: `bucket_bytes={bucket_bytes}` must be positive")
+        self.norm_group = norm_group
+        """Ranks holding other parameters (pipeline stages) whose gradients count in the global norm."""
         names = {id(p): name for name, p in module.named_parameters()}
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -424,17 +427,22 @@ class ZeroEngine:
 
     @torch.no_grad()
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The global gradient norm: the slices are disjoint, so ||g||^p = all-reduce(sum |slice|^p)."""
+        """The global gradient norm: the slices are disjoint, so ||g||^p = all-reduce(sum |slice|^p)
+        (over the dp ranks, then over `norm_group`'s ranks, which hold the other pipeline stages)."""
         shards = list(self.grad_shards())
+        inf = math.isinf(norm_type)
         if not shards:
-            return torch.tensor(0.0)
-        if math.isinf(norm_type):
+            total = torch.zeros(())
+        elif inf:
             total = torch.stack([s.abs().max().float() for s in shards]).max()
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
-            return total
-        total = torch.stack([torch.linalg.vector_norm(s.float(), norm_type) ** norm_type for s in shards]).sum()
-        dist.all_reduce(total, group=self.group)
-        return total ** (1.0 / norm_type)
+        else:
+            total = torch.stack([torch.linalg.vector_norm(s.float(), norm_type) ** norm_type for s in shards]).sum()
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        if shards:
+            dist.all_reduce(total, op=op, group=self.group)
+        if self.norm_group is not None:
+            dist.all_reduce(total, op=op, group=self.norm_group)
+        return total if inf else total ** (1.0 / norm_type)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, total_norm: Optional[torch.Tensor] = None) -> torch.Tensor:

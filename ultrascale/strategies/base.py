@@ -41,6 +41,15 @@ from ultrascale.parallel.grad import global_grad_norm
 from ultrascale.parallel.init import broadcast_module_state, has_meta_tensors, materialize_meta_module
 from ultrascale.parallel.loss import NUM_TOKENS_KEY
 from ultrascale.parallel.parallelize import parallelize
+from ultrascale.parallel.pipeline import (
+    SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+    PipelineLayout,
+    PipelineParts,
+    PipelineRunner,
+    check_schedule,
+    split_model,
+)
 from ultrascale.parallel.tensor import maybe_loss_parallel, resolve_plan
 from ultrascale.parallel.transforms import ModelTransform
 from ultrascale.parallel.zero import (
@@ -94,10 +103,9 @@ def checked_knobs(owner: str, knobs: dict[str, Any], allowed: type) -> dict[str,
         raise TypeError(f"{owner}() got unexpected keyword argument(s) {unknown}; it takes {sorted(names)} besides its own")
     return knobs
 
-# Parallelisms whose implementation lands after the 2D product; asking for them fails
-# in the constructor, before any process group exists, instead of silently running without.
+# Parallelisms whose implementation lands later; asking for them fails in the constructor,
+# before any process group exists, instead of silently running without.
 _NOT_YET_IMPLEMENTED = {
-    "pipeline_parallel": "pipeline parallelism",
     "expert_parallel": "expert parallelism",
 }
 
@@ -129,7 +137,19 @@ class UltraScaleStrategy(StrategyInternals):
         tensor_parallel: tensor-parallel degree (Megatron column/row splits on DTensor); 1 means off.
             The model needs a TP plan: the built-in Llama and Hugging Face Llama/Mistral/Qwen2
             have one, any other model passes `tp_plan`.
-        pipeline_parallel: pipeline stages (not implemented yet: must be 1).
+        pipeline_parallel: pipeline ranks; 1 means off. The model is split by layers (the
+            built-in Llama and Hugging Face Llama/Mistral/Qwen2/Qwen3 know how; a module of your
+            own returns `ultrascale.parallel.pipeline.PipelineParts` from a `pipeline_parts()`
+            method) and the batch runs through torch's schedule in the loss call: see
+            `pipeline_loss`. Parameters keep their names, so checkpoints move between degrees.
+        pipeline_schedule: torch's schedule: "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
+            "InterleavedZeroBubble", "ZBVZeroBubble" or "DualPipeV".
+        pipeline_microbatches: micro-batches each local batch is cut into (must divide its
+            sequences). None: the number of stages (pipeline_parallel x virtual stages).
+        pipeline_virtual_stages: stages per rank. None: 1 for GPipe/1F1B, 2 for the others
+            (the V schedules need exactly 2).
+        pipeline_layers: layers per stage, in model order (pipeline_parallel x virtual stages
+            entries); None: balanced, the remainder going to the first stages.
         expert_parallel: expert-parallel degree (not implemented yet: must be 1).
         sequence_parallel: shard norms and the residual stream on the sequence dim between
             TP regions (activations 1/tp, same communication volume). None: on where the
@@ -188,6 +208,10 @@ class UltraScaleStrategy(StrategyInternals):
         context_parallel_load_balance: bool = True,
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
+        pipeline_schedule: str = "1F1B",
+        pipeline_microbatches: Optional[int] = None,
+        pipeline_virtual_stages: Optional[int] = None,
+        pipeline_layers: Optional[list[int]] = None,
         expert_parallel: int = 1,
         sequence_parallel: Optional[bool] = None,
         loss_parallel: Optional[bool] = None,
@@ -214,10 +238,7 @@ class UltraScaleStrategy(StrategyInternals):
             "pp": pipeline_parallel,
             "ep": expert_parallel,
         }
-        knobs = {
-            "pipeline_parallel": pipeline_parallel,
-            "expert_parallel": expert_parallel,
-        }
+        knobs = {"expert_parallel": expert_parallel}
         for knob, value in knobs.items():
             if value != 1:
                 raise NotImplementedError(
@@ -236,11 +257,34 @@ class UltraScaleStrategy(StrategyInternals):
                 f"{type(self).__name__}(`zero_stage={zero_stage}`, `tensor_parallel={tensor_parallel}`): ZeRO-1/2 over "
                 "tensor-parallel (DTensor) parameters is not implemented yet; use `zero_stage=3` with tensor parallel."
             )
+        try:
+            check_schedule(pipeline_schedule, pipeline_virtual_stages, pipeline_microbatches)
+        except ValueError as error:
+            raise ValueError(f"{type(self).__name__}: {error}") from None
+        if pipeline_parallel != 1 and zero_stage in (1, 2) and pipeline_schedule in ZERO_BUBBLE_SCHEDULES:
+            raise NotImplementedError(
+                f"{type(self).__name__}(`zero_stage={zero_stage}`, `pipeline_schedule={pipeline_schedule!r}`): zero-bubble "
+                "schedules assign weight gradients outside autograd's accumulation, which ZeRO-1/2's gradient hooks "
+                f"do not see; use zero_stage=3 or a schedule from {[s for s in SCHEDULES if s not in ZERO_BUBBLE_SCHEDULES]}"
+            )
+        if pipeline_parallel != 1 and loss_parallel:
+            raise ValueError(
+                f"{type(self).__name__}(`loss_parallel=True`, `pipeline_parallel={pipeline_parallel}`): the last pipeline "
+                "stage computes the loss on replicated logits; leave loss_parallel unset"
+            )
         if zero_bucket_mb is not None and zero_bucket_mb <= 0:
             raise ValueError(f"{type(self).__name__}(`zero_bucket_mb={zero_bucket_mb}`): must be positive")
         if launcher not in ("auto", "subprocess", "fork"):
             raise ValueError(f"{type(self).__name__}(`launcher={launcher!r}`): choose 'auto', 'subprocess' or 'fork'")
         self.context_parallel_method = context_parallel_method
+        self.pipeline_schedule = pipeline_schedule
+        self.pipeline_microbatches = pipeline_microbatches
+        self.pipeline_virtual_stages = pipeline_virtual_stages
+        self.pipeline_layers = list(pipeline_layers) if pipeline_layers is not None else None
+        self._pipeline: Optional[PipelineRunner] = None
+        self._pipeline_layout: Optional[PipelineLayout] = None
+        self._stashed_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pipeline_ran = False
         self.context_parallel_load_balance = context_parallel_load_balance
         self._context_parallel: Optional[ContextParallel] = None
         self.zero_stage = zero_stage
@@ -378,6 +422,8 @@ class UltraScaleStrategy(StrategyInternals):
         if self.sequence_parallel is not None or not dims.tp_enabled:
             # Known before the model exists: check the data module's sequence length before any process group.
             self._check_datamodule_seq_len(sequence_parallel=bool(self.sequence_parallel) and dims.tp_enabled)
+        if dims.pp_enabled:
+            self._check_pipeline_early()
         self._process_group_backend = self._process_group_backend or process_group_backend(self.root_device)
         if self.root_device.type == "cpu":
             tune_cpu_allocator()
@@ -444,14 +490,75 @@ class UltraScaleStrategy(StrategyInternals):
                     engine.close()
                 self._zero_engines = [self._make_zero_engine(optimizer) for optimizer in self.optimizers]
         self.setup_precision_plugin()
+        precision = self.precision_plugin
+        if isinstance(precision, UltraScalePrecision) and self.parallel_dims.pp_enabled:
+            precision.norm_group = self.parallel_mesh["pp"].get_group()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
+
+    def _check_pipeline_early(self) -> None:
+        """What the module's config and the data module declare, checked before any process group:
+        the layout against the layer count, tied embeddings, micro-batches against the local batch.
+        (The layout is checked again against the built model in `setup`.)"""
+        module = self.lightning_module
+        config = getattr(module, "config", None)
+        if getattr(config, "tie_embeddings", False) or getattr(config, "tie_word_embeddings", False):
+            raise ValueError(
+                f"{type(self).__name__}(pipeline_parallel={self.parallel_dims.pp}): {type(module).__name__} ties its input "
+                "embedding to its output head, which live on the first and the last stage; untie them "
+                "(`tie_embeddings=False` / `tie_word_embeddings=False`)"
+            )
+        declared = _declared_layers(module)
+        layout = self._build_pipeline_layout(declared) if declared is not None else None
+        datamodule = getattr(_trainer_of(module), "datamodule", None)
+        global_batch = getattr(datamodule, "global_batch_size", None)
+        if layout is not None and isinstance(global_batch, int) and global_batch % self.parallel_dims.dp == 0:
+            local = global_batch // self.parallel_dims.dp
+            if local % layout.microbatches:
+                raise ValueError(
+                    f"{type(self).__name__}: {type(datamodule).__name__}(global_batch_size={global_batch}) gives each of the "
+                    f"{self.parallel_dims.dp} data-parallel ranks {local} sequences, which pipeline_microbatches="
+                    f"{layout.microbatches} does not divide; pick a global batch size that is a multiple of "
+                    f"{layout.microbatches * self.parallel_dims.dp}"
+                )
+
+    def _build_pipeline_layout(self, n_layers: int) -> PipelineLayout:
+        try:
+            self._pipeline_layout = PipelineLayout.build(
+                n_layers=n_layers,
+                pp=self.parallel_dims.pp,
+                schedule=self.pipeline_schedule,
+                virtual_stages=self.pipeline_virtual_stages,
+                microbatches=self.pipeline_microbatches,
+                layers_per_stage=self.pipeline_layers,
+            )
+        except ValueError as error:
+            raise ValueError(f"{type(self).__name__}: {error}") from None
+        return self._pipeline_layout
+
+    def _pipeline_parts(self, module: torch.nn.Module, adapter: ModelAdapter) -> PipelineParts:
+        own = getattr(self.lightning_module, "pipeline_parts", None)
+        parts = own() if callable(own) else (adapter.pipeline_parts() if adapter.pipeline_parts is not None else None)
+        if parts is None:
+            raise ValueError(
+                f"pipeline parallel has no stage split for {adapter.name}: ultrascale splits the built-in Llama and "
+                "Hugging Face Llama/Mistral/Qwen2/Qwen3 models. For a model of your own, define `pipeline_parts(self)` on "
+                "the LightningModule returning `ultrascale.parallel.pipeline.PipelineParts(root=..., embed=..., "
+                "layers=..., norm=..., head=..., run=..., loss=...)` and compute the loss with "
+                "`self.trainer.strategy.pipeline_loss(batch)` in the steps"
+            )
+        parts.check(adapter.name)
+        return parts
 
     def _parallelize(self, module: torch.nn.Module) -> None:
         adapter = get_adapter(module)
         dims = self.parallel_dims
         if dims.cp_enabled:
             adapter.check_context_parallel(dims.cp)
+        pipeline = None
+        if dims.pp_enabled:
+            parts = self._pipeline_parts(module, adapter)
+            pipeline = (parts, self._build_pipeline_layout(len(parts.layer_list())))
         tp_plan = self._tensor_parallel_plan(module, adapter) if dims.tp_enabled else None
         self._sequence_parallel_active = tp_plan is not None and any(
             isinstance(style, SequenceParallel) for style in tp_plan.values()
@@ -462,17 +569,23 @@ class UltraScaleStrategy(StrategyInternals):
                 f"{type(self).__name__}: no repeated blocks (a ModuleList of identical layers) found in "
                 f"{type(module).__name__}; sharding it as one FSDP unit per top-level child"
             )
+        if pipeline is not None:  # before weights move: the parts other ranks hold never reach this device
+            split_model(*pipeline, self.parallel_mesh["pp"].get_local_rank())
         meta = has_meta_tensors(module)
         if not meta:
             # Real weights move to this rank's device first: NCCL broadcasts only device tensors,
             # and sharding then happens where the shards will live.
             module.to(self.root_device)
         if self.sync_module_states and not meta:
-            broadcast_module_state(module)
+            if dims.pp_enabled:  # each stage's ranks agree on that stage's weights
+                stage_group = self.parallel_mesh["stage"].get_group()
+                broadcast_module_state(module, src=dist.get_global_rank(stage_group, 0), group=stage_group)
+            else:
+                broadcast_module_state(module)
         precision = self.precision_plugin
         assert isinstance(precision, UltraScalePrecision)
         precision.convert_module(module)
-        parallelize(
+        stages = parallelize(
             module,
             self.parallel_mesh,
             blocks=adapter.blocks,
@@ -483,9 +596,15 @@ class UltraScaleStrategy(StrategyInternals):
             shard_parameters=self.zero_stage == 3,
             context_parallel=self._context_parallel,
             enable_context_parallel=adapter.enable_context_parallel,
+            pipeline=pipeline,
         )
         if meta:
             materialize_meta_module(module, self.root_device)
+        if pipeline is not None:
+            self._pipeline = PipelineRunner(
+                stages, pipeline[1], self.parallel_mesh["pp"].get_group(), self.root_device, loss=pipeline[0].loss
+            )
+            rank_zero_info(f"pipeline parallel: {pipeline[1].describe()}")
 
     def _make_zero_engine(self, optimizer: torch.optim.Optimizer) -> ZeroEngine:
         precision = self.precision_plugin
@@ -500,6 +619,7 @@ class UltraScaleStrategy(StrategyInternals):
             # bf16-mixed: bf16 weights for compute, the optimizer keeps fp32 masters of its slices.
             compute_dtype=torch.bfloat16 if precision.precision == "bf16-mixed" else None,
             accumulate_dtype=torch.float32 if self.accumulate_grads_in_fp32 else None,
+            norm_group=self.parallel_mesh["pp"].get_group() if self.parallel_dims.pp_enabled else None,
         )
 
     def _model_transforms(self) -> list[ModelTransform]:
@@ -511,7 +631,8 @@ class UltraScaleStrategy(StrategyInternals):
         """Pick the plan (checked before any weight is communicated) and decide loss parallel."""
         wants_loss_parallel = self.loss_parallel
         if wants_loss_parallel is None:
-            wants_loss_parallel = bool(getattr(module, "supports_loss_parallel", False))
+            # Under PP the last stage's logits leave the stage module: they must be plain tensors.
+            wants_loss_parallel = bool(getattr(module, "supports_loss_parallel", False)) and not self.parallel_dims.pp_enabled
         if self.tp_plan is not None:
             self._loss_parallel_active = bool(self.loss_parallel)
             return self.tp_plan
@@ -527,13 +648,79 @@ class UltraScaleStrategy(StrategyInternals):
         )
         return adapter.tp_plan(sequence_parallel=sequence_parallel, loss_parallel=wants_loss_parallel)
 
+    # ------------------------------------------------------------------ pipeline parallel
+    @property
+    def pipeline_active(self) -> bool:
+        """Whether the model runs as a pipeline: steps then get their loss from `pipeline_loss`."""
+        return self._pipeline is not None
+
+    @property
+    def pipeline_layout(self) -> Optional[PipelineLayout]:
+        """Under pipeline parallel, the stages' layers, the schedule and its micro-batches; None otherwise."""
+        return self._pipeline_layout if self._pipeline is not None else None
+
+    def pipeline_loss(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run the batch ``{"input_ids", "labels"[, "position_ids"]}`` through the pipeline and return
+        ``{"loss": mean over its valid tokens, "num_tokens": n}``, the same on every pipeline rank.
+
+        In training (module in train mode, gradients enabled) this is the whole forward and backward
+        of the batch: torch's schedule runs every micro-batch, the backward of each on its token-loss
+        sum / accumulate_grad_batches; the returned loss carries no graph, and the gradients wait
+        for Lightning's backward call (which then runs no autograd). Elsewhere it is forward only.
+        """
+        if self._pipeline is None:
+            raise RuntimeError(f"{type(self).__name__}.pipeline_loss: pipeline parallel is not active (pipeline_parallel=1)")
+        module = self.lightning_module
+        assert module is not None
+        train = module.training and torch.is_grad_enabled()
+        divisor = module.trainer.accumulate_grad_batches if train else 1
+        earlier = self._take_gradients() if train else []
+        loss_sum, num_tokens = self._pipeline.step(
+            batch["input_ids"], batch["labels"], batch.get("position_ids"), train=train, loss_scale=1.0 / divisor
+        )
+        if train:
+            # What autograd would do in Lightning's backward: this batch's gradients are added to whatever
+            # the parameters hold then (nothing, if Lightning zeroes them between the step and backward).
+            self._stashed_grads = self._take_gradients()
+            for p, grad in earlier:
+                p.grad = grad
+            self._pipeline_ran = True
+        return {"loss": (loss_sum / num_tokens.clamp(min=1)).float(), NUM_TOKENS_KEY: num_tokens}
+
+    def _take_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every parameter's gradient, which the parameter then no longer holds. The schedule computes
+        gradients inside `training_step`, but Lightning zeroes them between `training_step` and
+        `backward` (on an accumulation window's first micro-batch): they wait aside until `backward`."""
+        assert self.model is not None
+        taken = []
+        for p in self.model.parameters():
+            if p.grad is not None:
+                taken.append((p, p.grad))
+                p.grad = None
+        return taken
+
+    def _restore_gradients(self) -> None:
+        for p, grad in self._stashed_grads:
+            if p.grad is None:
+                p.grad = grad
+            elif p.grad is not grad:
+                p.grad += grad
+        self._stashed_grads = []
+
     # ------------------------------------------------------------------ the step
     # Loss parallel must be active around the loss (inside the step) and around backward.
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._pipeline_ran = False
         with maybe_loss_parallel(self._loss_parallel_active):
             output = self._call_step("training_step", *args, **kwargs)
         module = self.lightning_module
+        if self._pipeline is not None and output is not None and not self._pipeline_ran:
+            raise RuntimeError(
+                f"{_class_name(module)}.training_step did not run the pipeline: under pipeline parallel the model is split "
+                "over ranks, so the step must get its loss from `self.trainer.strategy.pipeline_loss(batch)` (ultrascale's "
+                "CausalLMModule does) instead of calling the model"
+            )
         if module is not None and not module.automatic_optimization and isinstance(output, Mapping) and NUM_TOKENS_KEY in output:
             raise ValueError(
                 f"{type(self).__name__}: `{NUM_TOKENS_KEY}` in a training_step output is understood with automatic "
@@ -554,6 +741,11 @@ class UltraScaleStrategy(StrategyInternals):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__}: predict under pipeline parallel is not implemented (the logits exist on the last "
+                "stage only); predict with pipeline_parallel=1 from the same checkpoint"
+            )
         return self._call_step("predict_step", *args, **kwargs)
 
     def _call_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -587,6 +779,16 @@ class UltraScaleStrategy(StrategyInternals):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._pipeline is not None:
+            # The schedule ran forward and backward inside `pipeline_loss`; the module's backward hooks still run.
+            module = self.lightning_module
+            assert module is not None
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+            self._restore_gradients()
+            closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+            self.post_backward(closure_loss)
+            return closure_loss
         closure_loss = self._token_step.backward_loss(closure_loss)
         with maybe_loss_parallel(self._loss_parallel_active):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -661,7 +863,8 @@ class UltraScaleStrategy(StrategyInternals):
         if engine is not None:
             norm = engine.grad_norm()
         else:
-            norm = global_grad_norm(present) if present else torch.zeros((), device=self.root_device)
+            pp_group = self.parallel_mesh["pp"].get_group() if self.parallel_dims.pp_enabled else None
+            norm = global_grad_norm(present, across=pp_group) if present or pp_group else torch.zeros((), device=self.root_device)
         precision = self.precision_plugin
         if isinstance(precision, UltraScalePrecision):
             precision.step_grad_norm = norm  # clipping reuses it: no second reduction
@@ -923,8 +1126,26 @@ class UltraScaleStrategy(StrategyInternals):
                 for name, master in masters.items():
                     if name in tensors["state_dict"]:
                         tensors["state_dict"][name] = relayout_like(master, tensors["state_dict"][name])
+            if zero_engine_for(optimizer) is None:
+                state = self._with_own_param_groups(state, optimizer)
             states.append(state)
         return states
+
+    def _with_own_param_groups(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """`state` with each param group's parameter names taken from this rank's optimizer.
+
+        Param groups are saved as a list: under pipeline parallel every stage writes the same
+        entries with its own parameter names, and DCP keeps one stage's. The hyperparameters agree
+        between stages (one `configure_optimizers`); the names must be this rank's."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        assert self.model is not None
+        own = get_optimizer_state_dict(self.model, optimizer)["param_groups"]
+        loaded = state.get("param_groups", [])
+        if len(loaded) != len(own):
+            raise ValueError(f"the checkpoint's optimizer has {len(loaded)} param group(s), this run's has {len(own)}")
+        groups = [{**saved, "params": mine["params"]} for saved, mine in zip(loaded, own)]
+        return {**state, "param_groups": groups}
 
     @staticmethod
     def _family_mismatch(path: Path, layout: Optional[str], zero_stage: int, error: Exception) -> str:
@@ -957,6 +1178,17 @@ class UltraScaleStrategy(StrategyInternals):
 def _destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _declared_layers(module: Optional["pl.LightningModule"]) -> Optional[int]:
+    """The layer count a module's config declares before the model is built (`LlamaLM.config.n_layers`,
+    `HFCausalLM.config.num_hidden_layers`), so a pipeline layout is checked before any process group."""
+    config = getattr(module, "config", None)
+    for name in ("n_layers", "num_hidden_layers"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
 
 
 def _trainer_of(module: Optional["pl.LightningModule"]) -> Optional["pl.Trainer"]:

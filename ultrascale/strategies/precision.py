@@ -31,6 +31,8 @@ class UltraScalePrecision(Precision):
         self.precision = precision
         self.step_grad_norm: Optional[torch.Tensor] = None
         """This step's global L2 gradient norm if the strategy already reduced it (used once by clipping)."""
+        self.norm_group: Optional[torch.distributed.ProcessGroup] = None
+        """Ranks holding the other pipeline stages: their gradients count in the clipping norm."""
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -65,7 +67,7 @@ class UltraScalePrecision(Precision):
         if engine is not None:  # ZeRO-1/2: the reduced gradients are the engine's slices
             engine.clip_grad_norm_(clip_val, total_norm=total)
         else:
-            clip_grad_norm_(self.main_params(optimizer), clip_val, total_norm=total)
+            clip_grad_norm_(self.main_params(optimizer), clip_val, total_norm=total, across=self.norm_group)
 
     @override
     def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:

@@ -1,0 +1,321 @@
+"""Pipeline parallel: every torch schedule, alone and with ZeRO / HSDP / TP, against one process.
+
+The reference (`tests._parity.reference_run`) is a plain-torch loop over the whole global batch
+with the token-mean loss written inline; the data has prompt-masked labels (different valid-token
+counts per row, micro-batch and rank) and an empty row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import ultrascale
+from tests._dist import run_ranks
+from tests._parity import ParityData, Recorder, TokenDataset, assert_parity, parity_trainer, reference_run, step_losses
+from ultrascale.models.llama import LlamaConfig
+from ultrascale.models.lm import LlamaLM
+
+SEQ, BATCH, STEPS, VOCAB = 16, 4, 10, 256
+
+
+def masked_data(seed: int = 11) -> TokenDataset:
+    return TokenDataset(STEPS * BATCH * 2, SEQ, VOCAB, seed=seed, masked=True, empty_rows=[5])
+
+
+def make_llama(n_layers: int = 4, vocab_size: int = VOCAB) -> LlamaLM:
+    config = LlamaConfig(vocab_size=vocab_size, dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64, max_seq_len=SEQ)
+    return LlamaLM(config=config, learning_rate=3e-3, warmup_steps=1, max_steps=1000, min_lr_ratio=1.0, eps=1e-6)
+
+
+def _train(rank, world_size, strategy_kwargs, global_batch, trainer_kwargs):
+    recorder = Recorder()
+    strategy = ultrascale.UltraScaleStrategy(**strategy_kwargs)
+    trainer = parity_trainer(world_size, strategy, recorder, STEPS, **trainer_kwargs)
+    trainer.fit(make_llama(), ParityData(masked_data(), global_batch))
+    return recorder.result()
+
+
+def _check(world, strategy_kwargs, *, global_batch=BATCH, trainer_kwargs=None):
+    reference = reference_run(make_llama(), masked_data(), global_batch=global_batch, steps=STEPS)
+    results = run_ranks(_train, world, strategy_kwargs, global_batch, trainer_kwargs or {})
+    losses = step_losses(results)
+    assert all(math.isfinite(v) for v in losses)
+    # Each rank records the gradients and weights of the parameters it holds; together they are the model's.
+    merged = {"losses": losses, "grads": {}, "params": {}}
+    for result in results:
+        merged["grads"].update(result["grads"])
+        merged["params"].update(result["params"])
+    assert_parity(merged, reference, losses)
+
+
+SCHEDULES_PP2 = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES_PP2)
+def test_schedule_parity_pp2(schedule):
+    _check(2, {"pipeline_parallel": 2, "pipeline_schedule": schedule, "pipeline_microbatches": 4})
+
+
+VIRTUAL_SCHEDULES = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+
+
+def _train_deep(rank, world_size, strategy_kwargs, global_batch):
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**strategy_kwargs), recorder, STEPS)
+    trainer.fit(make_llama(n_layers=8), ParityData(masked_data(), global_batch))
+    return recorder.result()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", VIRTUAL_SCHEDULES)
+def test_virtual_schedule_parity_pp4(schedule):
+    """8 stages (2 per rank) over 8 layers; DualPipeV needs at least 8 micro-batches."""
+    kwargs = {"pipeline_parallel": 4, "pipeline_schedule": schedule, "pipeline_microbatches": 8}
+    reference = reference_run(make_llama(n_layers=8), masked_data(), global_batch=8, steps=STEPS)
+    results = run_ranks(_train_deep, 4, kwargs, 8)
+    merged = {"grads": {}, "params": {}}
+    for result in results:
+        merged["grads"].update(result["grads"])
+        merged["params"].update(result["params"])
+    assert_parity(merged, reference, step_losses(results))
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_pp2_dp2_zero_parity(zero_stage):
+    """Each dp rank holds 2 of the 4 sequences of a step; with 2 micro-batches per local batch."""
+    _check(4, {"pipeline_parallel": 2, "data_parallel_shard": 2, "zero_stage": zero_stage, "pipeline_microbatches": 2})
+
+
+def test_pp2_hsdp_parity():
+    _check(4, {"pipeline_parallel": 2, "data_parallel_replicate": 2, "data_parallel_shard": 1, "pipeline_schedule": "GPipe",
+               "pipeline_microbatches": 2})
+
+
+@pytest.mark.slow
+def test_pp2_dp2_tp2_parity():
+    """World 8: TP (with sequence parallel) inside each stage, FSDP over the dp ranks."""
+    _check(8, {"pipeline_parallel": 2, "data_parallel_shard": 2, "tensor_parallel": 2, "pipeline_microbatches": 2})
+
+
+def test_accumulation_and_clipping_parity():
+    """Two Lightning micro-batches per step (gradients stashed across Lightning's zero_grad) and
+    gradient-norm clipping over both stages' gradients (a clip that binds: max norm 0.05)."""
+    reference = reference_run(make_llama(), masked_data(), global_batch=BATCH // 2, steps=STEPS, accumulate=2, clip=0.05)
+    results = run_ranks(_train, 2, {"pipeline_parallel": 2, "pipeline_microbatches": 2}, BATCH // 2,
+                        {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05})
+    merged = {"grads": {}, "params": {}}
+    for result in results:
+        merged["grads"].update(result["grads"])
+        merged["params"].update(result["params"])
+    assert_parity(merged, reference, step_losses(results))
+
+
+# ----------------------------------------------------------------------------- checkpoints, validation
+
+TOTAL, STOP = 10, 5
+
+
+def _fit_data():
+    from ultrascale.data import CausalLMDataModule
+
+    return CausalLMDataModule(seq_len=SEQ, global_batch_size=8, max_tokens=30_000, val_fraction=0.1, seed=3)
+
+
+def _fit(rank, world_size, pp, max_steps, ckpt_dir, resume_from):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    recorder = Recorder()
+    callbacks = [recorder]
+    if ckpt_dir:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=STOP, save_top_k=-1))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=ultrascale.UltraScaleStrategy(pipeline_parallel=pp),
+        max_steps=max_steps, logger=recorder.logger, log_every_n_steps=1, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=callbacks, enable_checkpointing=bool(ckpt_dir), limit_val_batches=0,
+    )
+    trainer.fit(make_llama(vocab_size=258), _fit_data(), ckpt_path=resume_from)  # the byte tokenizer's vocabulary
+    return {"losses": recorder.losses, "step": trainer.global_step}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resume_pp", [1, 4])
+def test_checkpoint_from_pp2_resumes_at_other_degrees(tmp_path, resume_pp):
+    """Parameter names do not change with the split: a pp=2 checkpoint (each stage saved its own
+    parameters and optimizer state) resumes at pp=1 and pp=4 on the uninterrupted curve."""
+    from torch.testing import assert_close
+    import torch
+
+    run_ranks(_fit, 2, 2, STOP, str(tmp_path), None)
+    uninterrupted = step_losses(run_ranks(_fit, 2, 2, TOTAL, None, None))
+    results = run_ranks(_fit, resume_pp, resume_pp, TOTAL, None, str(tmp_path / f"epoch=0-step={STOP}.ckpt"))
+    assert results[0]["step"] == TOTAL
+    resumed = step_losses(results)
+    assert len(resumed) == TOTAL - STOP
+    assert_close(torch.tensor(resumed), torch.tensor(uninterrupted[STOP:]), rtol=0, atol=1e-5)
+
+
+def _validate(rank, world_size, strategy_kwargs):
+    import lightning as L
+
+    strategy = ultrascale.UltraScaleStrategy(**strategy_kwargs)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    return trainer.validate(make_llama(vocab_size=258), _fit_data(), verbose=False)[0]["val_loss"]
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_validation_matches_one_process(schedule):
+    """val_loss (the token mean over the whole validation set) through the forward-only pipeline;
+    ZBVZeroBubble's forward-only pass is ultrascale's (torch 2.13's `eval()` of it fails)."""
+    expected = run_ranks(_validate, 1, {})[0]
+    got = run_ranks(_validate, 2, {"pipeline_parallel": 2, "pipeline_schedule": schedule, "pipeline_microbatches": 4})
+    assert got[0] == got[1]
+    assert abs(got[0] - expected) < 1e-5, (got, expected)
+
+
+# ----------------------------------------------------------------------------- Hugging Face checkpoints
+
+HF_VOCAB, HF_LAYERS = 128, 4
+
+
+def make_hf_checkpoint(folder, arch: str) -> str:
+    import torch
+    import transformers
+
+    config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
+                    "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config}[arch]
+    extra = {"sliding_window": None} if arch == "mistral" else {}
+    config = config_class(vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=HF_LAYERS,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                          tie_word_embeddings=False, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def make_hf(path, export_dir=None):
+    from ultrascale.models.hf import HFCausalLM
+
+    return HFCausalLM(path, learning_rate=3e-3, warmup_steps=1, max_steps=1000, min_lr_ratio=1.0, eps=1e-6,
+                      export_dir=export_dir)
+
+
+def hf_data() -> TokenDataset:
+    return TokenDataset(STEPS * BATCH, SEQ, HF_VOCAB, seed=7, masked=True, empty_rows=[5])
+
+
+def _train_hf(rank, world_size, path, strategy_kwargs, export_dir):
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**strategy_kwargs), recorder, STEPS)
+    trainer.fit(make_hf(path, export_dir), ParityData(hf_data(), BATCH))
+    return recorder.result()
+
+
+@pytest.mark.parametrize("arch, world, kwargs", [
+    ("qwen2", 2, {"pipeline_parallel": 2, "pipeline_microbatches": 2}),
+    ("llama", 2, {"pipeline_parallel": 2, "pipeline_schedule": "ZBVZeroBubble", "pipeline_microbatches": 4}),
+    ("mistral", 4, {"pipeline_parallel": 2, "data_parallel_shard": 2, "pipeline_schedule": "GPipe",
+                    "pipeline_microbatches": 2}),
+])
+def test_hf_parity_and_export(tmp_path, arch, world, kwargs):
+    """The HF modelling code runs unchanged on each stage (other stages' parts are gaps); the exported
+    folder, gathered from both stages, equals the one-process weights after 10 steps."""
+    import transformers
+    from torch.testing import assert_close
+
+    path = make_hf_checkpoint(tmp_path / "source", arch)
+    reference = reference_run(make_hf(path), hf_data(), global_batch=BATCH, steps=STEPS)
+    results = run_ranks(_train_hf, world, path, kwargs, str(tmp_path / "exported"))
+    merged = {"grads": {}, "params": {}}
+    for result in results:
+        merged["grads"].update(result["grads"])
+        merged["params"].update(result["params"])
+    assert_parity(merged, reference, step_losses(results), param_atol=3e-5)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True)
+    final = {name[len("model."):]: value for name, value in reference["final_params"].items()}
+    state = exported.state_dict()
+    assert set(state) == set(final)
+    for name, value in final.items():
+        assert_close(state[name], value, rtol=0, atol=5e-5, msg=lambda m: f"{name}: {m}")
+
+
+# ----------------------------------------------------------------------------- clear errors
+
+
+def test_choices_refused_in_the_constructor():
+    with pytest.raises(ValueError, match=r"not a torch pipeline schedule; choose one of \['GPipe', '1F1B'"):
+        ultrascale.UltraScaleStrategy(pipeline_parallel=2, pipeline_schedule="Zigzag")
+    with pytest.raises(ValueError, match="places exactly 2 stages per rank"):
+        ultrascale.UltraScaleStrategy(pipeline_parallel=2, pipeline_schedule="DualPipeV", pipeline_virtual_stages=3)
+    with pytest.raises(ValueError, match="runs one stage per rank"):
+        ultrascale.UltraScaleStrategy(pipeline_parallel=2, pipeline_schedule="1F1B", pipeline_virtual_stages=2)
+    with pytest.raises(NotImplementedError, match="zero-bubble schedules assign weight gradients"):
+        ultrascale.UltraScaleStrategy(pipeline_parallel=2, zero_stage=2, pipeline_schedule="ZBVZeroBubble")
+    with pytest.raises(ValueError, match="leave loss_parallel unset"):
+        ultrascale.UltraScaleStrategy(pipeline_parallel=2, loss_parallel=True)
+
+
+def test_layouts_checked_against_the_layers():
+    from ultrascale.parallel.pipeline import PipelineLayout
+
+    with pytest.raises(ValueError, match="4 stages, but the model has only 2 layers"):
+        PipelineLayout.build(n_layers=2, pp=4)
+    with pytest.raises(ValueError, match="6 stages do not divide the model's 8 layers"):
+        PipelineLayout.build(n_layers=8, pp=2, schedule="Interleaved1F1B", virtual_stages=3, microbatches=4)
+    with pytest.raises(ValueError, match=r"DualPipeV needs at least as many micro-batches as stages \(4\)"):
+        PipelineLayout.build(n_layers=4, pp=2, schedule="DualPipeV", microbatches=2)
+    with pytest.raises(ValueError, match="must list 2 positive layer counts"):
+        PipelineLayout.build(n_layers=4, pp=2, layers_per_stage=[3, 2])
+    assert PipelineLayout.build(n_layers=5, pp=2).layers_per_stage == (3, 2)
+    assert PipelineLayout.build(n_layers=4, pp=2, layers_per_stage=[3, 1]).layers_of(1) == range(3, 4)
+    v = PipelineLayout.build(n_layers=8, pp=2, schedule="ZBVZeroBubble")
+    assert (v.stage_ids(0), v.stage_ids(1), v.microbatches) == ((0, 3), (1, 2), 4)
+    loop = PipelineLayout.build(n_layers=8, pp=2, schedule="Interleaved1F1B")
+    assert (loop.stage_ids(0), loop.stage_ids(1)) == ((0, 2), (1, 3))
+
+
+def _refused(rank, world_size, model_kwargs, strategy_kwargs, global_batch):
+    import lightning as L
+    import torch.distributed as dist
+    from ultrascale.data import CausalLMDataModule
+
+    config = LlamaConfig(vocab_size=VOCAB, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64, max_seq_len=SEQ, **model_kwargs)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ultrascale.UltraScaleStrategy(**strategy_kwargs),
+                        max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    data = CausalLMDataModule(seq_len=SEQ, global_batch_size=global_batch, max_tokens=5_000, val_fraction=0.0)
+    try:
+        trainer.fit(LlamaLM(config=config), data)
+    except ValueError as error:
+        return str(error), dist.is_initialized()
+    return None, dist.is_initialized()
+
+
+@pytest.mark.parametrize("model_kwargs, strategy_kwargs, global_batch, message", [
+    ({"n_layers": 1}, {"pipeline_parallel": 2}, 4, "2 stages, but the model has only 1 layers"),
+    ({"n_layers": 4, "tie_embeddings": True}, {"pipeline_parallel": 2}, 4, "ties its input embedding to its output head"),
+    ({"n_layers": 4}, {"pipeline_parallel": 2, "pipeline_microbatches": 3}, 4, "pipeline_microbatches=3 does not divide"),
+    ({"n_layers": 4}, {"pipeline_parallel": 2, "pipeline_schedule": "DualPipeV", "pipeline_microbatches": 2}, 4,
+     "DualPipeV needs at least as many micro-batches as stages"),
+])
+def test_bad_layouts_fail_before_any_process_group(model_kwargs, strategy_kwargs, global_batch, message):
+    for error, initialised in run_ranks(_refused, 2, model_kwargs, strategy_kwargs, global_batch):
+        assert error is not None and message in error, error
+        assert not initialised
+
+
+def test_a_model_without_pipeline_parts_is_told_what_to_supply():
+    import torch
+
+    from ultrascale.models.adapters import ModelAdapter
+
+    strategy = ultrascale.UltraScaleStrategy(pipeline_parallel=2)
+    with pytest.raises(ValueError, match=r"define `pipeline_parts\(self\)` on the LightningModule"):
+        strategy._pipeline_parts(torch.nn.Linear(2, 2), ModelAdapter(name="generic", blocks=()))
