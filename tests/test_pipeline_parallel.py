@@ -319,3 +319,105 @@ def test_a_model_without_pipeline_parts_is_told_what_to_supply():
     strategy = ultrascale.UltraScaleStrategy(pipeline_parallel=2)
     with pytest.raises(ValueError, match=r"define `pipeline_parts\(self\)` on the LightningModule"):
         strategy._pipeline_parts(torch.nn.Linear(2, 2), ModelAdapter(name="generic", blocks=()))
+
+
+# ----------------------------------------------------------------------------- with other features
+
+
+def _train_with(rank, world_size, strategy_kwargs, callbacks):
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**strategy_kwargs), recorder, STEPS,
+                             callbacks=callbacks)
+    trainer.fit(make_llama(), ParityData(masked_data(), BATCH))
+    return recorder.result()
+
+
+def test_activation_checkpointing_inside_stages():
+    """Recomputation runs each wrapped block again in backward, after the stage swapped its parts back."""
+    from ultrascale.callbacks import ActivationCheckpointing
+
+    reference = reference_run(make_llama(), masked_data(), global_batch=BATCH, steps=STEPS)
+    results = run_ranks(_train_with, 2, {"pipeline_parallel": 2, "pipeline_schedule": "Interleaved1F1B",
+                                         "pipeline_microbatches": 2}, [ActivationCheckpointing(mode="full")])
+    wrapped = "_checkpoint_wrapped_module."  # named_parameters shows the wrapper; state dicts do not
+    merged = {"grads": {}, "params": {}}
+    for result in results:
+        for key in ("grads", "params"):
+            merged[key].update({n.replace(wrapped, ""): t for n, t in result[key].items()})
+    assert_parity(merged, reference, step_losses(results))
+
+
+def test_context_parallel_inside_stages():
+    """pp2 x cp2: each stage's attention is ring attention over the sequence halves."""
+    _check(4, {"pipeline_parallel": 2, "context_parallel": 2, "data_parallel_shard": 1, "pipeline_microbatches": 2})
+
+
+class _TinyGPT(__import__("torch").nn.Module):
+    """A model ultrascale has no adapter for: learned positions, LayerNorm blocks, a `blocks` list."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 32, n_layers: int = 4) -> None:
+        import torch.nn as nn
+
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, 4, 64, dropout=0.0, batch_first=True, norm_first=True) for _ in range(n_layers)
+        )
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, x):
+        import torch
+
+        h = self.wte(x) if not x.is_floating_point() else x  # after the first stage: hidden states
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(h.shape[1])
+        for block in self.blocks:
+            h = block(h, src_mask=mask, is_causal=True) if not isinstance(block, ultrascale.parallel.pipeline.PipelineGap) else block(h)
+        return self.head(self.ln_f(h))
+
+
+class _TinyGPTModule(__import__("lightning").LightningModule):
+    def __init__(self) -> None:
+        import torch
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = _TinyGPT()
+
+    def forward(self, input_ids, position_ids=None):
+        return self.model(input_ids)
+
+    def pipeline_parts(self):
+        from ultrascale.parallel.pipeline import PipelineParts
+
+        return PipelineParts(root=self.model, embed="wte", layers="blocks", norm="ln_f", head="head",
+                             run=lambda root, x, position_ids, is_first: root(x))
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.strategy.pipeline_active:
+            return self.trainer.strategy.pipeline_loss(batch)
+        return ultrascale.token_loss(self(batch["input_ids"]), batch["labels"])
+
+    def configure_optimizers(self):
+        import torch
+
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=1e-6)
+
+
+def _train_own(rank, world_size):
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(pipeline_parallel=2, pipeline_microbatches=2),
+                             recorder, STEPS)
+    trainer.fit(_TinyGPTModule(), ParityData(masked_data(), BATCH))
+    return recorder.result()
+
+
+def test_own_module_through_pipeline_parts():
+    """A module ultrascale knows nothing about opts in with `pipeline_parts()` and `pipeline_loss`."""
+    reference = reference_run(_TinyGPTModule(), masked_data(), global_batch=BATCH, steps=STEPS)
+    results = run_ranks(_train_own, 2)
+    merged = {"grads": {}, "params": {}}
+    for result in results:
+        merged["grads"].update(result["grads"])
+        merged["params"].update(result["params"])
+    assert_parity(merged, reference, step_losses(results))

@@ -146,7 +146,8 @@ def _llama_context_parallel(llama: nn.Module, cp: Any) -> None:
     from ultrascale.parallel.context import ContextParallelAttention
 
     for block in llama.layers:
-        block.attention.sdpa = ContextParallelAttention(cp)
+        if hasattr(block, "attention"):  # not a pipeline gap (a layer another stage holds)
+            block.attention.sdpa = ContextParallelAttention(cp)
     llama.document_masks = False  # the kernel reads documents from the whole-sequence layout
 
 
