@@ -226,3 +226,31 @@ def assert_parity(result: dict[str, Any], reference: dict[str, Any], losses: lis
         # so 1e-5 is 0.3% of one update (lr = 3e-3) while a wrong gradient moves a weight by ~lr.
         assert_close(result["params"][name], param, rtol=1e-5, atol=param_atol, msg=lambda m: f"param {name}: {m}")
     assert_close(torch.tensor(losses), torch.tensor(reference["losses"]), rtol=0, atol=1e-4)
+
+
+def make_hf_checkpoint(folder: Any, arch: str, *, vocab_size: int, hidden_size: int = 64, layers: int = 2) -> str:
+    """A tiny, untied Hugging Face checkpoint of `arch` ("llama", "mistral", "qwen2", "qwen3") saved
+    to `folder`, with weights perturbed away from their init (so every parameter matters)."""
+    import transformers
+
+    config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
+                    "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config}[arch]
+    extra = {"sliding_window": None} if arch == "mistral" else {}
+    config = config_class(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=64, tie_word_embeddings=False, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def make_hf(path: str, export_dir: Optional[str] = None) -> L.LightningModule:
+    """`HFCausalLM` with the parity tests' optimizer settings (constant LR 3e-3 after one warm-up step, eps 1e-6)."""
+    from ultrascale.models.hf import HFCausalLM
+
+    return HFCausalLM(path, learning_rate=3e-3, warmup_steps=1, max_steps=1000, min_lr_ratio=1.0, eps=1e-6,
+                      export_dir=export_dir)

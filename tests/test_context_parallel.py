@@ -16,7 +16,17 @@ from torch.testing import assert_close
 
 import ultrascale
 from tests._dist import init_gloo, run_ranks
-from tests._parity import ParityData, Recorder, TokenDataset, assert_parity, parity_trainer, reference_run, step_losses
+from tests._parity import (
+    ParityData,
+    Recorder,
+    TokenDataset,
+    assert_parity,
+    make_hf,
+    make_hf_checkpoint,
+    parity_trainer,
+    reference_run,
+    step_losses,
+)
 from ultrascale.models.lm import LlamaLM
 from ultrascale.parallel.context import ContextLayout, ContextParallel, document_ids
 
@@ -168,31 +178,6 @@ def test_llama_packed_documents_parity(method):
 HF_VOCAB = 128
 
 
-def make_hf_checkpoint(folder, arch: str):
-    import transformers
-
-    config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
-                    "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config}[arch]
-    extra = {"sliding_window": None} if arch == "mistral" else {}
-    config = config_class(vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                          tie_word_embeddings=False, **extra)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    model.save_pretrained(folder)
-    return str(folder)
-
-
-def make_hf(path, export_dir=None):
-    from ultrascale.models.hf import HFCausalLM
-
-    return HFCausalLM(path, learning_rate=3e-3, warmup_steps=1, max_steps=1000, min_lr_ratio=1.0, eps=1e-6,
-                      export_dir=export_dir)
-
-
 def hf_data() -> TokenDataset:
     return TokenDataset(STEPS * MICRO_BATCH, SEQ, HF_VOCAB, seed=7, masked=True, empty_rows=[5])
 
@@ -220,7 +205,7 @@ def test_hf_parity_and_export(tmp_path, layout):
     import transformers
 
     arch, world, kwargs = HF_LAYOUTS[layout]
-    path = make_hf_checkpoint(tmp_path / "source", arch)
+    path = make_hf_checkpoint(tmp_path / "source", arch, vocab_size=HF_VOCAB)
     reference = reference_run(make_hf(path), hf_data(), global_batch=MICRO_BATCH, steps=STEPS)
     results = run_ranks(_train_hf, world, path, kwargs, str(tmp_path / "exported"))
     assert results[0]["attn"] == "ultrascale_context_parallel"  # HF's own modelling code, our attention function

@@ -13,7 +13,17 @@ import pytest
 
 import ultrascale
 from tests._dist import run_ranks
-from tests._parity import ParityData, Recorder, TokenDataset, assert_parity, parity_trainer, reference_run, step_losses
+from tests._parity import (
+    ParityData,
+    Recorder,
+    TokenDataset,
+    assert_parity,
+    make_hf,
+    make_hf_checkpoint,
+    parity_trainer,
+    reference_run,
+    step_losses,
+)
 from ultrascale.models.llama import LlamaConfig
 from ultrascale.models.lm import LlamaLM
 
@@ -37,16 +47,22 @@ def _train(rank, world_size, strategy_kwargs, global_batch, trainer_kwargs):
     return recorder.result()
 
 
+def merge_stages(results, strip: str = ""):
+    """Each rank records the gradients and weights of the parameters it holds; together they are
+    the model's. `strip`: a wrapper's name part to drop (activation checkpointing's)."""
+    merged = {"grads": {}, "params": {}}
+    for result in results:
+        for key in merged:
+            merged[key].update({(n.replace(strip, "") if strip else n): t for n, t in result[key].items()})
+    return merged
+
+
 def _check(world, strategy_kwargs, *, global_batch=BATCH, trainer_kwargs=None):
     reference = reference_run(make_llama(), masked_data(), global_batch=global_batch, steps=STEPS)
     results = run_ranks(_train, world, strategy_kwargs, global_batch, trainer_kwargs or {})
     losses = step_losses(results)
     assert all(math.isfinite(v) for v in losses)
-    # Each rank records the gradients and weights of the parameters it holds; together they are the model's.
-    merged = {"losses": losses, "grads": {}, "params": {}}
-    for result in results:
-        merged["grads"].update(result["grads"])
-        merged["params"].update(result["params"])
+    merged = merge_stages(results)
     assert_parity(merged, reference, losses)
 
 
@@ -75,10 +91,7 @@ def test_virtual_schedule_parity_pp4(schedule):
     kwargs = {"pipeline_parallel": 4, "pipeline_schedule": schedule, "pipeline_microbatches": 8}
     reference = reference_run(make_llama(n_layers=8), masked_data(), global_batch=8, steps=STEPS)
     results = run_ranks(_train_deep, 4, kwargs, 8)
-    merged = {"grads": {}, "params": {}}
-    for result in results:
-        merged["grads"].update(result["grads"])
-        merged["params"].update(result["params"])
+    merged = merge_stages(results)
     assert_parity(merged, reference, step_losses(results))
 
 
@@ -105,10 +118,7 @@ def test_accumulation_and_clipping_parity():
     reference = reference_run(make_llama(), masked_data(), global_batch=BATCH // 2, steps=STEPS, accumulate=2, clip=0.05)
     results = run_ranks(_train, 2, {"pipeline_parallel": 2, "pipeline_microbatches": 2}, BATCH // 2,
                         {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05})
-    merged = {"grads": {}, "params": {}}
-    for result in results:
-        merged["grads"].update(result["grads"])
-        merged["params"].update(result["params"])
+    merged = merge_stages(results)
     assert_parity(merged, reference, step_losses(results))
 
 
@@ -181,32 +191,6 @@ def test_validation_matches_one_process(schedule):
 HF_VOCAB, HF_LAYERS = 128, 4
 
 
-def make_hf_checkpoint(folder, arch: str) -> str:
-    import torch
-    import transformers
-
-    config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
-                    "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config}[arch]
-    extra = {"sliding_window": None} if arch == "mistral" else {}
-    config = config_class(vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=HF_LAYERS,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                          tie_word_embeddings=False, **extra)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    model.save_pretrained(folder)
-    return str(folder)
-
-
-def make_hf(path, export_dir=None):
-    from ultrascale.models.hf import HFCausalLM
-
-    return HFCausalLM(path, learning_rate=3e-3, warmup_steps=1, max_steps=1000, min_lr_ratio=1.0, eps=1e-6,
-                      export_dir=export_dir)
-
-
 def hf_data() -> TokenDataset:
     return TokenDataset(STEPS * BATCH, SEQ, HF_VOCAB, seed=7, masked=True, empty_rows=[5])
 
@@ -230,13 +214,10 @@ def test_hf_parity_and_export(tmp_path, arch, world, kwargs):
     import transformers
     from torch.testing import assert_close
 
-    path = make_hf_checkpoint(tmp_path / "source", arch)
+    path = make_hf_checkpoint(tmp_path / "source", arch, vocab_size=HF_VOCAB, hidden_size=32, layers=HF_LAYERS)
     reference = reference_run(make_hf(path), hf_data(), global_batch=BATCH, steps=STEPS)
     results = run_ranks(_train_hf, world, path, kwargs, str(tmp_path / "exported"))
-    merged = {"grads": {}, "params": {}}
-    for result in results:
-        merged["grads"].update(result["grads"])
-        merged["params"].update(result["params"])
+    merged = merge_stages(results)
     assert_parity(merged, reference, step_losses(results), param_atol=3e-5)
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True)
     final = {name[len("model."):]: value for name, value in reference["final_params"].items()}
@@ -339,11 +320,8 @@ def test_activation_checkpointing_inside_stages():
     reference = reference_run(make_llama(), masked_data(), global_batch=BATCH, steps=STEPS)
     results = run_ranks(_train_with, 2, {"pipeline_parallel": 2, "pipeline_schedule": "Interleaved1F1B",
                                          "pipeline_microbatches": 2}, [ActivationCheckpointing(mode="full")])
-    wrapped = "_checkpoint_wrapped_module."  # named_parameters shows the wrapper; state dicts do not
-    merged = {"grads": {}, "params": {}}
-    for result in results:
-        for key in ("grads", "params"):
-            merged[key].update({n.replace(wrapped, ""): t for n, t in result[key].items()})
+    # named_parameters shows the wrapper; state dicts do not
+    merged = merge_stages(results, strip="_checkpoint_wrapped_module.")
     assert_parity(merged, reference, step_losses(results))
 
 
@@ -427,8 +405,5 @@ def test_own_module_through_pipeline_parts():
     """A module ultrascale knows nothing about opts in with `pipeline_parts()` and `pipeline_loss`."""
     reference = reference_run(_TinyGPTModule(), masked_data(), global_batch=BATCH, steps=STEPS)
     results = run_ranks(_train_own, 2)
-    merged = {"grads": {}, "params": {}}
-    for result in results:
-        merged["grads"].update(result["grads"])
-        merged["params"].update(result["params"])
+    merged = merge_stages(results)
     assert_parity(merged, reference, step_losses(results))
