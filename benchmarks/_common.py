@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import resource
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ultrascale.data import ResumableBlockSampler
+from ultrascale.launch import run_ranks
 
 WARMUP_STEPS = 3
 
@@ -78,3 +80,67 @@ def machine() -> str:
 
 def load_average() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+
+
+# ----------------------------------------------------------------------------- a shared machine
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds all processes of the machine have spent busy (/proc/stat), since boot."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and its finished ranks."""
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+class ForeignLoad:
+    """The share of the machine's cores that other processes kept busy between `start` and `stop`."""
+
+    def start(self) -> None:
+        self.t, self.busy, self.own = time.perf_counter(), _machine_busy_s(), _own_cpu_s()
+
+    def stop(self) -> float:
+        wall = time.perf_counter() - self.t
+        foreign = (_machine_busy_s() - self.busy) - (_own_cpu_s() - self.own)
+        return max(0.0, foreign) / (wall * cores())
+
+
+def _wait_for_quiet(max_wait: float, threshold: float = 0.1, window: float = 0.3) -> float:
+    """Wait until other processes use under `threshold` of the cores over `window` s (at most `max_wait` s)."""
+    start, load = time.perf_counter(), ForeignLoad()
+    while max_wait > 0:
+        load.start()
+        time.sleep(window)
+        if load.stop() < threshold or time.perf_counter() - start >= max_wait:
+            break
+    return time.perf_counter() - start
+
+
+class Undisturbed:
+    """`run_ranks` on a machine other processes may share: wait (at most 10 s) for idle cores before a run,
+    and redo a run during which other processes took more than `threshold` of the cores, while the
+    budget of `budget` s (waiting plus redone runs) lasts."""
+
+    def __init__(self, budget: float, threshold: float = 0.15) -> None:
+        self.budget, self.threshold = budget, threshold
+        self.spent, self.redone, self.loads = 0.0, 0, []
+
+    def run(self, fn, world_size, *args):
+        while True:
+            self.spent += _wait_for_quiet(min(10.0, self.budget - self.spent))
+            load, start = ForeignLoad(), time.perf_counter()
+            load.start()
+            result = run_ranks(fn, world_size, *args)
+            foreign = load.stop()
+            if foreign <= self.threshold or self.spent + time.perf_counter() - start > self.budget:
+                self.loads.append(foreign)
+                return result, foreign
+            self.spent += time.perf_counter() - start
+            self.redone += 1
+            print(f"  (redone: other processes took {100 * foreign:.0f}% of the cores)", flush=True)

@@ -18,7 +18,7 @@ from typing import Any, Dict, Literal, Optional, Tuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from ultrascale.models.lm import CausalLMModule
+from ultrascale.models.lm import CausalLMModule, attached_strategy
 
 WEIGHT_SUFFIX = ".safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -339,7 +339,7 @@ def _hf_state_dict_from_module(module: HFCausalLM) -> Optional[dict[str, torch.T
 
     assert module.model is not None
     if dist.is_initialized():
-        mesh = getattr(module._trainer.strategy, "parallel_mesh", None) if module._trainer is not None else None
+        mesh = getattr(attached_strategy(module), "parallel_mesh", None)
         if mesh is not None and mesh.dims.pp_enabled:
             from ultrascale.parallel.pipeline import gather_stage_states
 

@@ -61,6 +61,14 @@ def adamw_warmup_cosine(module: lightning.LightningModule) -> Dict[str, Any]:
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+def attached_strategy(module: lightning.LightningModule) -> Optional[Any]:
+    """The strategy of the Trainer `module` is attached to, or None."""
+    try:
+        return module.trainer.strategy
+    except RuntimeError:  # not attached to a Trainer
+        return None
+
+
 class CausalLMModule(lightning.LightningModule):
     """Training and validation steps shared by ultrascale's causal-LM modules.
 
@@ -86,7 +94,7 @@ class CausalLMModule(lightning.LightningModule):
 
         Under pipeline parallel the model is split over ranks: the strategy runs the batch through
         the pipeline (in training, forward and backward of every micro-batch) and returns the same."""
-        strategy = self._trainer.strategy if self._trainer is not None else None
+        strategy = attached_strategy(self)
         if getattr(strategy, "pipeline_active", False):
             return strategy.pipeline_loss(batch)
         return token_loss(self(batch["input_ids"], batch.get("position_ids")), batch["labels"])
