@@ -56,9 +56,6 @@ SCHEDULES: tuple[str, ...] = (
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 """Two stages per rank in a V: rank r holds stages r and 2p-1-r."""
-ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-"""Schedules that split backward into input and weight gradients (weights' `.grad` is assigned,
-no autograd accumulation hook fires)."""
 
 
 def check_schedule(schedule: str, virtual_stages: Optional[int], microbatches: Optional[int]) -> None:

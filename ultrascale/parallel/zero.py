@@ -299,6 +299,24 @@ class ZeroEngine:
         if self.stage == 2 and self.require_backward_grad_sync:
             self._launch_ready_buckets()
 
+    @torch.no_grad()
+    def absorb_assigned_grads(self) -> None:
+        """Take in gradients that were assigned to `.grad` instead of accumulated by autograd.
+
+        torch's zero-bubble pipeline schedules compute weight gradients with `autograd.grad` and
+        assign them, so no accumulation hook fires; call this after such a backward. Their sum joins
+        the local bucket gradients and is reduced with them in `reduce_gradients`."""
+        for bucket in self.buckets:
+            for p in bucket.params:
+                view = self._grad_view(bucket, p) if p.grad is not None else None
+                if view is None or p.grad is view:
+                    continue
+                if self._reduced:
+                    raise RuntimeError("ZeroEngine: gradients were assigned after reduce_gradients() and before the step")
+                view.add_(p.grad)
+                p.grad = view if view.dtype == p.dtype else None
+                self._unreduced = True
+
     def _launch_ready_buckets(self) -> None:
         # Strictly in bucket order, so every rank issues the collectives in the same order.
         while self._next_to_launch < len(self.buckets):

@@ -42,8 +42,6 @@ from ultrascale.parallel.init import broadcast_module_state, has_meta_tensors, m
 from ultrascale.parallel.loss import NUM_TOKENS_KEY
 from ultrascale.parallel.parallelize import parallelize
 from ultrascale.parallel.pipeline import (
-    SCHEDULES,
-    ZERO_BUBBLE_SCHEDULES,
     PipelineLayout,
     PipelineParts,
     PipelineRunner,
@@ -261,12 +259,6 @@ class UltraScaleStrategy(StrategyInternals):
             check_schedule(pipeline_schedule, pipeline_virtual_stages, pipeline_microbatches)
         except ValueError as error:
             raise ValueError(f"{type(self).__name__}: {error}") from None
-        if pipeline_parallel != 1 and zero_stage in (1, 2) and pipeline_schedule in ZERO_BUBBLE_SCHEDULES:
-            raise NotImplementedError(
-                f"{type(self).__name__}(`zero_stage={zero_stage}`, `pipeline_schedule={pipeline_schedule!r}`): zero-bubble "
-                "schedules assign weight gradients outside autograd's accumulation, which ZeRO-1/2's gradient hooks "
-                f"do not see; use zero_stage=3 or a schedule from {[s for s in SCHEDULES if s not in ZERO_BUBBLE_SCHEDULES]}"
-            )
         if pipeline_parallel != 1 and loss_parallel:
             raise ValueError(
                 f"{type(self).__name__}(`loss_parallel=True`, `pipeline_parallel={pipeline_parallel}`): the last pipeline "
@@ -675,10 +667,21 @@ class UltraScaleStrategy(StrategyInternals):
         train = module.training and torch.is_grad_enabled()
         divisor = module.trainer.accumulate_grad_batches if train else 1
         earlier = self._take_gradients() if train else []
-        loss_sum, num_tokens = self._pipeline.step(
-            batch["input_ids"], batch["labels"], batch.get("position_ids"), train=train, loss_scale=1.0 / divisor
-        )
+        # ZeRO-1/2 reduce once per step under PP: each micro-batch's backward is its own autograd call,
+        # and the zero-bubble schedules assign weight gradients, which no hook sees, after it.
+        syncs = [engine.require_backward_grad_sync for engine in self._zero_engines]
+        for engine in self._zero_engines:
+            engine.require_backward_grad_sync = False
+        try:
+            loss_sum, num_tokens = self._pipeline.step(
+                batch["input_ids"], batch["labels"], batch.get("position_ids"), train=train, loss_scale=1.0 / divisor
+            )
+        finally:
+            for engine, sync in zip(self._zero_engines, syncs):
+                engine.require_backward_grad_sync = sync
         if train:
+            for engine in self._zero_engines:
+                engine.absorb_assigned_grads()
             # What autograd would do in Lightning's backward: this batch's gradients are added to whatever
             # the parameters hold then (nothing, if Lightning zeroes them between the step and backward).
             self._stashed_grads = self._take_gradients()

@@ -26,7 +26,7 @@ class PipelineParallelStrategy(UltraScaleStrategy):
         tensor_parallel, sequence_parallel, tp_plan: tensor parallel inside each stage; 1 means off.
         data_parallel_replicate: HSDP replicas; 1 means off.
         zero_stage: 3 (FSDP2, weights kept gathered through each step's micro-batches), 2 or 1
-            (not with the zero-bubble schedules).
+            (both reduce gradients once per step under PP).
     """
 
     strategy_name = "ultrascale_pp"
