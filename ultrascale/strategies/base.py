@@ -32,7 +32,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from ultrascale.models.adapters import ModelAdapter, get_adapter
-from ultrascale.parallel.checkpoint import check_checkpoint_dir, load_sharded_checkpoint, save_sharded_checkpoint
+from ultrascale.parallel.checkpoint import check_checkpoint_dir, save_sharded_checkpoint
 from ultrascale.parallel.context import CONTEXT_PARALLEL_METHODS, ContextLayout, ContextParallel, ContextParallelMethod
 from ultrascale.parallel.device import process_group_backend, tune_cpu_allocator
 from ultrascale.parallel.dims import ParallelDims, ParallelMesh, build_mesh
@@ -41,6 +41,7 @@ from ultrascale.parallel.grad import global_grad_norm
 from ultrascale.parallel.init import broadcast_module_state, has_meta_tensors, materialize_meta_module
 from ultrascale.parallel.loss import NUM_TOKENS_KEY
 from ultrascale.parallel.parallelize import parallelize
+from ultrascale.parallel.resume import load_training_state
 from ultrascale.parallel.pipeline import (
     PipelineLayout,
     PipelineParts,
@@ -52,10 +53,6 @@ from ultrascale.parallel.tensor import maybe_loss_parallel, resolve_plan
 from ultrascale.parallel.transforms import ModelTransform
 from ultrascale.parallel.zero import (
     ZeroEngine,
-    flat_state_template,
-    param_shaped_from_flat,
-    relayout_like,
-    saved_optimizer_layout,
     zero_engine_for,
 )
 from ultrascale.strategies._lightning_compat import (
@@ -1037,126 +1034,13 @@ class UltraScaleStrategy(StrategyInternals):
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load a sharded checkpoint, resharded to this run's layout.
-
-        Any ZeRO family resumes any other: ZeRO-3 (FSDP2, any TP / CP layout) saves the optimizer
-        state parameter-shaped, ZeRO-1/2 as flattened per-parameter tensors; a state saved in the
-        other layout is read in its own layout and converted (`_read_targets`, `_convert_loaded`)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
+        """Load a sharded checkpoint, resharded to this run's layout: any world size, ZeRO family,
+        TP / CP layout or pipeline degree (`ultrascale.parallel.resume.load_training_state`)."""
         path = check_checkpoint_dir(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
         optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        tensors, layouts, currents = self._read_targets(path, optimizers)
-        metadata = load_sharded_checkpoint(path, tensors)
-        saved_optimizers = metadata.get("ultrascale", {}).get("num_optimizers", len(optimizers))
-        if optimizers and saved_optimizers != len(optimizers):
-            raise ValueError(f"checkpoint {path} holds {saved_optimizers} optimizer(s), the model configures {len(optimizers)}")
-        options = StateDictOptions(strict=self.lightning_module.strict_loading)
-        optimizer_states = self._convert_loaded(tensors, optimizers, layouts, currents)
-        set_model_state_dict(self.model, tensors["state_dict"], options=options)
-        for i, optimizer in enumerate(optimizers):
-            engine = zero_engine_for(optimizer)
-            if engine is None:
-                set_optimizer_state_dict(self.model, optimizer, optimizer_states[i], options=options)
-            elif layouts[i] == "param":
-                engine.load_param_shaped_state_dict(tensors[f"optimizer_{i}"], weights=tensors["state_dict"])
-            else:
-                engine.load_sharded_state_dict(tensors[f"optimizer_{i}"])
-        return metadata
-
-    def _read_targets(self, path: Path, optimizers: list[torch.optim.Optimizer]) -> tuple[dict[str, Any], list[Optional[str]], list[Any]]:
-        """What DCP reads the checkpoint into, per optimizer in the layout it was *saved* in (from the
-        checkpoint's DCP metadata): "flat" (ZeRO-1/2) or "param" (ZeRO-3 / FSDP). Also returns each
-        optimizer's saved layout and, for FSDP optimizers, their current (parameter-shaped) state dict."""
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        from ultrascale.parallel.safe_load import UnsafeCheckpointError, read_dcp_metadata
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        try:
-            saved = read_dcp_metadata(path).state_dict_metadata
-        except UnsafeCheckpointError:
-            raise
-        except Exception as error:
-            raise RuntimeError(f"could not read the sharded checkpoint at {path}: {error}") from error
-        assert self.model is not None
-        tensors: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
-        layouts: list[Optional[str]] = []
-        currents: list[Any] = []
-        for i, optimizer in enumerate(optimizers):
-            prefix = f"optimizer_{i}"
-            engine = zero_engine_for(optimizer)
-            layout = saved_optimizer_layout(saved, prefix)
-            current: Any = None
-            try:
-                if engine is not None:
-                    engine.init_state()  # so that the template holds every state tensor DCP should fill
-                    if layout == "param":
-                        tensors[prefix] = engine.param_shaped_template(saved, prefix)
-                        if engine.has_master_copies:  # the fp32 masters come from the saved (fp32) weights
-                            tensors["state_dict"] = {
-                                k: torch.zeros(v.shape, dtype=saved[f"state_dict.{k}"].properties.dtype, device=v.device)
-                                if isinstance(saved.get(f"state_dict.{k}"), TensorStorageMetadata) else v
-                                for k, v in tensors["state_dict"].items()
-                            }
-                    else:
-                        tensors[prefix] = engine.sharded_state_dict()
-                else:
-                    current = get_optimizer_state_dict(self.model, optimizer)
-                    tensors[prefix] = flat_state_template(current, saved, prefix) if layout == "flat" else current
-            except ValueError as error:
-                raise ValueError(self._family_mismatch(path, layout, self.zero_stage, error)) from error
-            layouts.append(layout)
-            currents.append(current)
-        return tensors, layouts, currents
-
-    def _convert_loaded(self, tensors: dict[str, Any], optimizers: list[torch.optim.Optimizer], layouts: list[Optional[str]], currents: list[Any]) -> list[Any]:
-        """The FSDP optimizers' states in their own layout (a ZeRO-1/2 one converted; its fp32
-        master weights, if saved, replace the model weights read in `tensors`)."""
-        states: list[Any] = []
-        for i, optimizer in enumerate(optimizers):
-            state = tensors[f"optimizer_{i}"]
-            if zero_engine_for(optimizer) is None and layouts[i] == "flat":
-                state, masters = param_shaped_from_flat(state, currents[i])
-                for name, master in masters.items():
-                    if name in tensors["state_dict"]:
-                        tensors["state_dict"][name] = relayout_like(master, tensors["state_dict"][name])
-            if zero_engine_for(optimizer) is None:
-                state = self._with_own_param_groups(state, optimizer)
-            states.append(state)
-        return states
-
-    def _with_own_param_groups(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """`state` with each param group's parameter names taken from this rank's optimizer.
-
-        Param groups are saved as a list: under pipeline parallel every stage writes the same
-        entries with its own parameter names, and DCP keeps one stage's. The hyperparameters agree
-        between stages (one `configure_optimizers`); the names must be this rank's."""
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        assert self.model is not None
-        own = get_optimizer_state_dict(self.model, optimizer)["param_groups"]
-        loaded = state.get("param_groups", [])
-        if len(loaded) != len(own):
-            raise ValueError(f"the checkpoint's optimizer has {len(loaded)} param group(s), this run's has {len(own)}")
-        groups = [{**saved, "params": mine["params"]} for saved, mine in zip(loaded, own)]
-        return {**state, "param_groups": groups}
-
-    @staticmethod
-    def _family_mismatch(path: Path, layout: Optional[str], zero_stage: int, error: Exception) -> str:
-        saved_as = {"flat": "ZeRO-1/2 (flattened per-parameter optimizer state)", "param": "ZeRO-3 / FSDP (parameter-shaped optimizer state)"}
-        return (
-            f"cannot resume checkpoint {path}, saved with {saved_as.get(layout or '', 'no optimizer state')}, "
-            f"under zero_stage={zero_stage}: {error}. ZeRO-1/2 and ZeRO-3 checkpoints resume under any zero_stage "
-            "(and world size / TP layout) when the model and its optimizer param groups are the same."
+        return load_training_state(
+            path, self.model, optimizers, strict=self.lightning_module.strict_loading, zero_stage=self.zero_stage
         )
 
     @override
