@@ -413,3 +413,20 @@ def test_own_module_through_pipeline_parts():
     results = run_ranks(_train_own, 2)
     merged = merge_stages(results)
     assert_parity(merged, reference, step_losses(results))
+
+
+def _mfu_model_flops(rank, world_size, pp):
+    from ultrascale.callbacks import MFUMonitor
+
+    monitor = MFUMonitor(peak_tflops=1.0)
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(pipeline_parallel=pp, pipeline_microbatches=2),
+                             recorder, 2, callbacks=[monitor])
+    trainer.fit(make_llama(), ParityData(masked_data(), BATCH))
+    return monitor._model.n_matmul_params
+
+
+def test_mfu_counts_the_whole_model_under_pp():
+    """Each rank holds its stages only; the MFU monitor's FLOPs per token are the whole model's."""
+    whole = run_ranks(_mfu_model_flops, 1, 1)[0]
+    assert run_ranks(_mfu_model_flops, 2, 2) == [whole, whole]

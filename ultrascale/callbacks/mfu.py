@@ -154,6 +154,7 @@ class MFUMonitor(Callback):
                     f"MFUMonitor: cannot derive FLOPs per token for {type(pl_module).__name__} (neither the built-in "
                     "Llama nor a Hugging Face model with a config); set `flops_per_token=` (6 N + 12 L h s)"
                 )
+            self._model = _whole_pipeline(self._model, trainer)
         self._ac = next((cb for cb in trainer.callbacks if isinstance(cb, ActivationCheckpointing)), None)
         self._resolve_peak(trainer)
         rank_zero_info(f"MFUMonitor: peak {self.peak:.4g} TFLOP/s per device ({self.peak_source})")
@@ -229,3 +230,17 @@ def _table_keys() -> list[str]:
     from ultrascale.estimate import PEAK_TFLOPS
 
     return list(PEAK_TFLOPS)
+
+
+def _whole_pipeline(flops: ModelFlops, trainer: "pl.Trainer") -> ModelFlops:
+    """Under pipeline parallel a rank holds its stages' parameters only: the model's N is their sum
+    over the pipeline ranks (the stages' parameters are disjoint)."""
+    strategy = trainer.strategy
+    layout = getattr(strategy, "pipeline_layout", None)
+    if layout is None:
+        return flops
+    import torch.distributed as dist
+
+    n = torch.tensor(float(flops.n_matmul_params), dtype=torch.float64, device=strategy.root_device)
+    dist.all_reduce(n, group=strategy.parallel_mesh["pp"].get_group())
+    return ModelFlops(n.item(), flops.n_layers, flops.hidden, f"{flops.source}, summed over {layout.pp} pipeline ranks")
