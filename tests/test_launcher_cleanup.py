@@ -173,9 +173,9 @@ def _block(rank, world_size, pid_dir):
     time.sleep(120)
 
 
-def test_ranks_die_with_their_parent(pid_dir):
-    """Nothing runs in a SIGKILLed launcher: the kernel kills its ranks (PR_SET_PDEATHSIG)."""
-    launcher = multiprocessing.get_context("fork").Process(target=run_ranks, args=(_block, 2, str(pid_dir)))
+def _kill_launcher_once_rank_1_stops(pid_dir, target, args):
+    """SIGKILL a launcher process once its rank 1 has stopped itself; no rank may outlive it."""
+    launcher = multiprocessing.get_context("fork").Process(target=target, args=args)
     launcher.start()
     try:
         pids = _wait_for_pids(pid_dir, 2)
@@ -184,6 +184,11 @@ def test_ranks_die_with_their_parent(pid_dir):
         launcher.kill()
         launcher.join()
     _assert_ended(pids, zombie_ok=True, wait=10)  # orphans: init reaps them
+
+
+def test_ranks_die_with_their_parent(pid_dir):
+    """Nothing runs in a SIGKILLed launcher: the kernel kills its ranks (PR_SET_PDEATHSIG)."""
+    _kill_launcher_once_rank_1_stops(pid_dir, run_ranks, (_block, 2, str(pid_dir)))
 
 
 # ------------------------------------------------------------------------- the fork launcher
@@ -238,15 +243,7 @@ def test_fork_launcher_ends_its_ranks_when_the_parent_raises(pid_dir, parent_err
 
 
 def test_fork_launcher_ranks_die_with_their_parent(pid_dir):
-    launcher = multiprocessing.get_context("fork").Process(target=_fit_fork, args=(pid_dir, 120))
-    launcher.start()
-    try:
-        pids = _wait_for_pids(pid_dir, 2)
-        _wait_until_stopped(pids[1])
-    finally:
-        launcher.kill()
-        launcher.join()
-    _assert_ended(pids, zombie_ok=True, wait=10)  # orphans: init reaps them
+    _kill_launcher_once_rank_1_stops(pid_dir, _fit_fork, (pid_dir, 120))
 
 
 # -------------------------------------------------------------------- the subprocess launcher

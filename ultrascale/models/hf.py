@@ -295,11 +295,7 @@ class HFCausalLM(CausalLMModule):
             self._weights_pending = False
 
     def _sharding_strategy(self) -> bool:
-        try:
-            trainer = self.trainer
-        except RuntimeError:  # not attached to a Trainer
-            return False
-        return hasattr(trainer.strategy, "parallel_mesh")
+        return hasattr(attached_strategy(self), "parallel_mesh")
 
     def init_weights(self) -> None:
         """Called by ultrascale strategies after sharding: each rank reads its slices of the weights."""

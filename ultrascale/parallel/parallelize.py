@@ -51,7 +51,8 @@ def parallelize(
             raise ValueError(f"pp={dims.pp} needs the model's pipeline parts and a layout for {type(module).__name__}")
         parts, layout = pipeline
         split_model(parts, layout, mesh["pp"].get_local_rank())
-        blocks = [b for b in blocks if not _dropped(module, b)]
+        held = {id(m) for m in module.modules()}  # blocks another pipeline rank holds are gaps now
+        blocks = [b for b in blocks if id(b) in held]
     if dims.tp_enabled:
         if tp_plan is None:
             raise ValueError(f"tp={dims.tp} needs a tensor-parallel plan for {type(module).__name__}")
@@ -83,8 +84,3 @@ def parallelize(
         reshard_after_forward=reshard_after_forward,
     )
     return stages
-
-
-def _dropped(module: nn.Module, block: nn.Module) -> bool:
-    """Whether `block` is no longer part of `module` (another pipeline rank holds it)."""
-    return not any(sub is block for sub in module.modules())

@@ -40,7 +40,7 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
-from ultrascale.parallel.loss import cross_entropy_sum
+from ultrascale.parallel.loss import IGNORE_INDEX, cross_entropy_sum
 
 SCHEDULES: tuple[str, ...] = (
     "GPipe",
@@ -245,11 +245,11 @@ def split_model(parts: PipelineParts, layout: PipelineLayout, pp_rank: int) -> l
 def plan_for_present(module: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
     """A tensor-parallel plan restricted to the modules this rank holds: each wildcard key is expanded
     to the matching module paths that are not inside a `PipelineGap`."""
-    paths = {name: sub for name, sub in module.named_modules() if name}
+    paths = [name for name, _ in module.named_modules() if name]
     present: dict[str, Any] = {}
     for key, style in plan.items():
         depth = key.count(".")
-        for path, sub in paths.items():
+        for path in paths:
             if path.count(".") == depth and fnmatch.fnmatchcase(path, key) and not _under_gap(module, path):
                 present[path] = style
     return present
@@ -435,4 +435,4 @@ class PipelineRunner:
         total = local.to(self.device)
         if dist.get_world_size(self.group) > 1:
             dist.all_reduce(total, group=self.group)  # only the last stage holds the losses
-        return total, (labels != -100).sum()
+        return total, (labels != IGNORE_INDEX).sum()
