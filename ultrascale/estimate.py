@@ -163,8 +163,10 @@ def model_flops(module: nn.Module) -> Optional[ModelFlops]:
         if isinstance(sub, Llama):
             c = sub.config
             # A tied head shares the embedding matrix that `matmul_params` skips, but it is a matmul.
-            n = matmul_params(sub) + (sub.output.weight.numel() if c.tie_embeddings else 0)
-            return ModelFlops(n, c.n_layers, c.n_heads * c.head_dim, "Llama config")
+            n = active_params(sub, experts_per_token=c.moe_top_k, num_experts=c.n_experts) if c.n_experts else matmul_params(sub)
+            n += sub.output.weight.numel() if c.tie_embeddings else 0
+            source = f"Llama config (MoE: {c.moe_top_k} of {c.n_experts} experts active)" if c.n_experts else "Llama config"
+            return ModelFlops(n, c.n_layers, c.n_heads * c.head_dim, source)
     try:
         from transformers import PretrainedConfig
     except ImportError:  # transformers is a dependency, but the formula must not need it

@@ -37,6 +37,34 @@ class ModelAdapter:
     """`pipeline_parts()` -> `ultrascale.parallel.pipeline.PipelineParts` (where the embedding,
     layers, norm and head are, and how to run the model on hidden states); None: no PP support."""
 
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0: a dense model."""
+    enable_expert_parallel: Optional[Callable[[Any], None]] = None
+    """`enable_expert_parallel(ep)` splits the experts over the ep ranks and routes tokens through
+    `ep` (`ultrascale.parallel.expert.ExpertParallel`); None: no expert-parallel support."""
+    experts: Callable[[], list[nn.Module]] = lambda: []
+    """The experts modules (fused expert weights): each is its own FSDP unit, on the expert mesh, under ep > 1."""
+
+    def check_expert_parallel(self, ep: int) -> None:
+        """Raise (before any collective) if the experts cannot be split over `ep` ranks."""
+        if self.num_experts == 0:
+            raise ValueError(
+                f"expert parallel (ep={ep}) needs a Mixture-of-Experts model, and {self.name} has no experts: set "
+                "`n_experts` in the LlamaConfig (e.g. preset 'tiny_moe'), or load an MoE checkpoint "
+                f"(Hugging Face {'/'.join(HF_EXPERT_PARALLEL_TYPES)})"
+            )
+        if self.enable_expert_parallel is None:
+            raise ValueError(
+                f"expert parallel (ep={ep}) has no expert dispatch for {self.name}: ultrascale splits the experts of "
+                f"the built-in MoE Llama and of Hugging Face {'/'.join(HF_EXPERT_PARALLEL_TYPES)} models"
+            )
+        if self.num_experts % ep:
+            valid = [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]
+            raise ValueError(
+                f"expert parallel: {self.name} has {self.num_experts} experts per layer, which ep={ep} does not divide "
+                f"(each ep rank holds the same number of experts); valid ep: {valid}"
+            )
+
     def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
         """Raise (before any collective) if `tp` cannot be applied to this model."""
         from ultrascale.parallel.tensor import check_tp_divides
@@ -64,6 +92,10 @@ class ModelAdapter:
                 "through ring / all-gather attention"
             )
 
+
+HF_EXPERT_PARALLEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+"""`config.model_type`s whose experts are transformers 5 fused SwiGLU experts behind the
+`ExpertsInterface` and whose routers return (logits, weights, indices): ultrascale's dispatch plugs in."""
 
 HF_CONTEXT_PARALLEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """`config.model_type`s whose attention runs through transformers' AttentionInterface with
@@ -129,7 +161,23 @@ def _llama_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> Mode
         supports_sequence_parallel=True,
         enable_context_parallel=lambda cp: _llama_context_parallel(llama, cp),
         pipeline_parts=lambda: _llama_pipeline_parts(llama),
+        num_experts=config.n_experts,
+        enable_expert_parallel=lambda ep: _llama_expert_parallel(llama, ep),
+        experts=lambda: _llama_experts(llama),
     )
+
+
+def _llama_experts(llama: nn.Module) -> list[nn.Module]:
+    from ultrascale.models.moe import GroupedExperts
+
+    return [m for m in llama.modules() if isinstance(m, GroupedExperts)]
+
+
+def _llama_expert_parallel(llama: nn.Module, ep: Any) -> None:
+    from ultrascale.parallel.expert import shard_experts
+
+    for experts in _llama_experts(llama):  # the layers this pipeline rank holds
+        shard_experts(experts, ep)
 
 
 def _llama_pipeline_parts(llama: nn.Module) -> Any:
@@ -193,7 +241,35 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
             (lambda cp: _hf_context_parallel(hf, cp)) if config.model_type in HF_CONTEXT_PARALLEL_TYPES else None
         ),
         pipeline_parts=(lambda: _hf_pipeline_parts(hf)) if config.model_type in HF_PIPELINE_TYPES else None,
+        num_experts=_hf_num_experts(config),
+        enable_expert_parallel=(
+            (lambda ep: _hf_expert_parallel(hf, ep)) if config.model_type in HF_EXPERT_PARALLEL_TYPES else None
+        ),
+        experts=lambda: _hf_experts(hf),
     )
+
+
+def _hf_num_experts(config: Any) -> int:
+    value = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    return int(value) if getattr(config, "num_experts_per_tok", None) else 0
+
+
+def _hf_experts(hf: nn.Module) -> list[nn.Module]:
+    from ultrascale.models.moe import hf_experts_modules
+
+    return hf_experts_modules(hf)
+
+
+def _hf_expert_parallel(hf: nn.Module, ep: Any) -> None:
+    from ultrascale.models.moe import HF_EXPERTS_IMPLEMENTATION, check_hf_experts, register_hf_experts
+    from ultrascale.parallel.expert import shard_experts
+
+    check_hf_experts(hf)
+    register_hf_experts()
+    for experts in _hf_experts(hf):
+        shard_experts(experts, ep)
+    # transformers' experts forward now dispatches to `ultrascale.parallel.expert.experts_forward`.
+    hf.set_experts_implementation(HF_EXPERTS_IMPLEMENTATION)
 
 
 HF_PIPELINE_TYPES = ("llama", "mistral", "qwen2", "qwen3")

@@ -88,6 +88,38 @@ class LlamaConfig:
     init_std: float = 0.02
     """Std of the normal init of embeddings and linear weights (residual outputs are scaled down by depth)."""
 
+    n_experts: int = 0
+    """Routed experts per block (Mixture-of-Experts, `ultrascale.models.moe.MoE`); 0 = the dense feed-forward."""
+
+    moe_top_k: int = 2
+    """Experts each token is routed to."""
+
+    n_shared_experts: int = 0
+    """Experts every token passes through besides its routed ones (DeepSeek-MoE), as one SwiGLU of that width."""
+
+    moe_hidden_dim: Optional[int] = None
+    """Hidden size of each expert's SwiGLU; None: ``resolved_ffn_hidden_dim``."""
+
+    moe_capacity_factor: Optional[float] = None
+    """None: dropless (every token reaches its k experts). A number c: each expert takes at most
+    ceil(c * tokens * k / n_experts) token copies of a forward; the rest are dropped (GShard)."""
+
+    moe_load_balance: str = "aux_loss"
+    """"aux_loss" (a balance loss, `moe_aux_loss_coef`), "aux_free" (DeepSeek-V3's selection bias
+    moved by `moe_bias_update_rate` after each step) or "none"."""
+
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the sequence-wise balance loss (see `ultrascale.parallel.expert`)."""
+
+    moe_bias_update_rate: float = 1e-3
+    """Step of the aux-loss-free bias update, ``b_i += rate * sign(mean load - load_i)``."""
+
+    moe_z_loss_coef: float = 0.0
+    """Weight of the router z-loss ``logsumexp(logits)^2`` per token (ST-MoE); 0 = off."""
+
+    moe_normalize_weights: bool = True
+    """Renormalise the chosen experts' router probabilities to sum to 1 (Mixtral)."""
+
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
@@ -114,11 +146,38 @@ class LlamaConfig:
                 f"LlamaConfig: `n_heads={self.n_heads}` must be divisible by `n_kv_heads={self.n_kv_heads}` "
                 f"(each key/value head serves n_heads / n_kv_heads query heads)."
             )
+        if self.n_experts:
+            self._check_moe()
         if self.head_dim % 2 != 0:
             raise ValueError(
                 f"LlamaConfig: head_dim = `dim={self.dim}` / `n_heads={self.n_heads}` = {self.head_dim} "
                 f"must be even (RoPE rotates pairs of channels)."
             )
+
+    def _check_moe(self) -> None:
+        from ultrascale.parallel.expert import LOAD_BALANCE_MODES
+
+        if not isinstance(self.n_experts, int) or self.n_experts < 0:
+            raise ValueError(f"LlamaConfig: `n_experts={self.n_experts!r}` must be a non-negative integer (0 = dense).")
+        if not isinstance(self.moe_top_k, int) or not 1 <= self.moe_top_k <= self.n_experts:
+            raise ValueError(f"LlamaConfig: `moe_top_k={self.moe_top_k!r}` must be between 1 and `n_experts={self.n_experts}`.")
+        if self.moe_load_balance not in LOAD_BALANCE_MODES:
+            raise ValueError(f"LlamaConfig: `moe_load_balance={self.moe_load_balance!r}`; choose one of {LOAD_BALANCE_MODES}.")
+        if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+            raise ValueError(f"LlamaConfig: `moe_capacity_factor={self.moe_capacity_factor!r}` must be positive or None (dropless).")
+        for name in ("n_shared_experts",):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"LlamaConfig: `{name}={getattr(self, name)!r}` must be a non-negative integer.")
+        for name in ("moe_aux_loss_coef", "moe_bias_update_rate", "moe_z_loss_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"LlamaConfig: `{name}={getattr(self, name)!r}` must be >= 0.")
+        if self.moe_hidden_dim is not None and (not isinstance(self.moe_hidden_dim, int) or self.moe_hidden_dim <= 0):
+            raise ValueError(f"LlamaConfig: `moe_hidden_dim={self.moe_hidden_dim!r}` must be a positive integer or None.")
+
+    @property
+    def resolved_moe_hidden_dim(self) -> int:
+        """Hidden size of each expert: ``moe_hidden_dim`` if set, else ``resolved_ffn_hidden_dim``."""
+        return self.moe_hidden_dim if self.moe_hidden_dim is not None else self.resolved_ffn_hidden_dim
 
     @property
     def head_dim(self) -> int:
@@ -158,6 +217,11 @@ torch.serialization.add_safe_globals([LlamaConfig])
 # so all three keep the original 8192-token context.
 LLAMA_PRESETS: Dict[str, Dict[str, Any]] = {
     "tiny": dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, max_seq_len=256),
+    # 8 experts, 2 per token: splits over ep = 1, 2, 4, 8.
+    "tiny_moe": dict(
+        vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, max_seq_len=256,
+        n_experts=8, moe_top_k=2, moe_hidden_dim=64,
+    ),
     "small": dict(vocab_size=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden_dim=512, max_seq_len=1024),
     "llama3_8b": dict(
         vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
@@ -309,7 +373,12 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config.dim, config.resolved_ffn_hidden_dim)
+        if config.n_experts:
+            from ultrascale.models.moe import MoE
+
+            self.feed_forward: nn.Module = MoE(config, layer_id)
+        else:
+            self.feed_forward = FeedForward(config.dim, config.resolved_ffn_hidden_dim)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None
@@ -364,10 +433,16 @@ class Llama(nn.Module):
         nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=config.init_std)
         for layer in self.layers:
             attention, ffn = layer.attention, layer.feed_forward
-            for linear in (attention.wq, attention.wk, attention.wv, ffn.w1, ffn.w3):
+            dense = [ffn] if isinstance(ffn, FeedForward) else [f for f in [ffn.shared_experts] if f is not None]
+            for linear in (attention.wq, attention.wk, attention.wv, *(f.w1 for f in dense), *(f.w3 for f in dense)):
                 nn.init.normal_(linear.weight, mean=0.0, std=config.init_std)
-            for linear in (attention.wo, ffn.w2):
+            for linear in (attention.wo, *(f.w2 for f in dense)):
                 nn.init.normal_(linear.weight, mean=0.0, std=residual_std)
+            if not isinstance(ffn, FeedForward):  # MoE: router like an input projection, experts like w1/w3 and w2
+                nn.init.normal_(ffn.router.gate.weight, mean=0.0, std=config.init_std)
+                ffn.router.expert_bias.zero_()
+                nn.init.normal_(ffn.experts.gate_up_proj, mean=0.0, std=config.init_std)
+                nn.init.normal_(ffn.experts.down_proj, mean=0.0, std=residual_std)
             layer.attention_norm.reset_parameters()
             layer.ffn_norm.reset_parameters()
         self.norm.reset_parameters()

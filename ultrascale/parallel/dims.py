@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -18,6 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 # and TP communicates in every layer; PP outermost: it only sends activations between
 # stages, so it tolerates the slowest links (between nodes).
 MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+# Expert-parallel axes (ep > 1 only), cut out of dp_shard_cp = ep_shard x ep (see build_mesh).
+EXPERT_AXES: tuple[str, ...] = ("ep", "ep_shard", "expert_fsdp")
 
 # Flattened axes derived from MESH_AXES.
 #   dp          = dp_replicate x dp_shard      : ranks that see different batches
@@ -174,7 +178,8 @@ class ParallelDims:
         )
 
     def describe(self) -> str:
-        return " x ".join(f"{axis}={getattr(self, axis)}" for axis in MESH_AXES) + f" (world {self.world_size})"
+        experts = f", ep={self.ep} within dp_shard x cp" if self.ep_enabled else ""
+        return " x ".join(f"{axis}={getattr(self, axis)}" for axis in MESH_AXES) + f"{experts} (world {self.world_size})"
 
 
 @dataclass(frozen=True)
@@ -198,13 +203,25 @@ class ParallelMesh:
     """1-D: dp_replicate x dp_shard x cp x tp, the ranks of this rank's pipeline stage."""
     fsdp: DeviceMesh
     """FSDP's mesh: `dp_shard_cp` (1-D), or 2-D (dp_replicate, dp_shard_cp) for HSDP."""
+    ep: Optional[DeviceMesh] = None
+    """Expert parallel (ep > 1): 1-D, the ep innermost ranks of `dp_shard_cp`, which split the experts."""
+    ep_shard: Optional[DeviceMesh] = None
+    """Expert parallel: 1-D, the ranks of `dp_shard_cp` that hold the same experts (dp_shard x cp / ep)."""
+    expert_fsdp: Optional[DeviceMesh] = None
+    """Expert parallel: FSDP's mesh for expert weights, `ep_shard` (1-D) or (dp_replicate, ep_shard) for HSDP:
+    the ranks that hold the same experts, over which their gradients are reduced."""
 
     def __getitem__(self, axis: str) -> DeviceMesh:
         if axis in MESH_AXES:
             return self.world[axis]
         if axis in FLAT_AXES:
             return getattr(self, axis)
-        raise KeyError(f"unknown mesh axis {axis!r}; valid axes: {', '.join((*MESH_AXES, *FLAT_AXES))}")
+        if axis in EXPERT_AXES:
+            mesh = getattr(self, axis)
+            if mesh is None:
+                raise KeyError(f"mesh axis {axis!r} exists under expert parallel only (ep > 1); this run has ep=1")
+            return mesh
+        raise KeyError(f"unknown mesh axis {axis!r}; valid axes: {', '.join((*MESH_AXES, *FLAT_AXES, *EXPERT_AXES))}")
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
@@ -222,8 +239,20 @@ def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
         fsdp = flat["dp_cp"]._unflatten(0, (dims.dp_replicate, dims.dp_shard_cp), ("dp_replicate", "dp_shard_cp"))
     else:
         fsdp = flat["dp_shard_cp"]
-    mesh = ParallelMesh(dims=dims, world=world, fsdp=fsdp, **flat)
-    for axis in (*MESH_AXES, *FLAT_AXES):
+    experts: dict[str, DeviceMesh] = {}
+    if dims.ep_enabled:
+        # ep borrows the innermost ranks of dp_shard x cp (cp first, then dp_shard; torchtitan's choice):
+        # neighbouring ranks, the fastest links, carry the all-to-alls.
+        shard_ep = (dims.dp_shard_cp // dims.ep, dims.ep)
+        if dims.dp_replicate_enabled:
+            split = flat["dp_cp"]._unflatten(0, (dims.dp_replicate, *shard_ep), ("dp_replicate", "ep_shard", "ep"))
+            experts["expert_fsdp"] = split[("dp_replicate", "ep_shard")]
+        else:
+            split = flat["dp_shard_cp"]._unflatten(0, shard_ep, ("ep_shard", "ep"))
+            experts["expert_fsdp"] = split["ep_shard"]
+        experts["ep"], experts["ep_shard"] = split["ep"], split["ep_shard"]
+    mesh = ParallelMesh(dims=dims, world=world, fsdp=fsdp, **flat, **experts)
+    for axis in (*MESH_AXES, *FLAT_AXES, *(("ep",) if dims.ep_enabled else ())):
         if mesh[axis].size() != getattr(dims, axis):
             raise RuntimeError(f"mesh axis {axis!r} has size {mesh[axis].size()}, expected {getattr(dims, axis)}")
     return mesh
@@ -239,4 +268,4 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-__all__ = ["MESH_AXES", "FLAT_AXES", "ParallelDims", "ParallelMesh", "build_mesh"]
+__all__ = ["MESH_AXES", "FLAT_AXES", "EXPERT_AXES", "ParallelDims", "ParallelMesh", "build_mesh"]

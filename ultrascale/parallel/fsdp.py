@@ -22,6 +22,8 @@ def apply_fsdp(
     blocks: Sequence[nn.Module],
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
+    experts: Sequence[nn.Module] = (),
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Shard `module` over `dp_mesh`: 1D mesh = FSDP (ZeRO-3), 2D (replicate, shard) = HSDP.
 
@@ -36,6 +38,7 @@ def apply_fsdp(
     """
     mp_policy = mp_policy or MixedPrecisionPolicy()
     _check_no_parameter_spans_units(module, blocks)
+    shard_experts_units(experts, expert_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     for index, block in enumerate(blocks):
         # The last block's parameters are needed again right at the start of backward:
         # resharding them after forward would only cost one extra all-gather.
@@ -53,6 +56,8 @@ def apply_fsdp_to_stages(
     *,
     blocks: Sequence[nn.Module],
     mp_policy: MixedPrecisionPolicy | None = None,
+    experts: Sequence[nn.Module] = (),
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """FSDP under pipeline parallel: each of this rank's blocks is one unit and each pipeline stage
     module the root unit of its remaining parts (embedding, or norm and head).
@@ -64,6 +69,7 @@ def apply_fsdp_to_stages(
     ZeRO-3 + PP advice.
     """
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    shard_experts_units(experts, expert_mesh, mp_policy=mp_policy, reshard_after_forward=False)
     for stage in stages:
         stage_blocks = [b for b in blocks if any(b is m for m in stage.modules())]
         _check_no_parameter_spans_units(stage, stage_blocks)
@@ -71,6 +77,17 @@ def apply_fsdp_to_stages(
             fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
         fully_shard(stage, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
         set_gradient_sum(stage)
+
+
+def shard_experts_units(
+    experts: Sequence[nn.Module], mesh: DeviceMesh | None, *, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool
+) -> None:
+    """Expert parallel: each experts module (weights already split over ep) is its own unit on `mesh`,
+    the ranks that hold the same experts, so its gradients are reduced over those ranks only."""
+    if experts and mesh is None:
+        raise ValueError("expert FSDP units need the expert mesh (ParallelMesh.expert_fsdp)")
+    for unit in experts:
+        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
 
 
 def set_gradient_sum(module: nn.Module) -> None:

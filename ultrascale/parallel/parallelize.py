@@ -10,6 +10,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ultrascale.parallel.context import ContextParallel
 from ultrascale.parallel.dims import ParallelMesh
+from ultrascale.parallel.expert import ExpertParallel, set_sequence_group
 from ultrascale.parallel.fsdp import apply_fsdp, apply_fsdp_to_stages
 from ultrascale.parallel.pipeline import PipelineLayout, PipelineParts, PipelineStageModule, plan_for_present, split_model
 from ultrascale.parallel.tensor import TPPlan, apply_tp
@@ -29,6 +30,8 @@ def parallelize(
     context_parallel: Optional[ContextParallel] = None,
     enable_context_parallel: Optional[Callable[[ContextParallel], None]] = None,
     pipeline: Optional[tuple[PipelineParts, PipelineLayout]] = None,
+    enable_expert_parallel: Optional[Callable[[ExpertParallel], None]] = None,
+    experts: Callable[[], Sequence[nn.Module]] = lambda: (),
 ) -> list[PipelineStageModule]:
     """Apply the parallelisms of `mesh.dims` to `module` in place.
 
@@ -42,10 +45,12 @@ def parallelize(
     ranks hold become `PipelineGap`s first; every later step sees only this rank's parts, and
     the returned stage modules (one per local stage) are what the schedule runs. Without it
     the list is empty.
+
+    Under expert parallel (ep > 1) `enable_expert_parallel` splits the experts over `mesh["ep"]`;
+    `experts()` lists the experts modules, each then its own FSDP unit on `mesh.expert_fsdp` (the
+    ranks holding the same experts), inside its block's unit on the dense mesh.
     """
     dims = mesh.dims
-    if dims.ep != 1:
-        raise NotImplementedError(f"parallelize: ep={dims.ep} is not implemented yet")
     if dims.pp_enabled:
         if pipeline is None:
             raise ValueError(f"pp={dims.pp} needs the model's pipeline parts and a layout for {type(module).__name__}")
@@ -57,12 +62,19 @@ def parallelize(
         if tp_plan is None:
             raise ValueError(f"tp={dims.tp} needs a tensor-parallel plan for {type(module).__name__}")
         apply_tp(module, mesh["tp"], plan_for_present(module, tp_plan) if dims.pp_enabled else tp_plan)
+    expert_units: Sequence[nn.Module] = ()
+    if dims.ep_enabled:
+        if enable_expert_parallel is None:
+            raise ValueError(f"ep={dims.ep} needs the model's expert dispatch hook for {type(module).__name__}")
+        enable_expert_parallel(ExpertParallel(mesh["ep"]))
+        expert_units = list(experts())
     if dims.cp_enabled:
         # CP has no parameters of its own: attention is routed through `context_parallel`, and the
         # weights (replicated over cp) are sharded over dp_shard x cp by FSDP below.
         if context_parallel is None or enable_context_parallel is None:
             raise ValueError(f"cp={dims.cp} needs a ContextParallel and the model's attention hook for {type(module).__name__}")
         enable_context_parallel(context_parallel)
+        set_sequence_group(module, mesh["cp"].get_group())  # MoE balance terms count whole rows
     for transform in transforms:  # activation checkpointing, FP8: after TP, before sharding
         transform.transform_model(module, blocks)
     stages: list[PipelineStageModule] = []
@@ -72,7 +84,8 @@ def parallelize(
     if not shard_parameters:  # ZeRO-1/2: parameters stay replicated; the optimizer is sharded later
         return stages
     if stages:
-        apply_fsdp_to_stages(stages, mesh.fsdp, blocks=blocks, mp_policy=mp_policy)
+        apply_fsdp_to_stages(stages, mesh.fsdp, blocks=blocks, mp_policy=mp_policy, experts=expert_units,
+                             expert_mesh=mesh.expert_fsdp)
         return stages
     # HSDP: on the 2-D (replicate, shard) mesh FSDP all-reduces gradients across replicas
     # after reduce-scattering them within one; plain FSDP uses the 1-D shard mesh.
@@ -82,5 +95,7 @@ def parallelize(
         blocks=blocks,
         mp_policy=mp_policy,
         reshard_after_forward=reshard_after_forward,
+        experts=expert_units,
+        expert_mesh=mesh.expert_fsdp,
     )
     return stages

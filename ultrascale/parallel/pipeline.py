@@ -40,6 +40,7 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
+from ultrascale.parallel.expert import routing_not_counted
 from ultrascale.parallel.loss import IGNORE_INDEX, cross_entropy_sum
 
 SCHEDULES: tuple[str, ...] = (
@@ -355,6 +356,21 @@ def _split_count(count: int, microbatches: int) -> None:
         )
 
 
+def _exclude_shape_inference_from_expert_load(stage: PipelineStage) -> None:
+    """torch's stage runs one extra forward (grad enabled) on its first step to infer its shapes; an MoE
+    layer's routing counts must not see it (`ultrascale.parallel.expert.routing_not_counted`). Wraps
+    torch's private `_forward_metadata_inference` (torch 2.13); check on a torch upgrade."""
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    if infer is None:
+        return
+
+    def uncounted(*args: Any, **kwargs: Any) -> Any:
+        with routing_not_counted():
+            return infer(*args, **kwargs)
+
+    stage._forward_metadata_inference = uncounted  # type: ignore[method-assign]
+
+
 class PipelineRunner:
     """This rank's stages and torch's schedules over them, one set per batch shape and mode.
 
@@ -394,6 +410,8 @@ class PipelineRunner:
             PipelineStage(module, module.stage, self.layout.num_stages, self.device, group=self.group)
             for module in self.stages
         ]
+        for stage in stages:
+            _exclude_shape_inference_from_expert_load(stage)
         m = self.layout.microbatches
         cls = get_schedule_class(self.layout.schedule)
         if not train and self.layout.schedule in V_SCHEDULES:

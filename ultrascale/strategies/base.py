@@ -31,11 +31,19 @@ from torch.distributed.tensor.parallel import SequenceParallel
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from ultrascale.models.adapters import ModelAdapter, get_adapter
+from ultrascale.models.adapters import HF_EXPERT_PARALLEL_TYPES, ModelAdapter, get_adapter
 from ultrascale.parallel.checkpoint import check_checkpoint_dir, save_sharded_checkpoint
 from ultrascale.parallel.context import CONTEXT_PARALLEL_METHODS, ContextLayout, ContextParallel, ContextParallelMethod
 from ultrascale.parallel.device import process_group_backend, tune_cpu_allocator
 from ultrascale.parallel.dims import ParallelDims, ParallelMesh, build_mesh
+from ultrascale.parallel.expert import (
+    ROUTER_LOAD_ATTRIBUTE,
+    balance_ratio,
+    iter_routers,
+    set_aux_grad_scale,
+    step_expert_load,
+    update_router_bias,
+)
 from ultrascale.parallel.fsdp import is_fsdp_sharded, reshard, set_gradient_sync
 from ultrascale.parallel.grad import global_grad_norm
 from ultrascale.parallel.init import broadcast_module_state, has_meta_tensors, materialize_meta_module
@@ -98,12 +106,6 @@ def checked_knobs(owner: str, knobs: dict[str, Any], allowed: type) -> dict[str,
         raise TypeError(f"{owner}() got unexpected keyword argument(s) {unknown}; it takes {sorted(names)} besides its own")
     return knobs
 
-# Parallelisms whose implementation lands later; asking for them fails in the constructor,
-# before any process group exists, instead of silently running without.
-_NOT_YET_IMPLEMENTED = {
-    "expert_parallel": "expert parallelism",
-}
-
 
 class UltraScaleStrategy(StrategyInternals):
     """N-D parallel training on a `DeviceMesh` with axes `pp, dp_replicate, dp_shard, cp, tp`.
@@ -145,7 +147,10 @@ class UltraScaleStrategy(StrategyInternals):
             (the V schedules need exactly 2).
         pipeline_layers: layers per stage, in model order (pipeline_parallel x virtual stages
             entries); None: balanced, the remainder going to the first stages.
-        expert_parallel: expert-parallel degree (not implemented yet: must be 1).
+        expert_parallel: ranks that split the experts of a Mixture-of-Experts model (the built-in Llama
+            with `n_experts`, Hugging Face Mixtral/Qwen2-MoE/Qwen3-MoE); 1 means off. Borrows its
+            ranks from dp_shard x cp (must divide it, and the experts per layer): tokens travel to
+            their experts' ranks by all-to-all. Needs zero_stage=3; not with tensor_parallel yet.
         sequence_parallel: shard norms and the residual stream on the sequence dim between
             TP regions (activations 1/tp, same communication volume). None: on where the
             model's plan supports it (built-in Llama), off otherwise.
@@ -233,13 +238,18 @@ class UltraScaleStrategy(StrategyInternals):
             "pp": pipeline_parallel,
             "ep": expert_parallel,
         }
-        knobs = {"expert_parallel": expert_parallel}
-        for knob, value in knobs.items():
-            if value != 1:
-                raise NotImplementedError(
-                    f"{type(self).__name__}(`{knob}={value}`): {_NOT_YET_IMPLEMENTED[knob]} is not implemented in "
-                    f"ultrascale yet; set `{knob}=1`."
-                )
+        if expert_parallel != 1 and zero_stage != 3:
+            raise NotImplementedError(
+                f"{type(self).__name__}(`expert_parallel={expert_parallel}`, `zero_stage={zero_stage}`): expert parallel "
+                "runs with zero_stage=3 (FSDP shards the experts over the ranks that hold the same ones); ZeRO-1/2 "
+                "would replicate every expert on every data rank"
+            )
+        if expert_parallel != 1 and tensor_parallel != 1:
+            raise NotImplementedError(
+                f"{type(self).__name__}(`expert_parallel={expert_parallel}`, `tensor_parallel={tensor_parallel}`): expert "
+                "parallel with tensor parallel is not implemented yet; use expert_parallel with data, context or "
+                "pipeline parallel"
+            )
         if context_parallel_method not in CONTEXT_PARALLEL_METHODS:
             raise ValueError(
                 f"{type(self).__name__}(`context_parallel_method={context_parallel_method!r}`): choose one of "
@@ -280,6 +290,7 @@ class UltraScaleStrategy(StrategyInternals):
         self.zero_bucket_mb = zero_bucket_mb
         self.accumulate_grads_in_fp32 = accumulate_grads_in_fp32
         self._zero_engines: list[ZeroEngine] = []
+        self._routers: list[torch.nn.Module] = []  # MoE routers of this rank's layers
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
         self.tp_plan = resolve_plan(tp_plan) if tp_plan is not None else None
@@ -413,6 +424,8 @@ class UltraScaleStrategy(StrategyInternals):
             self._check_datamodule_seq_len(sequence_parallel=bool(self.sequence_parallel) and dims.tp_enabled)
         if dims.pp_enabled:
             self._check_pipeline_early()
+        if dims.ep_enabled:
+            self._check_experts_early()
         self._process_group_backend = self._process_group_backend or process_group_backend(self.root_device)
         if self.root_device.type == "cpu":
             tune_cpu_allocator()
@@ -511,6 +524,24 @@ class UltraScaleStrategy(StrategyInternals):
                     f"{layout.microbatches * self.parallel_dims.dp}"
                 )
 
+    def _check_experts_early(self) -> None:
+        """Expert parallel against what the module's config declares, before any process group."""
+        module = self.lightning_module
+        config = getattr(module, "config", None)
+        if config is None:
+            return  # a module of its own: checked against the built model in `setup`
+        ep = self.parallel_dims.ep
+        name = f"{type(module).__name__} ({type(config).__name__})"
+        model_type = getattr(config, "model_type", None)
+        if model_type is not None and model_type not in HF_EXPERT_PARALLEL_TYPES:
+            raise ValueError(
+                f"{type(self).__name__}(expert_parallel={ep}): {name} is a Hugging Face '{model_type}' model; ultrascale "
+                f"splits the experts of Hugging Face {'/'.join(HF_EXPERT_PARALLEL_TYPES)} and of the built-in MoE Llama"
+            )
+        experts = _declared_experts(config)
+        if experts is not None:
+            ModelAdapter(name=name, blocks=(), num_experts=experts, enable_expert_parallel=lambda ep: None).check_expert_parallel(ep)
+
     def _build_pipeline_layout(self, n_layers: int) -> PipelineLayout:
         try:
             self._pipeline_layout = PipelineLayout.build(
@@ -544,6 +575,13 @@ class UltraScaleStrategy(StrategyInternals):
         dims = self.parallel_dims
         if dims.cp_enabled:
             adapter.check_context_parallel(dims.cp)
+        if dims.ep_enabled:
+            adapter.check_expert_parallel(dims.ep)
+        if dims.tp_enabled and adapter.num_experts:
+            raise NotImplementedError(
+                f"{type(self).__name__}: tensor parallel on the Mixture-of-Experts model {adapter.name} is not implemented "
+                "yet; use data, context, expert or pipeline parallel"
+            )
         pipeline = None
         if dims.pp_enabled:
             parts = self._pipeline_parts(module, adapter)
@@ -586,7 +624,10 @@ class UltraScaleStrategy(StrategyInternals):
             context_parallel=self._context_parallel,
             enable_context_parallel=adapter.enable_context_parallel,
             pipeline=pipeline,
+            enable_expert_parallel=adapter.enable_expert_parallel,
+            experts=adapter.experts,
         )
+        self._routers = list(iter_routers(module))
         if meta:
             materialize_meta_module(module, self.root_device)
         if pipeline is not None:
@@ -712,6 +753,9 @@ class UltraScaleStrategy(StrategyInternals):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._pipeline_ran = False
+        if self._routers:
+            # MoE balance terms join backward on the scale of the loss sum (`TokenNormalizedStep`): 1 / k.
+            set_aux_grad_scale(self.model, 1.0 / self.lightning_module.trainer.accumulate_grad_batches)
         with maybe_loss_parallel(self._loss_parallel_active):
             output = self._call_step("training_step", *args, **kwargs)
         module = self.lightning_module
@@ -789,6 +833,10 @@ class UltraScaleStrategy(StrategyInternals):
             closure_loss = self.precision_plugin.post_backward(closure_loss, module)
             self.post_backward(closure_loss)
             return closure_loss
+        if self._routers and self._token_step.micro_batch_tokens is None:
+            # A plain (mean) loss: the balance terms become a mean over this micro-batch's routed tokens.
+            tokens = max(1, getattr(self._routers[0], ROUTER_LOAD_ATTRIBUTE).tokens)
+            set_aux_grad_scale(self.model, 1.0 / (self.lightning_module.trainer.accumulate_grad_batches * tokens))
         closure_loss = self._token_step.backward_loss(closure_loss)
         with maybe_loss_parallel(self._loss_parallel_active):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -841,6 +889,8 @@ class UltraScaleStrategy(StrategyInternals):
             loss_divisor=module.trainer.accumulate_grad_batches if automatic else 1,
         )
         self._guard_step(module, optimizer, grads, loss)
+        if self._routers:
+            self._expert_load_step(module)
         if loss is not None:
             if step_logged(module.trainer, "training_step.train_loss"):
                 raise ValueError(
@@ -852,6 +902,30 @@ class UltraScaleStrategy(StrategyInternals):
             # after this; the value is already global, so no sync.
             with logging_as_hook(module, "on_before_optimizer_step"):
                 module.log("train_loss", loss, prog_bar=True, sync_dist=False)
+
+    def _expert_load_step(self, module: "pl.LightningModule") -> None:
+        """MoE: the step's token counts per layer and expert over all ranks (one all-reduce), the
+        aux-loss-free bias update from them, and the logged load: `moe/aux_loss` (the balance terms
+        added to the loss, over the step's valid tokens), `moe/balance` (max / mean tokens per expert,
+        averaged over layers; 1 = even), `moe/expert_tokens/<i>` (summed over layers), `moe/dropped`."""
+        layers = 1 + max(getattr(r, ROUTER_LOAD_ATTRIBUTE).layer for r in self._routers)
+        declared = _declared_layers(module)
+        layers = max(layers, declared or 0)
+        counts, aux, dropped = step_expert_load(
+            [getattr(r, ROUTER_LOAD_ATTRIBUTE) for r in self._routers], layers, self.root_device,
+            group=dist.group.WORLD,
+        )
+        update_router_bias(self._routers, counts)
+        moe_layers = counts[counts.sum(-1) > 0]
+        metrics = {
+            "moe/aux_loss": aux / self._token_step.step_tokens.clamp(min=1),
+            "moe/balance": balance_ratio(moe_layers).mean() if len(moe_layers) else counts.new_zeros(()),
+            "moe/dropped": dropped,
+            **{f"moe/expert_tokens/{i}": count for i, count in enumerate(counts.sum(0))},
+        }
+        with logging_as_hook(module, "on_before_optimizer_step"):
+            for name, value in metrics.items():
+                module.log(name, value.float(), sync_dist=False, prog_bar=name == "moe/balance")
 
     def _guard_step(self, module: "pl.LightningModule", optimizer: torch.optim.Optimizer,
                     grads: list[Optional[torch.Tensor]], loss: Optional[torch.Tensor]) -> None:
@@ -1072,6 +1146,16 @@ def _declared_layers(module: Optional["pl.LightningModule"]) -> Optional[int]:
     `HFCausalLM.config.num_hidden_layers`), so a pipeline layout is checked before any process group."""
     config = getattr(module, "config", None)
     for name in ("n_layers", "num_hidden_layers"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _declared_experts(config: Any) -> Optional[int]:
+    """Routed experts per layer a module's config declares (`LlamaConfig.n_experts`, HF `num_local_experts` /
+    `num_experts`); None if it declares none of them."""
+    for name in ("n_experts", "num_local_experts", "num_experts"):
         value = getattr(config, name, None)
         if isinstance(value, int):
             return value

@@ -35,6 +35,13 @@ class TokenNormalizedStep:
         self._tokens = StepTokens()
         self._micro_batch_tokens: Optional[torch.Tensor] = None
         self._plain_micro_batches = 0
+        self.step_tokens = torch.zeros((), dtype=torch.float64)
+        """Valid tokens of the whole global batch of the last finished step (what the loss sum was divided by)."""
+
+    @property
+    def micro_batch_tokens(self) -> Optional[torch.Tensor]:
+        """The valid tokens of the current micro-batch; None for a plain-loss micro-batch."""
+        return self._micro_batch_tokens
 
     def observe(self, output: Any) -> None:
         """Called with each `training_step` output, before its backward."""
@@ -87,6 +94,7 @@ class TokenNormalizedStep:
         loss_sum, num_tokens = self._tokens.reduce(group)
         # No valid token in the whole step: every gradient is zero; keep it so (no 0/0).
         num_tokens = num_tokens.clamp(min=1)
+        self.step_tokens = num_tokens
         scale_gradients(grads, loss_divisor / num_tokens)
         return (loss_sum / num_tokens).float()
 
