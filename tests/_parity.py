@@ -229,13 +229,20 @@ def assert_parity(result: dict[str, Any], reference: dict[str, Any], losses: lis
 
 
 def make_hf_checkpoint(folder: Any, arch: str, *, vocab_size: int, hidden_size: int = 64, layers: int = 2) -> str:
-    """A tiny, untied Hugging Face checkpoint of `arch` ("llama", "mistral", "qwen2", "qwen3") saved
+    """A tiny, untied Hugging Face checkpoint of `arch` ("llama", "mistral", "qwen2", "qwen3", and the MoE
+    "mixtral", "qwen3_moe" with 4 experts, 2 per token) saved
     to `folder`, with weights perturbed away from their init (so every parameter matters)."""
     import transformers
 
     config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
-                    "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config}[arch]
-    extra = {"sliding_window": None} if arch == "mistral" else {}
+                    "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
+                    "mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[arch]
+    extra: dict[str, Any] = {"sliding_window": None} if arch in ("mistral", "mixtral") else {}
+    if arch == "mixtral":  # 4 experts, 2 per token
+        extra.update(num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen3_moe":
+        extra.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[])
     config = config_class(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                           max_position_embeddings=64, tie_word_embeddings=False, **extra)
@@ -248,9 +255,9 @@ def make_hf_checkpoint(folder: Any, arch: str, *, vocab_size: int, hidden_size: 
     return str(folder)
 
 
-def make_hf(path: str, export_dir: Optional[str] = None) -> L.LightningModule:
+def make_hf(path: str, export_dir: Optional[str] = None, **kwargs: Any) -> L.LightningModule:
     """`HFCausalLM` with the parity tests' optimizer settings (constant LR 3e-3 after one warm-up step, eps 1e-6)."""
     from ultrascale.models.hf import HFCausalLM
 
     return HFCausalLM(path, learning_rate=3e-3, warmup_steps=1, max_steps=1000, min_lr_ratio=1.0, eps=1e-6,
-                      export_dir=export_dir)
+                      export_dir=export_dir, **kwargs)

@@ -107,8 +107,30 @@ class _MixtralLayout:
             local[i].copy_(full[rows, cols])
 
 
+class _QwenMoeLayout(_MixtralLayout):
+    """Qwen2-MoE / Qwen3-MoE checkpoints keep one gate/up/down projection per expert under `mlp.experts.<e>`;
+    transformers 5 fuses them as Mixtral's (gate_up_proj = [gate; up]); the router keeps its name."""
+
+    def disk_name(self, name: str) -> str:
+        return name
+
+    @torch.no_grad()
+    def fill(self, name: str, tensor: torch.Tensor, get: Any) -> None:
+        prefix, kind = self.fused.fullmatch(name).groups()  # type: ignore[union-attr]
+        local, offset = _local_and_offset(tensor)
+        rows = slice(offset[1], offset[1] + local.shape[1])
+        cols = slice(offset[2], offset[2] + local.shape[2])
+        for i in range(local.shape[0]):
+            expert = f"{prefix}.mlp.experts.{offset[0] + i}"
+            if kind == "gate_up_proj":
+                full = torch.cat([get(f"{expert}.gate_proj.weight"), get(f"{expert}.up_proj.weight")])  # (2F, H)
+            else:
+                full = get(f"{expert}.down_proj.weight")  # (H, F)
+            local[i].copy_(full[rows, cols])
+
+
 # Architectures whose checkpoint layout transformers converts while loading, and that the sharded loader knows.
-_CONVERTED_LAYOUTS: dict[str, Any] = {"mixtral": _MixtralLayout()}
+_CONVERTED_LAYOUTS: dict[str, Any] = {"mixtral": _MixtralLayout(), "qwen2_moe": _QwenMoeLayout(), "qwen3_moe": _QwenMoeLayout()}
 
 
 def _local_and_offset(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -116,7 +138,12 @@ def _local_and_offset(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ..
         return tensor, (0,) * tensor.dim()
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if any(type(p).__name__ == "_StridedShard" for p in tensor.placements):
+    # Expert weights under expert parallel are FSDP shards (ep_shard) of ep shards, both on the expert dim:
+    # each rank's rows are one contiguous block, and torch computes its offset (checked: E = 2, 4, 8 over 2 x 2).
+    expert_sharded = "ep" in (tensor.device_mesh.mesh_dim_names or ()) and all(
+        getattr(p, "dim", None) == 0 for p in tensor.placements
+    )
+    if not expert_sharded and any(type(p).__name__ == "_StridedShard" for p in tensor.placements):
         raise NotImplementedError("loading fused expert weights into strided (TP x FSDP) shards is not supported yet")
     _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     return tensor.to_local(), tuple(offset)
@@ -225,6 +252,8 @@ class HFCausalLM(CausalLMModule):
         export_dir: Optional[str] = None,
         export_overwrite: bool = False,
         trust_remote_code: bool = False,
+        router_aux_loss_coef: Optional[float] = None,
+        router_z_loss_coef: float = 0.0,
     ) -> None:
         """
         Args:
@@ -244,6 +273,10 @@ class HFCausalLM(CausalLMModule):
             trust_remote_code: let transformers import and run Python files shipped in the checkpoint
                 folder (architectures transformers does not know). Off: the folder is read as data.
                 Turn it on only for a folder whose code you trust.
+            router_aux_loss_coef: MoE models: weight of ultrascale's balance loss (sequence-wise, exact under
+                any layout: `ultrascale.parallel.expert`). None: the config's `router_aux_loss_coef` if its
+                `output_router_logits` is on (transformers adds its own aux loss only then), else 0.
+            router_z_loss_coef: MoE models: weight of the router z-loss; 0 = off.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -293,6 +326,19 @@ class HFCausalLM(CausalLMModule):
                 attn_implementation=self.hparams.attn_implementation, trust_remote_code=self.hparams.trust_remote_code,
             )
             self._weights_pending = False
+        if _hf_num_routed_experts(self.config):
+            from ultrascale.models.moe import attach_hf_routing
+
+            attach_hf_routing(self.model, aux_loss_coef=self.router_aux_loss_coef, z_loss_coef=self.hparams.router_z_loss_coef)
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        """The balance loss weight in use (see the `router_aux_loss_coef` argument)."""
+        if self.hparams.get("router_aux_loss_coef") is not None:
+            return float(self.hparams.router_aux_loss_coef)
+        if getattr(self.config, "output_router_logits", False):
+            return float(getattr(self.config, "router_aux_loss_coef", 0.0) or 0.0)
+        return 0.0
 
     def _sharding_strategy(self) -> bool:
         return hasattr(attached_strategy(self), "parallel_mesh")
@@ -326,6 +372,11 @@ class HFCausalLM(CausalLMModule):
     def on_fit_end(self) -> None:
         if self.hparams.export_dir:
             export_hf_from_module(self, self.hparams.export_dir)
+
+
+def _hf_num_routed_experts(config: Any) -> int:
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    return int(experts) if experts and getattr(config, "num_experts_per_tok", None) else 0
 
 
 def _hf_state_dict_from_module(module: HFCausalLM) -> Optional[dict[str, torch.Tensor]]:
