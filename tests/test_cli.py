@@ -136,3 +136,19 @@ def test_ckpt_path_last_finds_a_checkpoint_whose_publishing_was_interrupted(tmp_
     assert "restored" in out and "Restored all states from the checkpoint" in out
     assert "`Trainer.fit` stopped: `max_steps=8` reached." in out
     assert (checkpoints / "last.ckpt" / "meta.pt").is_file()
+
+
+@pytest.mark.slow
+def test_moe_recipe_fit_and_resume_at_ep1(tmp_path):
+    recipe = RECIPE.parent / "tiny_cpu_moe.yaml"
+    out = ultrascale("fit", "--config", str(recipe), *FAST, "--trainer.log_every_n_steps", "1", cwd=tmp_path)
+    assert "ultrascale mesh: pp=1 x dp_replicate=1 x dp_shard=2 x cp=1 x tp=1, ep=2 within dp_shard x cp (world 2)" in out
+    assert "`Trainer.fit` stopped: `max_steps=6` reached." in out
+    events = list((tmp_path / "runs").rglob("events.out.tfevents.*"))
+    assert events and any(b"moe/balance" in e.read_bytes() for e in events)
+    last = tmp_path / "runs" / "ultrascale" / "version_0" / "checkpoints" / "last.ckpt"
+    out = ultrascale("fit", "--config", str(recipe), *FAST, "--trainer.strategy", "ultrascale_ep", "--trainer.devices", "1",
+                     "--trainer.max_steps", "8", "--ckpt_path", str(last), cwd=tmp_path)
+    assert "ultrascale mesh: pp=1 x dp_replicate=1 x dp_shard=1 x cp=1 x tp=1 (world 1)" in out  # "auto": ep = devices
+    assert "Restored all states from the checkpoint" in out
+    assert "`Trainer.fit` stopped: `max_steps=8` reached." in out

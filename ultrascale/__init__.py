@@ -7,6 +7,7 @@ from ultrascale.parallel.dims import ParallelDims
 from ultrascale.parallel.loss import token_loss
 from ultrascale.strategies import (
     ContextParallelStrategy,
+    ExpertParallelStrategy,
     HSDPStrategy,
     PipelineParallelStrategy,
     TensorParallelStrategy,
@@ -19,4 +20,4 @@ from ultrascale.strategies import (
 
 __version__ = "0.1.0"
 
-__all__ = ["ParallelDims", "token_loss", "UltraScaleStrategy", "ZeRO1Strategy", "ZeRO2Strategy", "ZeRO3Strategy", "HSDPStrategy", "TensorParallelStrategy", "ContextParallelStrategy", "PipelineParallelStrategy", "UltraScalePrecision", "__version__"]
+__all__ = ["ParallelDims", "token_loss", "UltraScaleStrategy", "ZeRO1Strategy", "ZeRO2Strategy", "ZeRO3Strategy", "HSDPStrategy", "TensorParallelStrategy", "ContextParallelStrategy", "PipelineParallelStrategy", "ExpertParallelStrategy", "UltraScalePrecision", "__version__"]
