@@ -77,7 +77,7 @@ class ParityData(L.LightningDataModule):
         self.dataset, self.global_batch = dataset, global_batch
 
     def train_dataloader(self) -> DataLoader:
-        layout = self.trainer.strategy.distributed_sampler_kwargs or {"num_replicas": 1, "rank": 0}
+        layout = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
         sampler = ResumableBlockSampler(self.dataset, self.global_batch, shuffle=False, **layout)
         return DataLoader(self.dataset, batch_size=sampler.local_batch_size, sampler=sampler, drop_last=True)
 

@@ -408,3 +408,13 @@ def test_load_balancing_evens_the_experts_and_its_absence_does_not():
     assert final["aux_free"] < 0.75 * peak["aux_free"], (peak, final)
     assert final["none"] > 0.8 * peak["none"], (peak, final)
     assert final["aux_loss"] < final["none"] - 1.0 and final["aux_free"] < final["none"] - 0.5, final
+
+
+def test_moe_llama_under_lightnings_own_strategy():
+    """Outside ultrascale's strategies the step's loss is the micro-batch mean; the balance terms follow it
+    (divided by the same valid tokens), so one device equals the reference too."""
+    recorder = Recorder()
+    trainer = parity_trainer(1, "auto", recorder, STEPS)
+    trainer.fit(make_moe(), ParityData(masked_data(), BATCH))
+    reference = reference_moe_run(make_moe(), masked_data(), global_batch=BATCH, steps=STEPS)
+    assert_parity(recorder.result(), reference, recorder.losses)

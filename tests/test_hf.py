@@ -23,6 +23,7 @@ CONFIGS = {
     "mixtral": lambda **kw: transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **kw),
     "qwen2_moe": lambda **kw: transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                                           shared_expert_intermediate_size=32, **kw),
+    "olmoe": lambda **kw: transformers.OlmoeConfig(num_experts=4, num_experts_per_tok=2, **kw),
 }
 
 
@@ -60,16 +61,17 @@ def _logits(rank, world_size, path, strategy_kwargs):
     "arch, tied, layout",
     [("llama", False, "zero3"), ("llama", False, "tp2"), ("qwen2", False, "zero3"), ("qwen2", False, "tp2"),
      ("mistral", False, "tp2"), ("llama", True, "zero3"), ("qwen2", True, "tp2"), ("mixtral", False, "zero3"),
-     ("mixtral", False, "zero2")],
+     ("mixtral", False, "zero2"), ("qwen2_moe", False, "zero3"), ("qwen2_moe", False, "ep2")],
     ids=["llama-zero3", "llama-tp2", "qwen2-zero3", "qwen2-tp2", "mistral-tp2", "llama-tied-zero3", "qwen2-tied-tp2",
-         "mixtral-zero3", "mixtral-zero2"],
+         "mixtral-zero3", "mixtral-zero2", "qwen2_moe-zero3", "qwen2_moe-ep2"],
 )
 def test_loaded_logits_equal_from_pretrained(tmp_path, arch, tied, layout):
     path = make_checkpoint(tmp_path / "ckpt", arch, tied)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     with torch.no_grad():
         expected = reference(input_ids=tokens()).logits
-    kwargs = {"tp2": {"tensor_parallel": 2, "data_parallel_shard": 1}, "zero3": {}, "zero2": {"zero_stage": 2}}[layout]
+    kwargs = {"tp2": {"tensor_parallel": 2, "data_parallel_shard": 1}, "zero3": {}, "zero2": {"zero_stage": 2},
+              "ep2": {"expert_parallel": 2}}[layout]
     results = run_ranks(_logits, 2, str(path), kwargs)
     for result in results:
         assert result["meta_built"] is (not tied)
@@ -210,11 +212,12 @@ def _load_error(rank, world_size, path):
 
 
 def test_unknown_converted_layout_is_refused_under_sharding(tmp_path):
-    """Qwen2-MoE checkpoints store per-expert weights that transformers fuses while loading, a conversion
-    the sharded loader knows only for Mixtral: it says so instead of loading something else."""
-    path = make_checkpoint(tmp_path / "qwen2_moe", "qwen2_moe")
+    """OLMoE checkpoints store per-expert weights that transformers fuses while loading, a conversion
+    the sharded loader knows only for Mixtral and Qwen-MoE: it says so instead of loading something else."""
+    path = make_checkpoint(tmp_path / "olmoe", "olmoe")
     for message in run_ranks(_load_error, 2, str(path)):
-        assert "converts this architecture's checkpoint layout while loading" in message and "['mixtral']" in message
+        assert "converts this architecture's checkpoint layout while loading" in message
+        assert "['mixtral', 'qwen2_moe', 'qwen3_moe']" in message
 
 
 def test_mixtral_export_roundtrip(tmp_path):

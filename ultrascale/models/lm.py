@@ -16,6 +16,7 @@ import torch
 from torchmetrics.aggregation import MeanMetric
 
 from ultrascale.models.llama import Llama, LlamaConfig
+from ultrascale.parallel.expert import iter_routers, set_aux_grad_scale
 from ultrascale.parallel.loss import token_loss
 
 __all__ = ["CausalLMModule", "LlamaLM", "adamw_warmup_cosine", "warmup_cosine"]
@@ -105,6 +106,11 @@ class CausalLMModule(lightning.LightningModule):
             # Lightning's own strategies: the micro-batch mean, averaged over ranks (exact only
             # when every rank holds the same number of valid tokens).
             self.log("train_loss", out["loss"], prog_bar=True, sync_dist=True)
+            # MoE balance terms are token sums: on this mean's scale they are divided by the same valid tokens.
+            routers = list(iter_routers(self))
+            if routers:
+                tokens = max(1, int(out["num_tokens"]))
+                set_aux_grad_scale(routers, 1.0 / (self.trainer.accumulate_grad_batches * tokens))
         return out
 
     def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> Dict[str, torch.Tensor]:

@@ -318,9 +318,10 @@ def iter_routers(module: nn.Module) -> Iterator[nn.Module]:
     return (m for m in module.modules() if hasattr(m, ROUTER_LOAD_ATTRIBUTE))
 
 
-def set_aux_grad_scale(module: nn.Module, scale: float) -> None:
-    for load in router_loads(module):
-        load.grad_scale = scale
+def set_aux_grad_scale(routers: list[nn.Module], scale: float) -> None:
+    """The factor the balance terms' gradient gets in backward (`RouterLoad.grad_scale`)."""
+    for router in routers:
+        getattr(router, ROUTER_LOAD_ATTRIBUTE).grad_scale = scale
 
 
 def set_sequence_group(module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
@@ -329,13 +330,14 @@ def set_sequence_group(module: nn.Module, group: Optional[dist.ProcessGroup]) ->
 
 
 def step_expert_load(
-    loads: list[RouterLoad], n_layers: int, device: torch.device, group: Optional[dist.ProcessGroup] = None
+    loads: list[RouterLoad], n_layers: int, n_experts: int, device: torch.device,
+    group: Optional[dist.ProcessGroup] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The step's token counts per (MoE layer, expert) over all ranks of `group` (all data ranks and
     pipeline stages; one all-reduce), the summed balance terms and dropped copies; the loads reset.
+    `loads` may be empty (a pipeline stage without MoE layers); the shape is the whole model's.
 
-    Returns ``counts`` (n_layers, E), ``aux`` (scalar sum), ``dropped`` (scalar)."""
-    n_experts = max(load.n_experts for load in loads)
+    Returns ``counts`` (n_layers, n_experts), ``aux`` (scalar sum), ``dropped`` (scalar)."""
     table = torch.zeros(n_layers, n_experts + 2, device=device, dtype=torch.float64)
     for load in loads:
         if load.counts is not None:

@@ -40,6 +40,7 @@ from ultrascale.parallel.expert import (
     ROUTER_LOAD_ATTRIBUTE,
     balance_ratio,
     iter_routers,
+    router_loads,
     set_aux_grad_scale,
     step_expert_load,
     update_router_bias,
@@ -291,6 +292,7 @@ class UltraScaleStrategy(StrategyInternals):
         self.accumulate_grads_in_fp32 = accumulate_grads_in_fp32
         self._zero_engines: list[ZeroEngine] = []
         self._routers: list[torch.nn.Module] = []  # MoE routers of this rank's layers
+        self._moe_shape: Optional[tuple[int, int]] = None  # (MoE layers, experts) of the whole model: same on every rank
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
         self.tp_plan = resolve_plan(tp_plan) if tp_plan is not None else None
@@ -573,6 +575,8 @@ class UltraScaleStrategy(StrategyInternals):
     def _parallelize(self, module: torch.nn.Module) -> None:
         adapter = get_adapter(module)
         dims = self.parallel_dims
+        loads = router_loads(module)  # before any pipeline split: the whole model's routers
+        self._moe_shape = (1 + max(load.layer for load in loads), max(load.n_experts for load in loads)) if loads else None
         if dims.cp_enabled:
             adapter.check_context_parallel(dims.cp)
         if dims.ep_enabled:
@@ -753,9 +757,9 @@ class UltraScaleStrategy(StrategyInternals):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._pipeline_ran = False
-        if self._routers:
+        if self._moe_shape is not None:
             # MoE balance terms join backward on the scale of the loss sum (`TokenNormalizedStep`): 1 / k.
-            set_aux_grad_scale(self.model, 1.0 / self.lightning_module.trainer.accumulate_grad_batches)
+            set_aux_grad_scale(self._routers, 1.0 / self.lightning_module.trainer.accumulate_grad_batches)
         with maybe_loss_parallel(self._loss_parallel_active):
             output = self._call_step("training_step", *args, **kwargs)
         module = self.lightning_module
@@ -836,7 +840,7 @@ class UltraScaleStrategy(StrategyInternals):
         if self._routers and self._token_step.micro_batch_tokens is None:
             # A plain (mean) loss: the balance terms become a mean over this micro-batch's routed tokens.
             tokens = max(1, getattr(self._routers[0], ROUTER_LOAD_ATTRIBUTE).tokens)
-            set_aux_grad_scale(self.model, 1.0 / (self.lightning_module.trainer.accumulate_grad_batches * tokens))
+            set_aux_grad_scale(self._routers, 1.0 / (self.lightning_module.trainer.accumulate_grad_batches * tokens))
         closure_loss = self._token_step.backward_loss(closure_loss)
         with maybe_loss_parallel(self._loss_parallel_active):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -889,7 +893,7 @@ class UltraScaleStrategy(StrategyInternals):
             loss_divisor=module.trainer.accumulate_grad_batches if automatic else 1,
         )
         self._guard_step(module, optimizer, grads, loss)
-        if self._routers:
+        if self._moe_shape is not None:  # every rank joins the all-reduce, also a pipeline stage without MoE layers
             self._expert_load_step(module)
         if loss is not None:
             if step_logged(module.trainer, "training_step.train_loss"):
@@ -908,11 +912,9 @@ class UltraScaleStrategy(StrategyInternals):
         aux-loss-free bias update from them, and the logged load: `moe/aux_loss` (the balance terms
         added to the loss, over the step's valid tokens), `moe/balance` (max / mean tokens per expert,
         averaged over layers; 1 = even), `moe/expert_tokens/<i>` (summed over layers), `moe/dropped`."""
-        layers = 1 + max(getattr(r, ROUTER_LOAD_ATTRIBUTE).layer for r in self._routers)
-        declared = _declared_layers(module)
-        layers = max(layers, declared or 0)
+        assert self._moe_shape is not None
         counts, aux, dropped = step_expert_load(
-            [getattr(r, ROUTER_LOAD_ATTRIBUTE) for r in self._routers], layers, self.root_device,
+            [getattr(r, ROUTER_LOAD_ATTRIBUTE) for r in self._routers], *self._moe_shape, self.root_device,
             group=dist.group.WORLD,
         )
         update_router_bias(self._routers, counts)
