@@ -18,7 +18,9 @@ distinct experts uniformly (`rand(N, E).topk(k)`) with random weights summing to
   functional all-to-all also counts one whole step (forward and backward): with the swapped splits in
   backward it is 2 x (dispatch + combine). The counts all-to-all adds E x 8 x (ep-1)/ep bytes.
 - time: after --warmup steps, --repeats steps, each started after a barrier; a step's time is the slowest
-  rank's wall time for it, and the table gives the median over the repeats. tokens/s per rank = N / step
+  rank's wall time for it, and a run's the median over the repeats. --rounds runs of every ep, alternating
+  the ep sizes; the table gives the best run's time (other processes and slow spells of a shared machine can
+  only slow a run down), the spread over the runs, and the median CPU time. tokens/s per rank = N / step
   time, aggregate = ep x N / step time (weak scaling: every rank brings N tokens and, balanced, computes
   about k x N token copies whatever ep). CPU ms: the process CPU time of all ranks per step (the gloo
   threads included).
@@ -44,7 +46,7 @@ runs under its `aten::_grouped_mm` calls.
 Figures are ratios measured in one run; nothing here asserts a timing.
 
     python benchmarks/ep_dispatch.py [--eps 1 2 4] [--ks 1 2] [--tokens 2048] [--hidden 256]
-        [--expert-hidden 512] [--experts 8] [--warmup 3] [--repeats 10]
+        [--expert-hidden 512] [--experts 8] [--warmup 2] [--repeats 8] [--rounds 3]
         [--mm-tokens 1024 4096] [--mm-experts 8 32] [--max-wait 60]
 """
 
@@ -201,6 +203,16 @@ def _dispatch(rank: int, world_size: int, args) -> dict:
 # ----------------------------------------------------------------------------- part 2: grouped vs loop
 
 
+def _step_s(per_rank: list[dict], k: int) -> float:
+    """Median over the timed steps of the slowest rank's time."""
+    return statistics.median(max(ts) for ts in zip(*(r[k]["times"] for r in per_rank)))
+
+
+def _cpu_s(per_rank: list[dict], k: int) -> float:
+    """Median over the timed steps of all ranks' CPU time."""
+    return statistics.median(sum(cs) for cs in zip(*(r[k]["cpu"] for r in per_rank)))
+
+
 def _grouped_vs_loop(rank: int, world_size: int, args) -> dict:
     tune_cpu_allocator()
     results = {}
@@ -263,7 +275,7 @@ def _command(args) -> str:
     return "python benchmarks/ep_dispatch.py " + " ".join([
         "--eps " + " ".join(map(str, args.eps)), "--ks " + " ".join(map(str, args.ks)), f"--tokens {args.tokens}",
         f"--hidden {args.hidden}", f"--expert-hidden {args.expert_hidden}", f"--experts {args.experts}",
-        f"--warmup {args.warmup}", f"--repeats {args.repeats}", "--mm-tokens " + " ".join(map(str, args.mm_tokens)),
+        f"--warmup {args.warmup}", f"--repeats {args.repeats}", f"--rounds {args.rounds}", "--mm-tokens " + " ".join(map(str, args.mm_tokens)),
         "--mm-experts " + " ".join(map(str, args.mm_experts)), f"--max-wait {args.max_wait:g}",
     ])
 
@@ -276,8 +288,9 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=256, help="model dim (H)")
     parser.add_argument("--expert-hidden", type=int, default=512, help="expert hidden dim (I)")
     parser.add_argument("--experts", type=int, default=8, help="experts (E) in part 1")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every ep in part 1 (the best is kept)")
     parser.add_argument("--mm-tokens", type=int, nargs="+", default=[1024, 4096], help="tokens (S) in part 2")
     parser.add_argument("--mm-experts", type=int, nargs="+", default=[8, 32], help="experts (E) in part 2")
     parser.add_argument("--max-wait", type=float, default=60.0,
@@ -295,16 +308,18 @@ def main() -> None:
     start, load_before = time.perf_counter(), load_average()
     machine = Undisturbed(args.max_wait)
 
-    runs: dict[int, list[dict]] = {}
-    foreign_by_ep: dict[int, float] = {}
-    for ep in args.eps:
-        per_rank, foreign = machine.run(_dispatch, ep, args)
-        runs[ep], foreign_by_ep[ep] = per_rank, foreign
-        for k in args.ks:
-            step_s = statistics.median(max(ts) for ts in zip(*(r[k]["times"] for r in per_rank)))
-            print(f"ep={ep} k={k}: step {1000 * step_s:.1f} ms, {ep * args.tokens / step_s:,.0f} tokens/s aggregate, "
-                  f"dispatch rows/rank {[r[k]['dispatch_rows'] for r in per_rank]}; "
-                  f"other processes {100 * foreign:.0f}% of the cores", flush=True)
+    # runs[ep]: one (per-rank results, other processes' share of the cores) per round; the rounds alternate
+    # the ep sizes, so a slow spell of the machine does not fall on one ep only.
+    runs: dict[int, list[tuple[list[dict], float]]] = {ep: [] for ep in args.eps}
+    for round_ in range(args.rounds):
+        for ep in args.eps:
+            per_rank, foreign = machine.run(_dispatch, ep, args)
+            runs[ep].append((per_rank, foreign))
+            for k in args.ks:
+                print(f"round {round_ + 1}/{args.rounds} ep={ep} k={k}: step {1000 * _step_s(per_rank, k):.1f} ms, "
+                      f"{ep * args.tokens / _step_s(per_rank, k):,.0f} tokens/s aggregate, "
+                      f"dispatch rows/rank {[r[k]['dispatch_rows'] for r in per_rank]}; "
+                      f"other processes {100 * foreign:.0f}% of the cores", flush=True)
     (mm,), mm_foreign = machine.run(_grouped_vs_loop, 1, args)
     for (n_experts, n_tokens), r in mm.items():
         print(f"E={n_experts} S={n_tokens}: grouped {1000 * statistics.median(r['grouped']):.1f} ms, "
@@ -313,9 +328,9 @@ def main() -> None:
 
     H, N = args.hidden, args.tokens
     rows_dispatch = [
-        "| ep | k | step ms | CPU ms per step (all ranks) | tokens/s per rank | aggregate tokens/s (vs ep=1) | "
-        "largest relative difference to unsharded | other |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ep | k | step ms | spread over rounds | CPU ms per step (all ranks) | tokens/s per rank | "
+        "aggregate tokens/s (vs ep=1) | largest relative difference to unsharded | other |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     rows_bytes = [
         "| ep | k | dispatch MiB per rank, measured (min–max over ranks) | combine MiB per rank, measured | "
@@ -324,20 +339,25 @@ def main() -> None:
         "|---:|---:|---|---|---:|---:|---:|---:|",
     ]
     summary: dict[tuple[int, int], dict] = {}
+    spreads, foreign_kept = [], {}
     for ep in args.eps:
-        per_rank = runs[ep]
         for k in args.ks:
-            rs = [r[k] for r in per_rank]
-            step_s = statistics.median(max(ts) for ts in zip(*(r["times"] for r in rs)))
-            cpu_s = statistics.median(sum(cs) for cs in zip(*(r["cpu"] for r in rs)))
+            # Time: the best round (other processes and a slow spell can only slow a run down); CPU: the median.
+            steps = [_step_s(per_rank, k) for per_rank, _ in runs[ep]]
+            best = min(range(len(steps)), key=steps.__getitem__)
+            step_s, foreign = steps[best], runs[ep][best][1]
+            spreads.append(max(steps) / min(steps) - 1)
+            foreign_kept[(ep, k)] = foreign
+            cpu_s = statistics.median(_cpu_s(per_rank, k) for per_rank, _ in runs[ep])
+            rs = [r[k] for r in runs[ep][0][0]]  # the routing, hence the bytes, is the same in every round
             aggregate = ep * N / step_s
             summary[(ep, k)] = {"step_s": step_s, "cpu_s": cpu_s, "aggregate": aggregate}
             base = summary.get((1, k))
             ratio = f" ({aggregate / base['aggregate']:.2f})" if base and ep != 1 else ""
-            diff = max(r["diff"] for r in rs)
+            diff = max(r[k]["diff"] for per_rank, _ in runs[ep] for r in per_rank)
             rows_dispatch.append(
-                f"| {ep} | {k} | {1000 * step_s:.1f} | {1000 * cpu_s:.0f} | {N / step_s:,.0f} | {aggregate:,.0f}{ratio} | "
-                f"{diff:.1e} | {100 * foreign_by_ep[ep]:.0f}% |")
+                f"| {ep} | {k} | {1000 * step_s:.1f} | {max(steps) / min(steps) - 1:.0%} | {1000 * cpu_s:.0f} | "
+                f"{N / step_s:,.0f} | {aggregate:,.0f}{ratio} | {diff:.1e} | {100 * foreign:.0f}% |")
             formula = k * N * H * FP32 * (ep - 1) / ep
             dispatch = [r["dispatch_rows"] * H * FP32 for r in rs]
             combine = [r["combine_rows"] * H * FP32 for r in rs]
@@ -387,7 +407,9 @@ def main() -> None:
         f"each routed to k distinct experts drawn uniformly; forward + backward of `experts_forward`, ep > 1 "
         f"sharded by `shard_experts(experts, ExpertParallel(mesh))` on a 1-D ep mesh, ep=1 unsharded on one rank. "
         f"{args.warmup} warm-up steps, then {args.repeats} steps each after a barrier; step time = the slowest rank's, "
-        f"median over the steps. Method: the module docstring of `benchmarks/ep_dispatch.py`. "
+        f"median over the steps; {args.rounds} rounds of every ep, alternating: the time is the best round's "
+        f"(spread over rounds: median {statistics.median(spreads):.0%}, max {max(spreads):.0%}), the CPU time the "
+        "median. Method: the module docstring of `benchmarks/ep_dispatch.py`. "
         + (f"ep={'/'.join(map(str, oversubscribed))} puts more ranks than cores ({cores()}) on the machine: its times "
            "are those of an oversubscribed machine. " if oversubscribed else "")
         + "Every rank computes about k·N token copies at any ep (weak scaling), so on this machine the ideal "
@@ -400,7 +422,7 @@ def main() -> None:
         "*largest relative difference to unsharded*: max |ep - unsharded| / max |unsharded| of the outputs, the input "
         "gradients and the expert gradients, against the same layer unsharded on each rank's tokens (its expert "
         "gradients all-reduced over the ranks); fp32 rounding, from summing in another order. *other*: the share of "
-        "the machine's cores other processes kept busy during that ep's run (both k).",
+        "the machine's cores other processes kept busy during the best round.",
         "",
         "## Bytes sent by the token all-to-all, per rank",
         "",
@@ -445,11 +467,11 @@ def main() -> None:
         lines.append("- Throughput against ep=1: " + "; ".join(throughput_parts) + ". Every rank does about the "
                      "same expert work at any ep; what ep adds per rank is the all-to-alls (and their copies and "
                      "the reordering of the arrived tokens), which with gloo on one machine are CPU work too.")
-    disturbed = sorted({ep for ep, f in foreign_by_ep.items() if f > machine.threshold})
+    disturbed = [f"ep={ep} k={k}" for (ep, k), f in foreign_kept.items() if f > machine.threshold]
     if disturbed:
-        lines.append(f"- Other processes took more than {100 * machine.threshold:.0f}% of the cores during the run of "
-                     f"ep={'/'.join(map(str, disturbed))} (column *other*; --max-wait ran out before a quiet run): "
-                     "those rows' times are slowed by them and their ratios to ep=1 are not to be trusted.")
+        lines.append(f"- Other processes took more than {100 * machine.threshold:.0f}% of the cores during the best "
+                     f"round of {', '.join(disturbed)} (column *other*; --max-wait ran out before a quiet run): those "
+                     "rows' times are slowed by them and their ratios to ep=1 are not to be trusted.")
     if oversubscribed:
         lines.append(f"- ep={'/'.join(map(str, oversubscribed))} runs {max(oversubscribed)} ranks on {cores()} cores: "
                      f"its aggregate tokens/s can at best match ep={cores()}'s, and the gloo transfers wait for cores; "
@@ -476,8 +498,9 @@ def main() -> None:
         lines.append(f"- Other processes took {100 * mm_foreign:.0f}% of the cores during the grouped-vs-loop run: "
                      "with 1 torch thread it still had a core to itself only if they left one free; its ratios "
                      "are less sure than its shares.")
-    lines.append("- All timings come from one run on a shared 2-core machine; ratios between rows are the figures "
-                 "to read, and differences of ~10% are within its noise.")
+    lines.append(f"- All timings come from one invocation on a shared {cores()}-core machine, whose speed varies from run "
+                 f"to run (part 1's rounds of the same configuration differ by a median {statistics.median(spreads):.0%}): "
+                 "ratios between rows of one table are the figures to read, and differences of that size are noise.")
     write_results("\n".join(lines) + "\n", args.out)
 
 
