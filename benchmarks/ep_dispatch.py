@@ -488,11 +488,12 @@ def main() -> None:
         + f". On CPU `torch._grouped_mm` is itself a loop of matmuls: one grouped step (E={next(iter(mm))[0]}) ran "
         f"{first['mm_calls']} `aten::mm` under {first['grouped_mm_calls']} `aten::_grouped_mm` calls, one per expert "
         "and projection (forward and backward), so it saves only the Python loop, the slicing and the concatenation. "
-        "Most of the loop's gap in forward + backward is its backward: " + ", ".join(
-            f"E={e} S={s}: {100 * v:.0f}%" for (e, s), v in mm_select.items())
-        + " of its step is spent in SelectBackward0, the backward of `gate_up[e]` and `down[e]`, which writes each "
-        "expert's gradient into a zero tensor the size of the whole (E, ...) weight and adds those E tensors up: "
-        "O(E²·I·H) memory traffic per step, which grows with E where the matmul work does not."
+        + (
+            "Share of the loop's forward + backward spent in SelectBackward0 (the backward of indexing one expert's "
+            "weight, which writes its gradient into a zero tensor of the whole (E, ...) weight: O(E²·I·H) memory "
+            "traffic): " + ", ".join(f"E={e} S={s}: {100 * v:.0f}%" for (e, s), v in mm_select.items())
+            + ". `run_experts` iterates `unbind(0)` for this reason (at E=32 indexing took 62-90% of the loop's step)."
+        )
     )
     if mm_foreign > machine.threshold:
         lines.append(f"- Other processes took {100 * mm_foreign:.0f}% of the cores during the grouped-vs-loop run: "

@@ -241,7 +241,7 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
             (lambda cp: _hf_context_parallel(hf, cp)) if config.model_type in HF_CONTEXT_PARALLEL_TYPES else None
         ),
         pipeline_parts=(lambda: _hf_pipeline_parts(hf)) if config.model_type in HF_PIPELINE_TYPES else None,
-        num_experts=_hf_num_experts(config),
+        num_experts=hf_num_experts(config),
         enable_expert_parallel=(
             (lambda ep: _hf_expert_parallel(hf, ep)) if config.model_type in HF_EXPERT_PARALLEL_TYPES else None
         ),
@@ -249,7 +249,9 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
     )
 
 
-def _hf_num_experts(config: Any) -> int:
+def hf_num_experts(config: Any) -> int:
+    """Routed experts per layer of a Hugging Face MoE config (`num_local_experts` / `num_experts` with
+    `num_experts_per_tok`); 0 for a dense one."""
     value = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
     return int(value) if getattr(config, "num_experts_per_tok", None) else 0
 

@@ -326,7 +326,9 @@ class HFCausalLM(CausalLMModule):
                 attn_implementation=self.hparams.attn_implementation, trust_remote_code=self.hparams.trust_remote_code,
             )
             self._weights_pending = False
-        if _hf_num_routed_experts(self.config):
+        from ultrascale.models.adapters import hf_num_experts
+
+        if hf_num_experts(self.config):
             from ultrascale.models.moe import attach_hf_routing
 
             attach_hf_routing(self.model, aux_loss_coef=self.router_aux_loss_coef, z_loss_coef=self.hparams.router_z_loss_coef)
@@ -372,11 +374,6 @@ class HFCausalLM(CausalLMModule):
     def on_fit_end(self) -> None:
         if self.hparams.export_dir:
             export_hf_from_module(self, self.hparams.export_dir)
-
-
-def _hf_num_routed_experts(config: Any) -> int:
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    return int(experts) if experts and getattr(config, "num_experts_per_tok", None) else 0
 
 
 def _hf_state_dict_from_module(module: HFCausalLM) -> Optional[dict[str, torch.Tensor]]:

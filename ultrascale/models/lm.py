@@ -107,7 +107,7 @@ class CausalLMModule(lightning.LightningModule):
             # when every rank holds the same number of valid tokens).
             self.log("train_loss", out["loss"], prog_bar=True, sync_dist=True)
             # MoE balance terms are token sums: on this mean's scale they are divided by the same valid tokens.
-            routers = list(iter_routers(self))
+            routers = self._moe_routers()
             if routers:
                 tokens = max(1, int(out["num_tokens"]))
                 set_aux_grad_scale(routers, 1.0 / (self.trainer.accumulate_grad_batches * tokens))
@@ -118,6 +118,12 @@ class CausalLMModule(lightning.LightningModule):
         self.val_token_mean.update(out["loss"], weight=out["num_tokens"])
         self.log("val_loss", self.val_token_mean, prog_bar=True, on_step=False, on_epoch=True)
         return out
+
+    def _moe_routers(self) -> list:
+        """The MoE routers, found once (the model is built by then): not a module walk per step."""
+        if getattr(self, "_routers_found", None) is None:
+            self._routers_found = list(iter_routers(self))
+        return self._routers_found
 
     def configure_optimizers(self) -> Dict[str, Any]:
         return adamw_warmup_cosine(self)

@@ -85,9 +85,11 @@ def run_experts(
         gate, up = hidden.chunk(2, dim=-1)  # (S, I) each
         return torch._grouped_mm((act(gate) * up).contiguous(), down.transpose(-2, -1), offs=offsets)  # (S, H)
     outputs = []
-    for e, rows in enumerate(x.split(counts.tolist())):
-        gate, up = (rows @ gate_up[e].t()).chunk(2, dim=-1)  # (c_e, I) each
-        outputs.append((act(gate) * up) @ down[e].t())  # (c_e, H)
+    # unbind, not gate_up[e]: indexing's backward writes each expert's gradient into a zero tensor of the
+    # whole (E, ...) weight and sums E of them (memory traffic ~ E^2, benchmarks/ep_dispatch.py).
+    for rows, expert_gate_up, expert_down in zip(x.split(counts.tolist()), gate_up.unbind(0), down.unbind(0)):
+        gate, up = (rows @ expert_gate_up.t()).chunk(2, dim=-1)  # (c_e, I) each
+        outputs.append((act(gate) * up) @ expert_down.t())  # (c_e, H)
     return torch.cat(outputs) if outputs else x.new_zeros(0, down.shape[1])
 
 
@@ -178,11 +180,6 @@ def shard_experts(experts: nn.Module, ep: ExpertParallel) -> None:
         sharded = distribute_tensor(weight.data, ep.mesh, [Shard(0)], src_data_rank=None)
         setattr(experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
     setattr(experts, EXPERT_PARALLEL_ATTRIBUTE, ep)
-
-
-def is_expert_parameter(name: str) -> bool:
-    """Whether a parameter name is one of an experts module's fused weights."""
-    return name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS
 
 
 # --------------------------------------------------------------------------- routing statistics
@@ -384,7 +381,6 @@ __all__ = [
     "capacity_mask",
     "count_per_expert",
     "experts_forward",
-    "is_expert_parameter",
     "local_tensor",
     "router_loads",
     "routing_not_counted",
