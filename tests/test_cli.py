@@ -50,34 +50,7 @@ def test_2d_recipe(tmp_path):
     assert "sequential all_reduce" not in out  # the grad-norm all-reduce is one collective per mesh
 
 
-def test_plan_model_state_matches_formulas():
-    from ultrascale.cli import plan_main
-    from ultrascale.models.llama import Llama, LlamaConfig
-
-    import torch
-
-    with torch.device("meta"):
-        psi = Llama(LlamaConfig.from_preset("llama3_8b")).num_params()
-    gib = 2**30
-    text = plan_main(["--preset", "llama3_8b", "--world", "8", "--zero-stage", "3", "--device-memory-gib", "80"])
-    assert f"model state {16 * psi / 8 / gib:.2f} GiB" in text  # (2+2+12)Ψ/N
-    assert "layout     pp=1 x dp_replicate=1 x dp_shard=8 x cp=1 x tp=1 (world 8)" in text
-    text = plan_main(["--preset", "llama3_8b", "--world", "8", "--zero-stage", "2"])
-    assert f"model state {(2 * psi + 14 * psi / 8) / gib:.2f} GiB" in text
-    text = plan_main(["--preset", "llama3_8b", "--world", "16", "--tp", "2", "--zero-stage", "1"])
-    assert f"model state {(4 * psi / 2 + 12 * psi / 2 / 8) / gib:.2f} GiB" in text  # TP halves Ψ per rank
-
-
-def test_plan_refuses_impossible_layouts(capsys):
-    from ultrascale.cli import main
-
-    with pytest.raises(SystemExit) as exit_info:
-        main(["plan", "--preset", "llama3_70b", "--world", "32", "--tp", "16"])
-    assert exit_info.value.code == 2
-    assert "`tensor_parallel=16` must divide n_kv_heads=8" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["plan", "--preset", "llama3_8b", "--world", "8", "--tp", "3"])
-    assert "cannot infer `dp_shard`" in capsys.readouterr().err
+# `ultrascale plan` is tested in tests/test_planner.py.
 
 
 @pytest.mark.slow

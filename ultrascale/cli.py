@@ -3,7 +3,7 @@
     ultrascale fit --config recipes/tiny_cpu.yaml
     ultrascale fit --config recipes/tiny_cpu.yaml --trainer.devices 4 --trainer.strategy ultrascale_hsdp
     ultrascale export-hf --checkpoint runs/.../last.ckpt --out my_hf_model
-    ultrascale plan --preset llama3_8b --world 64 --tp 8 --seq-len 8192 --device-memory-gib 80
+    ultrascale plan --preset llama3_70b --gpus 256 --gpu h100 --seq-len 8192 --global-batch-tokens 4M
 
 Any LightningModule / LightningDataModule can be named with `class_path`; the recipes
 use `ultrascale.models.LlamaLM` and `ultrascale.data.CausalLMDataModule`.
@@ -102,84 +102,158 @@ def _positive(kind: type) -> Any:
     return parse
 
 
-def plan_main(args: list[str]) -> str:
-    """`ultrascale plan`: check a layout against a model and estimate memory per rank, before any GPU is used."""
+def _token_count(text: str) -> int:
+    """argparse type: "4M", "512K", "4194304" -> tokens."""
     import argparse
 
-    import torch
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:].upper(), 1)
+    try:
+        value = int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count (e.g. 4M, 512K, 1048576)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0")
+    return value
 
-    from ultrascale.estimate import STATE_BYTES, activation_bytes_per_layer, estimate_model_state_bytes, model_flops
-    from ultrascale.models.llama import LLAMA_PRESETS, Llama, LlamaConfig
-    from ultrascale.parallel.tensor import check_tp_divides
+
+def plan_main(args: list[str]) -> str:
+    """`ultrascale plan`: which layout for this model on these GPUs? Every layout ultrascale can run is
+    costed (memory per GPU, step time, MFU) and ranked, before any GPU is used. Exits 1 when
+    nothing fits (or the given layout does not), saying what would."""
+    import argparse
+    import json
+
+    from ultrascale import planner
+    from ultrascale.estimate import ModelShape
+    from ultrascale.models.llama import LLAMA_PRESETS, LlamaConfig
     from ultrascale.parallel.dims import ParallelDims
+    from ultrascale.parallel.tensor import check_tp_divides
 
     parser = argparse.ArgumentParser(prog="ultrascale plan", description=plan_main.__doc__)
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--preset", choices=sorted(LLAMA_PRESETS), help="built-in Llama preset")
     model.add_argument("--hf-config", help="Hugging Face checkpoint folder (only config.json is read)")
-    parser.add_argument("--world", type=_positive(int), required=True, help="number of ranks (GPUs)")
-    parser.add_argument("--dp-replicate", type=_positive(int), default=1)
-    parser.add_argument("--tp", type=_positive(int), default=1)
-    parser.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3))
-    parser.add_argument("--precision", default="bf16-mixed", choices=("32-true", "bf16-mixed", "bf16-true"))
+    parser.add_argument("--gpus", "--world", dest="gpus", type=_positive(int), required=True, help="number of GPUs (ranks)")
+    parser.add_argument("--gpu", default="h100", choices=sorted(planner.GPU_SPECS), help="GPU kind (default h100)")
+    parser.add_argument("--gpus-per-node", type=_positive(int), default=8)
     parser.add_argument("--seq-len", type=_positive(int), default=4096)
-    parser.add_argument("--micro-batch", type=_positive(int), default=1)
-    parser.add_argument("--full-recompute", action="store_true", help="activation checkpointing of every block")
+    batch = parser.add_mutually_exclusive_group()
+    batch.add_argument("--global-batch-tokens", type=_token_count, help="tokens per optimizer step, e.g. 4M (default: one sequence per GPU)")
+    batch.add_argument("--global-batch", type=_positive(int), help="sequences per optimizer step")
+    parser.add_argument("--precision", default="bf16-mixed", choices=("32-true", "bf16-mixed", "bf16-true"))
+    parser.add_argument("--layout", default="", help='fix some or all of the layout, e.g. "pp=4,dp_shard=8,tp=8,zero_stage=1"')
+    parser.add_argument("--why-not", default=None, metavar="LAYOUT", help='explain why no layout with these values is chosen, e.g. "tp=16"')
+    parser.add_argument("--top", type=_positive(int), default=10, help="rows of the ranked table (default 10)")
+    parser.add_argument("--json", action="store_true", help="print the ranked rows as JSON (a list of objects)")
+    parser.add_argument("--emit-recipe", default=None, metavar="PATH", help="write the best layout as a LightningCLI recipe")
+    parser.add_argument("--measure", action="store_true",
+                        help="also build the model under FakeTensorMode at the real world size and measure the best layout's peak memory")
+    # Single-degree options of the first `plan` (kept: each fixes that value of the layout).
+    parser.add_argument("--dp-replicate", type=_positive(int), default=None)
+    parser.add_argument("--tp", type=_positive(int), default=None)
+    parser.add_argument("--zero-stage", type=int, default=None, choices=(1, 2, 3))
+    parser.add_argument("--micro-batch", type=_positive(int), default=None)
+    parser.add_argument("--recompute", default=None, choices=planner.RECOMPUTE_MODES)
+    parser.add_argument("--full-recompute", action="store_true", help="same as --recompute full")
     parser.add_argument("--eager-attention", action="store_true",
                         help="attention keeps its s x s scores (no flash / fused kernel)")
-    parser.add_argument("--device-memory-gib", type=_positive(float), default=None,
-                        help="memory of one device, to say whether it fits")
+    parser.add_argument("--device-memory-gib", type=_positive(float), default=None, help="memory of one GPU (default: the GPU's)")
+    parser.add_argument("--peak-tflops", type=_positive(float), default=None, help="dense bf16 peak of one GPU (default: the GPU's)")
+    parser.add_argument("--efficiency", type=_positive(float), default=None,
+                        help=f"fraction of the peak the matmuls reach (default {planner.Cluster.efficiency})")
     options = parser.parse_args(args)
-    dims = ParallelDims.resolve(options.world, dp_replicate=options.dp_replicate, dp_shard=-1, tp=options.tp)
+
+    fixed = planner.parse_layout(options.layout)
+    for key, value in (("dp_replicate", options.dp_replicate), ("tp", options.tp), ("zero_stage", options.zero_stage),
+                       ("micro_batch", options.micro_batch),
+                       ("recompute", "full" if options.full_recompute else options.recompute)):
+        if value is not None:
+            fixed[key] = value
+    hf_config = None
     if options.preset:
-        config = LlamaConfig.from_preset(options.preset)
-        name, layers, hidden, heads = f"Llama {options.preset}", config.n_layers, config.dim, config.n_heads
-        sizes = {"n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
-                 "ffn_hidden_dim": config.resolved_ffn_hidden_dim, "vocab_size": config.vocab_size}
-        with torch.device("meta"):
-            meta_model = Llama(config)
-        psi = meta_model.num_params()
+        shape = ModelShape.from_llama_config(LlamaConfig.from_preset(options.preset), name=f"Llama {options.preset}")
+        model_spec = options.preset
     else:
         import transformers
 
-        config = transformers.AutoConfig.from_pretrained(options.hf_config, local_files_only=True)
-        name, layers, hidden, heads = config.model_type, config.num_hidden_layers, config.hidden_size, config.num_attention_heads
-        sizes = {"num_attention_heads": heads,
-                 "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
-                 "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
-        with torch.device("meta"):
-            meta_model = transformers.AutoModelForCausalLM.from_config(config)
-        psi = sum(p.numel() for p in meta_model.parameters())
-    flops_model = model_flops(meta_model)
-    assert flops_model is not None
-    flops = flops_model.per_token(options.seq_len)
-    if dims.tp_enabled:
-        check_tp_divides(dims.tp, sizes, name)
-    weight, grad, optim = STATE_BYTES[(options.precision, "fsdp" if options.zero_stage == 3 else "zero12")]
-    state = estimate_model_state_bytes(
-        psi, zero_stage=options.zero_stage, shard_degree=dims.dp_shard_cp, model_parallel_degree=dims.tp,
-        param_bytes=weight, grad_bytes=grad, optimizer_bytes=optim,
-    )
-    activations = layers * activation_bytes_per_layer(
-        options.seq_len, options.micro_batch, hidden, heads, tp=dims.tp, full_recompute=options.full_recompute,
-        attention_scores_saved=options.eager_attention,
-    )
-    gib = 2**30
-    total = state.total + activations
+        hf_config = transformers.AutoConfig.from_pretrained(options.hf_config, local_files_only=True)
+        hf_config = getattr(hf_config, "text_config", None) or hf_config
+        shape = ModelShape.from_hf_config(hf_config)
+        model_spec = options.hf_config
+    degrees = {key: fixed[key] for key in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep") if key in fixed}
+    if degrees:  # the strategy's own checks first, with its messages
+        ParallelDims.resolve(options.gpus, **{"dp_shard": -1, **degrees} if "dp_shard" not in degrees else degrees)
+        if degrees.get("tp", 1) > 1:
+            check_tp_divides(degrees["tp"], {"n_heads": shape.n_heads, "n_kv_heads": shape.n_kv_heads,
+                                             "ffn_hidden_dim": shape.ffn_hidden, "vocab_size": shape.vocab}, shape.name)
+    spec = planner.GPU_SPECS[options.gpu]
+    if options.device_memory_gib or options.peak_tflops:
+        import dataclasses
+
+        spec = dataclasses.replace(spec, memory_gib=options.device_memory_gib or spec.memory_gib,
+                                   peak_tflops=options.peak_tflops or spec.peak_tflops)
+    cluster = planner.Cluster(spec, options.gpus, options.gpus_per_node,
+                              **({"efficiency": options.efficiency} if options.efficiency else {}))
+    if options.global_batch_tokens:
+        global_batch = max(options.global_batch_tokens // options.seq_len, 1)
+    else:
+        global_batch = options.global_batch or options.gpus
+    work = planner.Workload(options.seq_len, global_batch, options.precision, attention_scores_saved=options.eager_attention)
+
+    if options.why_not is not None:
+        reasons = planner.why_not(shape, cluster, work, {**fixed, **planner.parse_layout(options.why_not)}, hf_config)
+        text = "\n".join([f"why not {options.why_not}:"] + [f"  - {reason}" for reason in reasons])
+        print(text)
+        return text
+
+    rows = planner.search(shape, cluster, work, fixed, hf_config)
+    fitting = [row for row in rows if row.fits]
+    if options.json:
+        print(json.dumps([row.to_json() for row in (fitting or rows)[: options.top]], indent=1))
+    searched = planner.describe_search(shape, fixed)
     lines = [
-        f"model      {name}: {psi / 1e9:.2f}B parameters, {flops / 1e9:.1f} GFLOPs per token (6N + 12·L·h·s)",
-        f"layout     {dims.describe()}; ZeRO-{options.zero_stage}, {options.precision}",
-        f"per rank   parameters {state.params / gib:.2f} GiB + gradients {state.grads / gib:.2f} GiB + "
-        f"optimizer {state.optimizer / gib:.2f} GiB = model state {state.total / gib:.2f} GiB",
-        f"           activations {activations / gib:.2f} GiB (seq {options.seq_len}, micro-batch {options.micro_batch}, "
-        f"{'full recompute' if options.full_recompute else 'no recompute'}{', sequence parallel' if dims.tp_enabled else ''})",
-        f"           total {total / gib:.2f} GiB",
+        f"model      {shape.name}: {shape.num_params / 1e9:.2f}B parameters, "
+        f"{shape.flops_per_token(options.seq_len) / 1e9:.1f} GFLOPs per token (6N + 12·L·h·s)",
+        f"cluster    {options.gpus} x {spec.name} ({options.gpus_per_node} per node), {spec.memory_gib:g} GiB each "
+        f"({cluster.memory_headroom:.0%} planned for), peak {spec.peak_tflops:g} TFLOP/s at {cluster.efficiency:.0%} achievable",
+        f"batch      {global_batch} sequences x {options.seq_len} tokens = {work.tokens:,} tokens per step; {options.precision}",
+        f"searched   {searched}",
     ]
-    if options.device_memory_gib is not None:
-        verdict = "fits" if total <= options.device_memory_gib * gib else "does NOT fit"
-        lines.append(f"verdict    {verdict} in {options.device_memory_gib:g} GiB (before buffers, fragmentation, CUDA context)")
+    best = fitting[0] if fitting else None
+    if best is not None:
+        lines += ["", planner.format_table(fitting, options.top), "", "best       " + best.layout.describe()]
+        lines += planner.explain(best, cluster)
+    else:
+        lines += ["", "nothing fits:"] + [f"  - {reason}" for reason in planner.why_not(shape, cluster, work, fixed, hf_config)]
+        if rows:
+            closest = min(rows, key=lambda row: row.memory["total"])
+            lines += [f"closest    {closest.layout.describe()}"] + planner.explain(closest, cluster)
+        lines += planner.what_would_fit(shape, cluster, work, fixed, hf_config)
+    if best is not None and options.measure:
+        from ultrascale.measure import measure_layout
+
+        lay = best.layout
+        measured = measure_layout(
+            model_spec, world=options.gpus, pp=lay.pp, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, cp=lay.cp,
+            tp=lay.tp, ep=lay.ep, zero_stage=lay.zero_stage, precision=options.precision, seq_len=options.seq_len,
+            micro_batch=lay.micro_batch, recompute=lay.recompute,
+            pipeline_microbatches=lay.grad_accumulation if lay.pp > 1 else None,
+        )
+        predicted = best.memory["total"] / planner.GIB
+        lines.append(
+            f"measured   peak {measured['peak_gib']:.2f} GiB on rank 0 ({measured['tracker']} under FakeTensorMode, "
+            f"{measured['seconds']:.0f} s) vs predicted {predicted:.2f} GiB: ratio {predicted / measured['peak_gib']:.2f}"
+        )
+    if best is not None and options.emit_recipe:
+        from pathlib import Path
+
+        Path(options.emit_recipe).write_text(planner.recipe_yaml(best, model_spec, shape, cluster, work))
+        lines.append(f"recipe     wrote {options.emit_recipe}")
     text = "\n".join(lines)
-    print(text)
+    if not options.json:
+        print(text)
+    if best is None:
+        raise SystemExit(1)
     return text
 
 

@@ -15,10 +15,13 @@ from typing import Optional
 import torch.nn as nn
 
 __all__ = [
+    "ActivationModel",
     "ModelFlops",
+    "ModelShape",
     "ModelStateEstimate",
     "STATE_BYTES",
     "activation_bytes_per_layer",
+    "model_shape",
     "PEAK_TFLOPS",
     "active_params",
     "estimate_model_state_bytes",
@@ -281,3 +284,286 @@ def find_peak_tflops(device_name: str, dtype: str) -> Optional[tuple[str, float]
             return None if peak is None else (key, peak)
     return None
 
+
+
+# --------------------------------------------------------------------------- model shape
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the cost model needs, read from a built-in `LlamaConfig` or a Hugging Face config.
+
+    Covers Llama-style decoders: GQA attention (optional q/k/v bias, q/k norms), a gated
+    (SwiGLU/GeGLU) or plain MLP, MoE layers with routed and shared experts, tied or untied
+    head. `param_counts` gives the parameters per component, which the tests hold equal to
+    the real modules' `numel()`.
+    """
+
+    name: str
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_hidden: int
+    vocab: int
+    tied_embeddings: bool = False
+    gated_mlp: bool = True
+    qkv_bias: bool = False
+    qk_norm_params: int = 0
+    """Per-layer parameters of q/k norms (Qwen3, Gemma3: 2·head_dim; OLMo2: (heads + kv_heads)·head_dim)."""
+    norms_per_layer: int = 2
+    n_experts: int = 0
+    top_k: int = 0
+    expert_hidden: int = 0
+    shared_expert_hidden: int = 0
+    shared_expert_gate: bool = False
+    moe_layers: int = 0
+    """Layers whose MLP is a MoE (the others are dense with `ffn_hidden`)."""
+    builtin: bool = True
+    """The built-in Llama (sequence parallel and loss parallel under TP) or a Hugging Face model (neither)."""
+    model_type: str = "llama"
+
+    # -- parameters per component -----------------------------------------------------------
+
+    @property
+    def q_width(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def attention_params(self) -> int:
+        """Per layer: wq, wk, wv, wo (+ q/k/v biases, q/k norms)."""
+        h, q, kv = self.hidden, self.q_width, self.kv_width
+        return h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0) + self.qk_norm_params
+
+    @property
+    def dense_mlp_params(self) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden * self.ffn_hidden
+
+    @property
+    def expert_params(self) -> int:
+        """Per MoE layer: every routed expert's gate, up and down matrices."""
+        return self.n_experts * 3 * self.hidden * self.expert_hidden
+
+    @property
+    def router_params(self) -> int:
+        """Per MoE layer: the router, the shared experts and their gate (all replicated across ep)."""
+        return self.hidden * self.n_experts + 3 * self.hidden * self.shared_expert_hidden + (self.hidden if self.shared_expert_gate else 0)
+
+    @property
+    def norm_params(self) -> int:
+        return self.norms_per_layer * self.hidden
+
+    def param_counts(self) -> dict[str, int]:
+        """Parameters of the whole model per component (embedding, head, and each per-layer kind x layers)."""
+        dense_layers = self.n_layers - self.moe_layers
+        return {
+            "embedding": self.vocab * self.hidden,
+            "head": 0 if self.tied_embeddings else self.vocab * self.hidden,
+            "final_norm": self.hidden,
+            "attention": self.n_layers * self.attention_params,
+            "norms": self.n_layers * self.norm_params,
+            "mlp": dense_layers * self.dense_mlp_params,
+            "experts": self.moe_layers * self.expert_params,
+            "router": self.moe_layers * self.router_params,
+        }
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.param_counts().values())
+
+    def active_matmul_params(self) -> float:
+        """``N`` of the FLOP count: matmul weights a token uses (see `model_flops`), experts at top_k/E.
+
+        Norms, biases and the embedding lookup are not matmuls; a tied head is (counted once here)."""
+        h = self.hidden
+        attention = h * self.q_width + 2 * h * self.kv_width + self.q_width * h
+        experts = self.expert_params * self.top_k // self.n_experts if self.n_experts else 0
+        per_moe = experts + self.router_params  # the router, shared experts and their gate are dense matmuls
+        return (
+            self.n_layers * attention
+            + (self.n_layers - self.moe_layers) * self.dense_mlp_params
+            + self.moe_layers * per_moe
+            + self.vocab * h
+        )
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, the same formula as the MFU callback (`flops_per_token`)."""
+        return flops_per_token(self.active_matmul_params(), self.n_layers, self.q_width, seq_len)
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_llama_config(cls, config: object, name: str = "Llama") -> "ModelShape":
+        c = config
+        moe = bool(getattr(c, "n_experts", 0))
+        return cls(
+            name=name, n_layers=c.n_layers, hidden=c.dim, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
+            head_dim=c.head_dim, ffn_hidden=c.resolved_ffn_hidden_dim, vocab=c.vocab_size,
+            tied_embeddings=c.tie_embeddings,
+            n_experts=c.n_experts if moe else 0, top_k=c.moe_top_k if moe else 0,
+            expert_hidden=c.resolved_moe_hidden_dim if moe else 0,
+            shared_expert_hidden=c.resolved_moe_hidden_dim * c.n_shared_experts if moe else 0,
+            moe_layers=c.n_layers if moe else 0, builtin=True,
+        )
+
+    @classmethod
+    def from_hf_config(cls, config: object) -> "ModelShape":
+        """A Llama-family Hugging Face config (llama, mistral, qwen2/3, phi3, olmo2, gemma2/3, mixtral, qwen2/3-moe).
+
+        Raises ValueError for a config whose layers this cost model does not describe (e.g. GPT-2's
+        learned positions and biased LayerNorms); the caller can count the module instead."""
+        c = config
+        model_type = getattr(c, "model_type", "?")
+        needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        if not all(hasattr(c, key) for key in needed) or model_type not in _HF_SHAPES:
+            raise ValueError(
+                f"ModelShape: no cost model for Hugging Face model_type {model_type!r}; described: {', '.join(sorted(_HF_SHAPES))}"
+            )
+        heads = c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        norms, qk_norm = _HF_SHAPES[model_type]
+        qk_norm_params = {"none": 0, "head": 2 * head_dim, "width": (heads + kv_heads) * head_dim}[qk_norm]
+        n_experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
+        moe_layers, expert_hidden, shared_hidden = 0, 0, 0
+        if n_experts:
+            expert_hidden = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+            shared_hidden = getattr(c, "shared_expert_intermediate_size", None) or 0
+            sparse_step = getattr(c, "decoder_sparse_step", 1) or 1
+            dense_only = set(getattr(c, "mlp_only_layers", None) or ())
+            moe_layers = sum(
+                1 for i in range(c.num_hidden_layers) if i not in dense_only and (i + 1) % sparse_step == 0
+            )
+        return cls(
+            name=model_type, n_layers=c.num_hidden_layers, hidden=c.hidden_size, n_heads=heads, n_kv_heads=kv_heads,
+            head_dim=head_dim, ffn_hidden=c.intermediate_size, vocab=c.vocab_size,
+            tied_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(getattr(c, "attention_bias", False)),
+            qk_norm_params=qk_norm_params, norms_per_layer=norms,
+            n_experts=n_experts, top_k=getattr(c, "num_experts_per_tok", 0) if n_experts else 0,
+            expert_hidden=expert_hidden, shared_expert_hidden=shared_hidden,
+            shared_expert_gate=bool(shared_hidden), moe_layers=moe_layers, builtin=False, model_type=model_type,
+        )
+
+
+# model_type -> (norms per layer, q/k norm kind). Gemma/OLMo2 add post-sublayer norms.
+_HF_SHAPES: dict[str, tuple[int, str]] = {
+    "llama": (2, "none"), "mistral": (2, "none"), "qwen2": (2, "none"), "qwen3": (2, "head"),
+    "phi3": (2, "none"), "olmo2": (2, "width"), "gemma": (2, "none"), "gemma2": (4, "none"),
+    "gemma3_text": (4, "head"), "mixtral": (2, "none"), "qwen2_moe": (2, "none"), "qwen3_moe": (2, "head"),
+}
+
+
+def model_shape(model: str) -> ModelShape:
+    """The shape of a built-in Llama preset name or a Hugging Face folder (only config.json is read)."""
+    from ultrascale.models.llama import LLAMA_PRESETS, LlamaConfig
+
+    if model in LLAMA_PRESETS:
+        return ModelShape.from_llama_config(LlamaConfig.from_preset(model), name=f"Llama {model}")
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model, local_files_only=True)
+    return ModelShape.from_hf_config(getattr(config, "text_config", None) or config)
+
+
+# --------------------------------------------------------------------------- activations
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """Bytes of the tensors autograd keeps for backward on one rank, per micro-batch, term by term.
+
+    Counted from what ultrascale's Llama block saves (checked against saved-tensor
+    measurement on CPU, tests/test_planner.py), with s = this rank's sequence (s/cp),
+    b = micro-batch, c = bytes of the compute dtype, t = tp, r = t under sequence parallel
+    else 1 (the divisor of sequence-sharded tensors):
+
+    - each RMSNorm: its fp32 input (4·sbh/r) and normalised output (c·sbh/r), and the matmul
+      input it feeds (c·sbh; all-gathered to the full sequence under SP);
+    - attention: q, k, v after RoPE and the output + its contiguous copy for wo:
+      c·sb(3q + 2kv)/t (q = heads·head_dim, kv = kv_heads·head_dim);
+    - SwiGLU: w1 out, silu out, w3 out, their product: 4c·sbf/t; a MoE layer's experts the same
+      over the s·b·k routed copies plus their gathered inputs and outputs: c·sbk(2h + 4f_e);
+    - the loss, at the start of the backward: the saved fp32 log-softmax, the gradient coming in
+      and the one going out (3 x 4 bytes) and the logits' gradient in the compute dtype,
+      (c + 12)·sbV (/t with loss parallel).
+
+    Full recompute keeps only each block's input (c·sbh/r) and re-runs one block at a time.
+    Selective recompute keeps matmul and attention outputs and re-runs norms and activations.
+    """
+
+    shape: ModelShape
+    seq_len: int
+    micro_batch: int
+    tp: int = 1
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    compute_bytes: int = 2
+    recompute: str = "none"
+    attention_scores_saved: bool = False
+    """Eager attention (no fused kernel) also keeps the s x s scores and their softmax: 2c·b·a·s²/t per layer."""
+
+    def _sizes(self) -> tuple[float, int, int, float]:
+        sb = self.seq_len * self.micro_batch
+        r = self.tp if self.sequence_parallel else 1
+        return sb, self.tp, r, self.compute_bytes
+
+    def layer_bytes(self, moe: bool = False) -> float:
+        """One layer with nothing recomputed."""
+        sh, (sb, t, r, c) = self.shape, self._sizes()
+        h, q, kv = sh.hidden, sh.q_width, sh.kv_width
+        norms = 2 * ((4 + c) * sb * h / r + c * sb * h)
+        attention = c * sb * (3 * q + 2 * kv) / t + 4 * sb * sh.n_heads / t  # + the fp32 log-sum-exp
+        if self.attention_scores_saved:
+            attention += 2 * c * sb * self.seq_len * sh.n_heads / t
+        if moe:
+            k = sh.top_k
+            mlp = c * sb * k * (2 * h + 4 * sh.expert_hidden) + 4 * sb * sh.n_experts
+            mlp += 4 * c * sb * sh.shared_expert_hidden
+        else:
+            mlp = (4 if sh.gated_mlp else 2) * c * sb * sh.ffn_hidden / t
+        return norms + attention + mlp
+
+    def kept_layer_bytes(self, moe: bool = False) -> float:
+        """What one layer keeps between its forward and backward under `recompute`."""
+        sh, (sb, t, r, c) = self.shape, self._sizes()
+        block_input = c * sb * sh.hidden / r
+        if self.recompute == "full":
+            return block_input
+        if self.recompute == "selective":
+            h, q, kv = sh.hidden, sh.q_width, sh.kv_width
+            matmuls = c * sb * (2 * q + 2 * kv) / t + 4 * sb * sh.n_heads / t + 2 * c * sb * h
+            if moe:
+                matmuls += c * sb * sh.top_k * (h + 2 * sh.expert_hidden) + 2 * c * sb * sh.shared_expert_hidden
+            else:
+                matmuls += (2 if sh.gated_mlp else 1) * c * sb * sh.ffn_hidden / t
+            return block_input + matmuls
+        return self.layer_bytes(moe)
+
+    def recompute_peak_bytes(self, moe: bool = False) -> float:
+        """Extra bytes while one block's forward is re-run in backward (none without recompute):
+        its full set of activations and the residual stream's incoming and outgoing gradient."""
+        if self.recompute == "none":
+            return 0.0
+        sb, t, r, c = self._sizes()
+        return self.layer_bytes(moe) + 2 * c * sb * self.shape.hidden / r
+
+    def peak_bytes(self, layers: int, *, in_flight: float = 1.0, with_loss: bool = True, moe_fraction: float = 0.0) -> float:
+        """Activation peak of a rank running `layers` blocks with `in_flight` micro-batches alive.
+
+        Either at the end of the forward (every kept layer plus the loss's tensors) or while the
+        backward re-runs one block (every kept layer plus that block's full set), whichever is larger."""
+        kept = moe_fraction * self.kept_layer_bytes(True) + (1 - moe_fraction) * self.kept_layer_bytes(False)
+        rerun = self.recompute_peak_bytes(moe_fraction > 0) if layers else 0.0
+        return in_flight * layers * kept + max(self.loss_bytes() if with_loss else 0.0, rerun)
+
+    def loss_bytes(self) -> float:
+        """The final norm, the head's input and the logits (c + 12 bytes per element at the loss's backward)."""
+        sh, (sb, t, r, c) = self.shape, self._sizes()
+        logits = (c + 12) * sb * sh.vocab / (t if self.loss_parallel else 1)
+        return (4 + c) * sb * sh.hidden / r + c * sb * sh.hidden + logits

@@ -143,7 +143,7 @@ class SelectiveAC(ACPolicy):
     def get_save_ops(self) -> set[Any]:
         """aten ops whose outputs are kept for backward."""
         return _aten_ops(
-            "mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
+            "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm",  # _grouped_mm: MoE experts
             "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
             "_flash_attention_forward", "_efficient_attention_forward",

@@ -1,0 +1,391 @@
+"""The planner's formulas: hand-computed cases, the real modules' sizes, and CPU measurements.
+
+- parameter counts per component equal the modules' `numel()` (built-in presets, ten HF
+  architectures) and Meta's published Llama-3 sizes;
+- model-state bytes per rank equal the bytes on live tensors within 2% for every ZeRO stage
+  and for tp, pp and ep (forked CPU ranks, a real Lightning step);
+- activation peaks are within 25% of torch's MemTracker on a real CPU step;
+- the search obeys the constraints, and `ultrascale plan` keeps its promises (JSON keys,
+  recipe, exit status).
+"""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ultrascale
+from tests._dist import run_ranks
+from tests._parity import ParityData, TokenDataset
+from ultrascale import planner
+from ultrascale.estimate import STATE_BYTES, ActivationModel, ModelShape, model_flops, model_shape
+from ultrascale.models.llama import Llama, LlamaConfig
+from ultrascale.models.lm import LlamaLM
+from ultrascale.parallel.memory import model_state_bytes
+
+GIB = 2**30
+
+
+def _meta_llama(preset: str, **overrides) -> Llama:
+    with torch.device("meta"):
+        return Llama(LlamaConfig.from_preset(preset, **overrides))
+
+
+# --------------------------------------------------------------------------- parameter counts
+
+
+def test_llama3_sizes_are_metas():
+    # Meta-Llama-3-8B / -70B model.safetensors.index.json: total_size 16,060,522,496 and
+    # 141,107,412,992 bytes of bf16 weights, i.e. 2 bytes per parameter.
+    assert model_shape("llama3_8b").num_params == 16_060_522_496 // 2
+    assert model_shape("llama3_70b").num_params == 141_107_412_992 // 2
+    assert sum(p.numel() for p in _meta_llama("llama3_8b").parameters()) == 8_030_261_248
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "tiny_moe", "llama3_8b"])
+def test_builtin_components_match_modules(preset):
+    config = LlamaConfig.from_preset(preset, n_shared_experts=1) if preset == "tiny_moe" else LlamaConfig.from_preset(preset)
+    with torch.device("meta"):
+        model = Llama(config)
+    shape = ModelShape.from_llama_config(config)
+    counts = shape.param_counts()
+
+    def numel(modules):
+        return sum(p.numel() for m in modules for p in m.parameters())
+
+    layers = list(model.layers)
+    assert counts["embedding"] == numel([model.tok_embeddings])
+    assert counts["head"] == numel([model.output])
+    assert counts["attention"] == numel([layer.attention for layer in layers])
+    assert counts["norms"] == numel([layer.attention_norm for layer in layers] + [layer.ffn_norm for layer in layers])
+    if config.n_experts:
+        moe = [layer.feed_forward for layer in layers]
+        assert counts["experts"] == numel([m.experts for m in moe])
+        assert counts["router"] == numel(moe) - counts["experts"]
+    else:
+        assert counts["mlp"] == numel([layer.feed_forward for layer in layers])
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert shape.active_matmul_params() == model_flops(model).n_matmul_params
+    assert shape.flops_per_token(512) == model_flops(model).per_token(512)
+
+
+def _hf_configs():
+    import transformers as T
+
+    common = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=96, vocab_size=320, eos_token_id=1, bos_token_id=0, pad_token_id=0)
+    moe = dict(num_experts_per_tok=2)
+    return {
+        "llama": T.LlamaConfig(**common), "mistral": T.MistralConfig(**common), "qwen2": T.Qwen2Config(**common),
+        "qwen3": T.Qwen3Config(**common, head_dim=24), "phi3": T.Phi3Config(**common), "olmo2": T.Olmo2Config(**common),
+        "gemma2": T.Gemma2Config(**common, head_dim=16), "gemma3": T.Gemma3TextConfig(**common, head_dim=16),
+        "mixtral": T.MixtralConfig(**common, num_local_experts=4, **moe),
+        "qwen2_moe": T.Qwen2MoeConfig(**common, num_experts=4, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=48, decoder_sparse_step=2, **moe),
+        "qwen3_moe": T.Qwen3MoeConfig(**common, num_experts=4, moe_intermediate_size=32, **moe),
+        "llama_tied": T.LlamaConfig(**common, tie_word_embeddings=True),
+    }
+
+
+@pytest.mark.parametrize("arch", sorted(_hf_configs()))
+def test_hf_counts_match_modules(arch):
+    import transformers
+
+    config = _hf_configs()[arch]
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_hf_config(config)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert shape.active_matmul_params() == model_flops(model).n_matmul_params
+
+
+def test_unknown_hf_architecture_is_named():
+    import transformers
+
+    with pytest.raises(ValueError, match="no cost model for Hugging Face model_type 'gpt2'"):
+        ModelShape.from_hf_config(transformers.GPT2Config())
+
+
+# --------------------------------------------------------------------------- model-state formulas
+
+
+def test_sixteen_bytes_per_parameter_under_bf16_mixed_adam():
+    # Playbook: bf16 weights + bf16 grads + fp32 master + two fp32 moments = 2 + 2 + 4 + 8;
+    # ultrascale's FSDP holds fp32 weights and grads instead of the master: 4 + 4 + 8. Both 16.
+    assert sum(STATE_BYTES[("bf16-mixed", "zero12")]) == 16
+    assert sum(STATE_BYTES[("bf16-mixed", "fsdp")]) == 16
+    assert sum(STATE_BYTES[("32-true", "fsdp")]) == 16
+
+
+def _row(preset="llama3_8b", gpus=8, **layout):
+    shape = model_shape(preset)
+    defaults = dict(dp_shard=gpus // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
+                                      * layout.get("dp_replicate", 1)))
+    lay = planner.Layout(**{**defaults, **layout})
+    work = planner.Workload(4096, lay.dp * lay.micro_batch * lay.grad_accumulation)
+    return shape, planner.evaluate(shape, lay, planner.Cluster(planner.GPU_SPECS["h100"], gpus), work)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_each_zero_stage_divides_its_states(stage):
+    shape, row = _row(zero_stage=stage)
+    psi, n = shape.num_params, 8
+    expected = {  # bytes per rank under bf16-mixed, hand-written (weights, grads, optimizer)
+        1: (2 * psi, 2 * psi, 12 * psi / n),
+        2: (2 * psi, 2 * psi / n, 12 * psi / n),
+        3: (4 * psi / n, 4 * psi / n, 8 * psi / n),
+    }[stage]
+    got = (row.memory["params"], row.memory["grads"], row.memory["optimizer"])
+    assert got == pytest.approx(expected, rel=1e-9)
+    assert not row.problems and row.layout.world == 8
+
+
+def test_tensor_and_pipeline_parallel_divide_the_model_not_the_norms():
+    shape, row = _row(tp=2, gpus=16)
+    counts = shape.param_counts()
+    norms = counts["norms"] + counts["final_norm"]
+    per_tp_rank = (shape.num_params - norms) / 2 + norms  # the norms are replicated over tp
+    assert row.memory["params"] == pytest.approx(4 * per_tp_rank / 8)
+    shape, row = _row(pp=2, gpus=16, grad_accumulation=4)
+    # The reported stage is the one with the most memory: the first (embedding + 16 layers), whose
+    # 1F1B activations for p micro-batches outweigh the last stage's head, final norm and logits.
+    first = 16 * (shape.attention_params + shape.norm_params + shape.dense_mlp_params) + counts["embedding"]
+    assert row.memory["params"] == pytest.approx(4 * first / 8)
+
+
+def test_expert_parallel_divides_the_experts():
+    shape = model_shape("tiny_moe")
+    lay = planner.Layout(dp_shard=8, ep=4, zero_stage=3)
+    row = planner.evaluate(shape, lay, planner.Cluster(planner.GPU_SPECS["h100"], 8), planner.Workload(256, 8))
+    counts = shape.param_counts()
+    dense = shape.num_params - counts["experts"]
+    # Dense weights sharded over all 8; each expert lives on 1 of 4 ep ranks, sharded over the other 2.
+    assert row.memory["params"] == pytest.approx(4 * (dense / 8 + counts["experts"] / 4 / 2))
+
+
+def test_pipeline_bubble_and_activations_follow_the_schedules():
+    shape, row = _row(pp=4, gpus=32, grad_accumulation=8)
+    t = row.step_time
+    assert t["bubble"] == pytest.approx(t["compute"] * 3 / 8)  # (p-1)/m
+    _, interleaved = _row(pp=4, gpus=32, grad_accumulation=8, virtual_stages=2)
+    assert interleaved.step_time["bubble"] == pytest.approx(interleaved.step_time["compute"] * 3 / 16)  # (p-1)/(v·m)
+    # 1F1B: the first stage keeps p = 4 micro-batches alive, whatever m is (GPipe would keep m).
+    _, more = _row(pp=4, gpus=32, grad_accumulation=16)
+    assert more.memory["activations"] == pytest.approx(row.memory["activations"])
+
+
+def test_constraints():
+    shape = model_shape("llama3_70b")
+    cluster = planner.Cluster(planner.GPU_SPECS["h100"], 64)
+
+    def problems(**layout):
+        lay = planner.Layout(**layout)
+        return " | ".join(planner.layout_problems(lay, shape, cluster, 8192, lay.dp * lay.micro_batch * lay.grad_accumulation))
+
+    assert problems(dp_shard=4, tp=16) .count("tp=16 spans nodes") == 1
+    assert "must divide n_kv_heads=8" in problems(dp_shard=4, tp=16)
+    assert "pp*virtual_stages=128 stages for 80 layers" in problems(pp=64, grad_accumulation=64, virtual_stages=2)
+    assert "with tensor parallel is not implemented" in problems(dp_shard=8, tp=8, zero_stage=1)
+    assert "ep=2 on a dense model" in problems(dp_shard=64, ep=2)
+    assert "not the 64 GPUs" in problems(dp_shard=8)
+    lay = planner.Layout(dp_shard=64, micro_batch=2)
+    assert "not the global batch of 64" in " ".join(planner.layout_problems(lay, shape, cluster, 8192, 64))
+    moe = model_shape("tiny_moe")
+    lay = planner.Layout(dp_shard=6, ep=3)
+    assert "ep=3 must divide the 8 experts" in " ".join(
+        planner.layout_problems(lay, moe, planner.Cluster(planner.GPU_SPECS["h100"], 6), 256, 6))
+
+
+def test_search_ranks_fitting_layouts_by_throughput():
+    shape = model_shape("llama3_70b")
+    cluster = planner.Cluster(planner.GPU_SPECS["h100"], 64)
+    rows = planner.search(shape, cluster, planner.Workload(8192, 128))
+    fitting = [row for row in rows if row.fits]
+    assert fitting and all(not row.problems for row in rows)
+    speeds = [row.tokens_per_s_per_gpu for row in fitting]
+    assert speeds == sorted(speeds, reverse=True)
+    for row in fitting:
+        assert row.memory["total"] <= cluster.usable_bytes
+        assert row.layout.world == 64 and row.layout.dp * row.layout.micro_batch * row.layout.grad_accumulation == 128
+        assert 0 < row.mfu < cluster.efficiency  # communication and bubbles only subtract
+    # A 70B model's states alone (16 bytes x 70.6B / 64 = 17.6 GB) fit; without sharding they do not.
+    unsharded = planner.evaluate(shape, planner.Layout(dp_replicate=64, dp_shard=1, zero_stage=3, micro_batch=2), cluster,
+                                 planner.Workload(8192, 128))
+    assert not unsharded.fits
+
+
+# --------------------------------------------------------------------------- activations vs measurement
+
+
+@pytest.mark.parametrize("preset", ["small", "tiny_moe"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_activation_peak_matches_memtracker(preset, recompute, dtype):
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from ultrascale.callbacks import ActivationCheckpointing
+
+    config = LlamaConfig.from_preset(preset, max_seq_len=512)
+    torch.manual_seed(0)
+    model = Llama(config).to(dtype)
+    if recompute != "none":
+        ActivationCheckpointing(mode=recompute).transform_model(model, list(model.layers))
+    seq, batch = 512, 2
+    tokens = torch.randint(0, config.vocab_size, (batch, seq))
+
+    def step():
+        logits = model(tokens)
+        F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten(), reduction="sum").backward()
+
+    step()  # gradients exist, as in every later step
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        step()
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    measured = sum(value for kind, value in peak.items() if str(kind).split(".")[-1] in ("ACT", "TEMP"))
+    shape = ModelShape.from_llama_config(config)
+    predicted = ActivationModel(shape, seq, batch, compute_bytes=dtype.itemsize, recompute=recompute).peak_bytes(
+        config.n_layers, moe_fraction=shape.moe_layers / shape.n_layers
+    )
+    assert 0.75 <= predicted / measured <= 1.25, (predicted / 2**20, measured / 2**20)
+
+
+# --------------------------------------------------------------------------- model states vs live tensors
+
+
+class _MeasureModelState(L.Callback):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == 1:
+            self.measured = model_state_bytes(pl_module, [optimizer])
+
+
+def _live_state(rank, world_size, preset, degrees, zero_stage):
+    measure = _MeasureModelState()
+    strategy = ultrascale.UltraScaleStrategy(zero_stage=zero_stage, zero_bucket_mb=0.5, **degrees)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, precision="bf16-mixed", max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[measure],
+    )
+    model = LlamaLM(preset=preset, learning_rate=1e-3, warmup_steps=1, max_steps=100)
+    trainer.fit(model, ParityData(TokenDataset(16, 64, 512, seed=3), 8))
+    m = measure.measured
+    return {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "pp_rank": strategy.parallel_mesh["pp"].get_local_rank()
+            if strategy.parallel_dims.pp_enabled else 0}
+
+
+LIVE_LAYOUTS = {
+    "zero1-dp4": ("small", 4, dict(), 1),
+    "zero2-dp4": ("small", 4, dict(), 2),
+    "zero3-dp4": ("small", 4, dict(), 3),
+    "zero3-dp2-tp2": ("small", 4, dict(tensor_parallel=2), 3),
+    "zero3-pp2-dp2": ("small", 4, dict(pipeline_parallel=2, pipeline_microbatches=2), 3),
+    "zero3-dp2-cp2": ("small", 4, dict(context_parallel=2), 3),
+    "zero3-ep2": ("tiny_moe", 2, dict(expert_parallel=2), 3),
+    "zero3-dp4-ep2": ("tiny_moe", 4, dict(expert_parallel=2), 3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LIVE_LAYOUTS))
+def test_model_state_matches_live_tensors(name):
+    preset, world, degrees, zero_stage = LIVE_LAYOUTS[name]
+    results = run_ranks(_live_state, world, preset, degrees, zero_stage)
+    shape = model_shape(preset)
+    pp, tp, cp, ep = (degrees.get(k, 1) for k in ("pipeline_parallel", "tensor_parallel", "context_parallel", "expert_parallel"))
+    lay = planner.Layout(pp=pp, dp_shard=world // (pp * tp * cp), cp=cp, tp=tp, ep=ep, zero_stage=zero_stage,
+                         grad_accumulation=2 if pp > 1 else 1)
+    work = planner.Workload(64, lay.dp * lay.grad_accumulation)
+    cluster = planner.Cluster(planner.GPU_SPECS["h100"], world)
+    for result in results:
+        first, last = _stage_of(result["pp_rank"], pp)
+        layers = planner._stage_layers(shape.n_layers, pp)[0 if first else 1]
+        predicted = planner.stage_model_state(shape, lay, work, layers, first, last)
+        for key in ("params", "grads", "optimizer"):
+            assert abs(result[key] - predicted[key]) / predicted[key] < 0.02, (name, key, result[key], predicted[key])
+    assert planner.evaluate(shape, lay, cluster, work).problems == []
+
+
+def _stage_of(pp_rank: int, pp: int) -> tuple[bool, bool]:
+    return pp_rank == 0, pp_rank == pp - 1
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _plan(capsys, *args):
+    from ultrascale.cli import main
+
+    code = 0
+    try:
+        main(["plan", *args])
+    except SystemExit as exit_info:
+        code = exit_info.code
+    return code, capsys.readouterr()
+
+
+def test_plan_json_rows_have_the_documented_keys(capsys):
+    code, out = _plan(capsys, "--preset", "llama3_70b", "--gpus", "64", "--seq-len", "8192", "--global-batch-tokens", "1M",
+                      "--top", "3", "--json")
+    assert code == 0
+    rows = json.loads(out.out)
+    assert len(rows) == 3
+    keys = {"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero_stage", "micro_batch", "grad_accumulation", "recompute",
+            "fits", "memory_gib", "step_time_s", "tokens_per_s_per_gpu", "mfu"}
+    for row in rows:
+        assert keys <= set(row)
+        assert set(row["memory_gib"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
+        assert set(row["step_time_s"]) == {"compute", "communication", "bubble", "total"}
+        assert row["fits"] and row["memory_gib"]["total"] == pytest.approx(
+            sum(v for k, v in row["memory_gib"].items() if k != "total"), abs=1e-3)
+        assert row["pp"] * row["dp_replicate"] * row["dp_shard"] * row["cp"] * row["tp"] == 64
+        assert row["micro_batch"] * row["grad_accumulation"] * row["dp_replicate"] * row["dp_shard"] == 128  # 1M / 8192
+    assert [r["tokens_per_s_per_gpu"] for r in rows] == sorted((r["tokens_per_s_per_gpu"] for r in rows), reverse=True)
+
+
+def test_plan_explains_a_layout_and_keeps_the_old_options(capsys):
+    shape = model_shape("llama3_8b")
+    code, out = _plan(capsys, "--preset", "llama3_8b", "--world", "8", "--zero-stage", "3", "--full-recompute",
+                      "--device-memory-gib", "80")
+    assert code == 0
+    assert f"parameters {4 * shape.num_params / 8 / GIB:.2f} + gradients {4 * shape.num_params / 8 / GIB:.2f}" in out.out
+    assert "recompute=full" in out.out and "zero_stage=3" in out.out
+    code, out = _plan(capsys, "--preset", "llama3_8b", "--gpus", "8", "--layout", "pp=2,dp_shard=2,tp=2,zero_stage=3")
+    assert code == 0 and "best       pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=2" in out.out
+
+
+def test_plan_refuses_impossible_layouts(capsys):
+    code, out = _plan(capsys, "--preset", "llama3_70b", "--world", "32", "--tp", "16")
+    assert code == 2 and "`tensor_parallel=16` must divide n_kv_heads=8" in out.err
+    code, out = _plan(capsys, "--preset", "llama3_8b", "--world", "8", "--tp", "3")
+    assert code == 2 and "cannot infer `dp_shard`" in out.err
+    code, out = _plan(capsys, "--preset", "llama3_8b", "--gpus", "8", "--layout", "tp=2,bogus=1")
+    assert code == 2 and "unknown layout key 'bogus'" in out.err
+
+
+def test_plan_says_what_would_fit(capsys):
+    code, out = _plan(capsys, "--preset", "llama3_70b", "--gpus", "8", "--seq-len", "8192")
+    assert code == 1
+    assert "nothing fits:" in out.out and "would fit  on 16 GPUs" in out.out
+    code, out = _plan(capsys, "--preset", "llama3_8b", "--gpus", "8", "--seq-len", "8192", "--layout", "dp_shard=8,zero_stage=1,recompute=none")
+    assert code == 1 and "would fit  without dp_shard=8, zero_stage=1, recompute=none" in out.out
+    code, out = _plan(capsys, "--preset", "llama3_70b", "--gpus", "64", "--why-not", "tp=16")
+    assert code == 0 and "tp=16 spans nodes (8 GPUs per node)" in out.out
+
+
+def test_emitted_recipe_is_a_valid_lightningcli_config(tmp_path, capsys):
+    recipe = tmp_path / "plan.yaml"
+    code, out = _plan(capsys, "--preset", "llama3_8b", "--gpus", "16", "--seq-len", "8192", "--layout", "pp=2,recompute=full",
+                      "--global-batch", "32", "--emit-recipe", str(recipe))
+    assert code == 0 and recipe.exists()
+    from ultrascale.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(recipe), "--print_config"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "pipeline_parallel: 2" in printed and "num_nodes: 2" in printed and "mode: full" in printed
+    assert "preset: llama3_8b" in printed and "seq_len: 8192" in printed
