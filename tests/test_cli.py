@@ -89,7 +89,8 @@ def test_plan_refuses_non_positive_sizes(capsys, flag, value):
     with pytest.raises(SystemExit) as exit_info:
         main(arguments)
     assert exit_info.value.code == 2
-    assert f"argument {flag}: {value} must be > 0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{flag}: {value} must be > 0" in err, err  # --world is shown as "--gpus/--world"
 
 
 @pytest.mark.slow
