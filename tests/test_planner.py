@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import ultrascale
-from tests._dist import run_ranks
+from tests._dist import init_gloo, run_ranks
 from tests._parity import ParityData, TokenDataset
 from ultrascale import planner
 from ultrascale.estimate import STATE_BYTES, ActivationModel, ModelShape, model_flops, model_shape
@@ -389,3 +389,44 @@ def test_emitted_recipe_is_a_valid_lightningcli_config(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "pipeline_parallel: 2" in printed and "num_nodes: 2" in printed and "mode: full" in printed
     assert "preset: llama3_8b" in printed and "seq_len: 8192" in printed
+
+
+def _tp_activation_peak(rank, world_size, recompute):
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from ultrascale.callbacks import ActivationCheckpointing
+    from ultrascale.models.adapters import get_adapter
+    from ultrascale.parallel.dims import ParallelDims, build_mesh
+    from ultrascale.parallel.tensor import apply_tp
+
+    init_gloo(rank, world_size)
+    config = LlamaConfig.from_preset("small", max_seq_len=512)
+    torch.manual_seed(0)
+    model = Llama(config).to(torch.bfloat16)
+    mesh = build_mesh(ParallelDims.resolve(world_size, dp_shard=1, tp=world_size), "cpu")
+    apply_tp(model, mesh["tp"], get_adapter(model).tp_plan(sequence_parallel=True, loss_parallel=False))
+    if recompute != "none":
+        ActivationCheckpointing(mode=recompute).transform_model(model, list(model.layers))
+    tokens = torch.randint(0, config.vocab_size, (2, 512))
+
+    def step():
+        F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten(), reduction="sum").backward()
+
+    step()
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        step()
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    return sum(value for kind, value in peak.items() if str(kind).split(".")[-1] in ("ACT", "TEMP"))
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_activation_peak_under_tensor_and_sequence_parallel(recompute):
+    """tp=2 with sequence parallel: norms on half the sequence, matmul inputs gathered, heads and MLP split."""
+    measured = run_ranks(_tp_activation_peak, 2, recompute)[0]
+    config = LlamaConfig.from_preset("small", max_seq_len=512)
+    model = ActivationModel(ModelShape.from_llama_config(config), 512, 2, tp=2, sequence_parallel=True,
+                            loss_parallel=False, compute_bytes=2, recompute=recompute)
+    predicted = model.peak_bytes(config.n_layers)
+    assert 0.75 <= predicted / measured <= 1.25, (predicted / 2**20, measured / 2**20)
