@@ -348,9 +348,15 @@ def stage_model_state(shape: ModelShape, layout: Layout, work: Workload, layers:
 
 
 def _group_bandwidth(cluster: Cluster, stride: int, size: int) -> float:
-    """Bytes/s of a group of `size` ranks `stride` apart (mesh order pp, dp_replicate, dp_shard, cp, tp)."""
-    inside = stride * size <= cluster.gpus_per_node
-    return (cluster.gpu.intra_node_gbps if inside else cluster.gpu.inter_node_gbps) * 1e9
+    """Bus bandwidth (bytes/s per GPU) of a group of `size` ranks `stride` apart (mesh order pp,
+    dp_replicate, dp_shard, cp, tp: tp innermost, so its ranks are neighbours).
+
+    Inside a node: NVLink. Across nodes NCCL runs one ring per NIC (rail), so a group with k
+    GPUs on each node crosses nodes over k NICs at once: min(NVLink, k x one NIC)."""
+    if size <= 1 or stride * size <= cluster.gpus_per_node:
+        return cluster.gpu.intra_node_gbps * 1e9
+    per_node = max(1, min(size, cluster.gpus_per_node // stride)) if stride < cluster.gpus_per_node else 1
+    return min(cluster.gpu.intra_node_gbps, cluster.gpu.inter_node_gbps * per_node) * 1e9
 
 
 def _ring(kind: str, nbytes: float, n: int, bandwidth: float) -> float:
