@@ -233,17 +233,23 @@ def plan_main(args: list[str]) -> str:
         from ultrascale.measure import measure_layout
 
         lay = best.layout
-        measured = measure_layout(
-            model_spec, world=options.gpus, pp=lay.pp, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, cp=lay.cp,
-            tp=lay.tp, ep=lay.ep, zero_stage=lay.zero_stage, precision=options.precision, seq_len=options.seq_len,
-            micro_batch=lay.micro_batch, recompute=lay.recompute,
-            pipeline_microbatches=lay.grad_accumulation if lay.pp > 1 else None,
-        )
-        predicted = best.memory["total"] / planner.GIB
-        lines.append(
-            f"measured   peak {measured['peak_gib']:.2f} GiB on rank 0 ({measured['tracker']} under FakeTensorMode, "
-            f"{measured['seconds']:.0f} s) vs predicted {predicted:.2f} GiB: ratio {predicted / measured['peak_gib']:.2f}"
-        )
+        try:
+            measured = measure_layout(
+                model_spec, world=options.gpus, pp=lay.pp, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, cp=lay.cp,
+                tp=lay.tp, ep=lay.ep, zero_stage=lay.zero_stage, precision=options.precision, seq_len=options.seq_len,
+                micro_batch=lay.micro_batch, recompute=lay.recompute,
+                pipeline_microbatches=lay.grad_accumulation if lay.pp > 1 else None,
+            )
+        except NotImplementedError as error:
+            lines.append(f"measured   not measured: {error}")
+        else:
+            predicted = best.memory["total"] / planner.GIB
+            parts = " + ".join(f"{key} {value:.2f}" for key, value in measured["breakdown_gib"].items())
+            lines.append(
+                f"measured   peak {measured['peak_gib']:.2f} GiB on rank 0 ({parts}; {measured['tracker']} under "
+                f"FakeTensorMode, {measured['seconds']:.0f} s) vs predicted {predicted:.2f} GiB: "
+                f"predicted/measured {predicted / measured['peak_gib']:.2f}"
+            )
     if best is not None and options.emit_recipe:
         from pathlib import Path
 

@@ -491,7 +491,9 @@ class ActivationModel:
       over the s·b·k routed copies plus their gathered inputs and outputs: c·sbk(2h + 4f_e);
     - the loss, at the start of the backward: the saved fp32 log-softmax, the gradient coming in
       and the one going out (3 x 4 bytes) and the logits' gradient in the compute dtype,
-      (c + 12)·sbV (/t with loss parallel).
+      (c + 12)·sbV; with loss parallel (c + 20)·sbV/t, since DTensor's vocabulary-parallel
+      cross-entropy keeps two more fp32 tensors of the sharded logits (measured under
+      `FakeTensorMode` on the 8B preset at tp=2).
 
     Full recompute keeps only each block's input (c·sbh/r) and re-runs one block at a time.
     Selective recompute keeps matmul and attention outputs and re-runs norms and activations.
@@ -565,5 +567,5 @@ class ActivationModel:
     def loss_bytes(self) -> float:
         """The final norm, the head's input and the logits (c + 12 bytes per element at the loss's backward)."""
         sh, (sb, t, r, c) = self.shape, self._sizes()
-        logits = (c + 12) * sb * sh.vocab / (t if self.loss_parallel else 1)
+        logits = (c + 20) * sb * sh.vocab / t if self.loss_parallel and t > 1 else (c + 12) * sb * sh.vocab
         return (4 + c) * sb * sh.hidden / r + c * sb * sh.hidden + logits

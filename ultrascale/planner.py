@@ -400,27 +400,35 @@ def evaluate(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload
         else:
             in_flight = 1
         activations = acts.peak_bytes(layers, in_flight=in_flight, with_loss=last, moe_fraction=moe_fraction)
-        # Buffers (FSDP keeps compute-dtype copies of gathered units). Without PP: the root unit
-        # (embedding, norm, head) stays gathered all step and the head's unsharded gradient lives
-        # through backward, plus the unit in use, the prefetched one and the last block (never
-        # resharded). Under PP nothing is resharded: the stage's whole gathered copy and its
-        # unsharded gradients, reduce-scattered (fp32) one unit at a time. ZeRO-1/2: two buckets.
+        # Buffers (FSDP keeps compute-dtype copies of gathered units). Without PP, at the peak (the
+        # loss): the root unit (embedding, norm, head; never resharded after forward) and the last
+        # block and the one before it (FSDPMemTracker on the 8B preset shows root + about one unit).
+        # Under PP nothing is resharded: the stage's whole gathered copy and its unsharded
+        # gradients, reduce-scattered (fp32) one unit at a time. ZeRO-1/2: two buckets.
         layer_unit = (shape.attention_params / lay.tp + shape.norm_params + (1 - moe_fraction) * shape.dense_mlp_params / lay.tp
                       + moe_fraction * (shape.router_params + shape.expert_params / lay.ep))
         counts = shape.param_counts()
         if lay.zero_stage == 3 and n_shard > 1 and lay.pp > 1:
             buffers = 2 * c * (dense + experts) + 4 * layer_unit
         elif lay.zero_stage == 3 and n_shard > 1:
-            root = (counts["embedding"] + counts["head"]) / lay.tp
-            buffers = c * (root + counts["head"] / lay.tp) + 3 * c * layer_unit
+            buffers = c * ((counts["embedding"] + counts["head"]) / lay.tp + 2 * layer_unit)
         elif lay.zero_stage in (1, 2) and n_shard > 1:
             buffers = 2 * 100 * 2**20
         else:
             buffers = 0.0
-        total = params + grads + optimizer + activations + buffers
+        # The peak is at the end of the forward, or at the optimizer step. FSDP's gradients do not
+        # exist during the forward (zero_grad sets them to None) unless they accumulate over
+        # micro-batches (accumulation, pipeline schedules); ZeRO-1/2 keep their gradient buffers.
+        accumulating = m > 1 or lay.pp > 1 or lay.zero_stage in (1, 2)
+        grads_in_forward = grads if accumulating else 0.0
+        if activations + grads_in_forward >= grads:
+            moment = {"grads": grads_in_forward, "activations": activations}
+        else:
+            moment = {"grads": grads, "activations": 0.0}
+        total = params + optimizer + buffers + moment["grads"] + moment["activations"]
         if total > worst.get("total", -1):
-            worst = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
-                     "buffers": buffers, "total": total}
+            worst = {"params": params, "grads": moment["grads"], "optimizer": optimizer,
+                     "activations": moment["activations"], "buffers": buffers, "total": total}
 
     # ---- time
     peak = cluster.gpu.peak_tflops * 1e12
