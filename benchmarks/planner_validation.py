@@ -18,7 +18,10 @@ The planner has no Float8 model: an fp8 run is priced at the bf16 peak, so its r
 expected below 1 (torchtitan measured Float8 at 1.2-1.5x bf16). Ratios "inside 25%" are
 counted over all runs and over the bf16 runs alone.
 
-    python benchmarks/planner_validation.py [--efficiency 0.55] [--out benchmarks/results/planner_validation.md]
+With `--measure` it also sets the planner's memory beside `ultrascale.measure` (the real model
+under FakeTensorMode and FSDPMemTracker, about 20 s per layout) for the 8B preset at world 8.
+
+    python benchmarks/planner_validation.py [--efficiency 0.55] [--measure] [--out benchmarks/results/planner_validation.md]
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ def _ratio(a, b) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--efficiency", type=float, default=planner.Cluster.efficiency)
+    parser.add_argument("--measure", action="store_true", help="also compare memory with ultrascale.measure (8B, world 8)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "planner_validation.md"))
     options = parser.parse_args()
 
@@ -156,7 +160,42 @@ def main() -> None:
         f"The achievable fraction that would centre the bf16 runs: "
         f"{options.efficiency / statistics.median(speed_ratios['bf16']):.2f} (the default stays {planner.Cluster.efficiency}).",
     ]
+    if options.measure:
+        lines += ["", *measured_table()]
     write_results("\n".join(lines), options.out)
+
+
+MEASURED_LAYOUTS = (
+    dict(dp_shard=8, recompute="none"), dict(dp_shard=8, recompute="selective"), dict(dp_shard=8, recompute="full"),
+    dict(dp_shard=4, tp=2, recompute="none"), dict(dp_shard=4, tp=2, recompute="full"),
+    dict(dp_shard=4, cp=2, recompute="none"), dict(dp_replicate=2, dp_shard=4, recompute="full"),
+)
+
+
+def measured_table() -> list[str]:
+    """Llama-3 8B, 8 GPUs, seq 8192, micro-batch 1, bf16-mixed, ZeRO-3: predicted vs measured peak per GPU."""
+    from ultrascale.measure import measure_layout
+
+    shape = model_shape("llama3_8b")
+    lines = [
+        "Llama-3 8B on 8 GPUs, seq 8192, micro-batch 1, bf16-mixed, ZeRO-3: the planner's peak per GPU beside "
+        "`ultrascale.measure` (FakeTensorMode + FSDPMemTracker, rank 0).",
+        "",
+        "| layout | predicted GiB (params + optimizer + activations + buffers) | measured GiB (same) | predicted / measured |",
+        "|---|---|---|---|",
+    ]
+    for layout in MEASURED_LAYOUTS:
+        lay = planner.Layout(zero_stage=3, **layout)
+        row = planner.evaluate(shape, lay, planner.Cluster(planner.GPU_SPECS["h100"], 8), planner.Workload(8192, lay.dp))
+        measured = measure_layout("llama3_8b", world=8, seq_len=8192, micro_batch=1, **layout)
+        m, b = row.memory, measured["breakdown_gib"]
+        name = ", ".join(f"{k}={v}" for k, v in layout.items())
+        lines.append(
+            f"| {name} | {m['total'] / GIB:.2f} ({m['params'] / GIB:.2f} + {m['optimizer'] / GIB:.2f} + "
+            f"{m['activations'] / GIB:.2f} + {m['buffers'] / GIB:.2f}) | {measured['peak_gib']:.2f} ({b['params']:.2f} + "
+            f"{b['optimizer']:.2f} + {b['activations']:.2f} + {b['buffers']:.2f}) | {m['total'] / GIB / measured['peak_gib']:.3f} |"
+        )
+    return lines
 
 
 if __name__ == "__main__":

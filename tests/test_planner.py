@@ -447,7 +447,7 @@ def test_activation_peak_under_tensor_and_sequence_parallel(recompute):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [dict(dp_shard=8, recompute="full"), dict(dp_shard=4, tp=2, recompute="full"),
-                                    dict(dp_shard=8, recompute="none")])
+                                    dict(dp_shard=8, recompute="none"), dict(dp_shard=4, cp=2, recompute="none")])
 def test_measure_agrees_with_the_formulas_on_8b_at_world_8(layout):
     """`ultrascale plan --measure`: the real model under FakeTensorMode and FSDPMemTracker (about 20 s)."""
     from ultrascale.measure import measure_layout
@@ -481,3 +481,26 @@ def test_measure_small_model_states(tmp_path):
     states = planner.stage_model_state(shape, lay, planner.Workload(256, 4), shape.n_layers, True, True)
     assert measured["breakdown_gib"]["params"] * GIB == pytest.approx(states["params"], rel=0.02)
     assert measured["breakdown_gib"]["optimizer"] * GIB == pytest.approx(states["optimizer"], rel=0.02)
+
+
+def test_hf_models_get_only_what_ultrascale_runs_for_them():
+    import transformers as T
+
+    cluster = planner.Cluster(planner.GPU_SPECS["h100"], 8)
+    common = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, intermediate_size=512,
+                  vocab_size=1024)
+    qwen3 = T.Qwen3Config(**common)
+    shape = ModelShape.from_hf_config(qwen3)
+    lay = planner.Layout(dp_shard=4, tp=2)
+    problems = " ".join(planner.layout_problems(lay, shape, cluster, 1024, 4, hf_config=qwen3))
+    # Qwen3's plan uses 'replicated_with_grad_allreduce', a style ultrascale does not map yet (issue 12).
+    assert "unknown tensor-parallel style 'replicated_with_grad_allreduce'" in problems
+    llama = T.LlamaConfig(**common)
+    assert planner.layout_problems(lay, ModelShape.from_hf_config(llama), cluster, 1024, 4, hf_config=llama) == []
+    gemma = T.Gemma2Config(**common, head_dim=32)
+    pp = planner.Layout(pp=2, dp_shard=4, grad_accumulation=2)
+    assert "pipeline parallel has no stage split for gemma2" in " ".join(
+        planner.layout_problems(pp, ModelShape.from_hf_config(gemma), cluster, 1024, 8, hf_config=gemma))
+    # HF models run TP without sequence parallel: the norms' activations are not divided by tp.
+    rows = planner.search(ModelShape.from_hf_config(llama), cluster, planner.Workload(1024, 8), {"tp": 2}, hf_config=llama)
+    assert rows and all(row.layout.tp == 2 for row in rows)

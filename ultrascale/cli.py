@@ -159,6 +159,10 @@ def plan_main(args: list[str]) -> str:
                         help="attention keeps its s x s scores (no flash / fused kernel)")
     parser.add_argument("--device-memory-gib", type=_positive(float), default=None, help="memory of one GPU (default: the GPU's)")
     parser.add_argument("--peak-tflops", type=_positive(float), default=None, help="dense bf16 peak of one GPU (default: the GPU's)")
+    parser.add_argument("--intra-node-gbps", type=_positive(float), default=None,
+                        help="GB/s per GPU inside a node (default: the GPU's NVLink figure)")
+    parser.add_argument("--inter-node-gbps", type=_positive(float), default=None,
+                        help="GB/s per GPU between nodes (default: one 400 Gb/s NIC per GPU)")
     parser.add_argument("--efficiency", type=_positive(float), default=None,
                         help=f"fraction of the peak the matmuls reach (default {planner.Cluster.efficiency})")
     options = parser.parse_args(args)
@@ -187,11 +191,12 @@ def plan_main(args: list[str]) -> str:
             check_tp_divides(degrees["tp"], {"n_heads": shape.n_heads, "n_kv_heads": shape.n_kv_heads,
                                              "ffn_hidden_dim": shape.ffn_hidden, "vocab_size": shape.vocab}, shape.name)
     spec = planner.GPU_SPECS[options.gpu]
-    if options.device_memory_gib or options.peak_tflops:
+    overrides = {"memory_gib": options.device_memory_gib, "peak_tflops": options.peak_tflops,
+                 "intra_node_gbps": options.intra_node_gbps, "inter_node_gbps": options.inter_node_gbps}
+    if any(overrides.values()):
         import dataclasses
 
-        spec = dataclasses.replace(spec, memory_gib=options.device_memory_gib or spec.memory_gib,
-                                   peak_tflops=options.peak_tflops or spec.peak_tflops)
+        spec = dataclasses.replace(spec, **{key: value for key, value in overrides.items() if value})
     cluster = planner.Cluster(spec, options.gpus, options.gpus_per_node,
                               **({"efficiency": options.efficiency} if options.efficiency else {}))
     if options.global_batch_tokens:

@@ -12,8 +12,8 @@ process-wide.
 
     python -m ultrascale.measure '{"model": "llama3_8b", "world": 8, "seq_len": 8192}'
 
-Measured here: ZeRO-3 (FSDP) with dp_shard, dp_replicate (HSDP) and tp; ZeRO-1/2, cp, pp and
-ep raise NotImplementedError rather than measure something else.
+Measured here: ZeRO-3 (FSDP) with dp_shard, dp_replicate (HSDP), cp (ring attention) and tp;
+ZeRO-1/2, pp and ep raise NotImplementedError rather than measure something else.
 """
 
 from __future__ import annotations
@@ -78,12 +78,12 @@ def measure_layout(
 
 
 def _check_supported(*, pp: int, cp: int, ep: int, zero_stage: int, recompute: str, precision: str) -> None:
-    missing = [name for name, on in (("pipeline parallel", pp > 1), ("context parallel", cp > 1),
-                                     ("expert parallel", ep > 1), (f"ZeRO-{zero_stage}", zero_stage != 3)) if on]
+    missing = [name for name, on in (("pipeline parallel", pp > 1), ("expert parallel", ep > 1),
+                                     (f"ZeRO-{zero_stage}", zero_stage != 3)) if on]
     if missing:
         raise NotImplementedError(
-            f"measure_layout: {', '.join(missing)} is not measured yet (measured: ZeRO-3 with dp_shard, dp_replicate "
-            "and tp); use the planner's formulas for this layout"
+            f"measure_layout: {', '.join(missing)} is not measured yet (measured: ZeRO-3 with dp_shard, dp_replicate, "
+            "cp and tp); use the planner's formulas for this layout"
         )
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"measure_layout: recompute={recompute!r}; choose none, selective or full")
@@ -116,6 +116,7 @@ def _child(request: dict[str, Any]) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ultrascale.models.adapters import get_adapter
+    from ultrascale.parallel.context import ContextParallel
     from ultrascale.parallel.dims import ParallelDims, build_mesh
     from ultrascale.parallel.init import materialize_meta_module
     from ultrascale.parallel.parallelize import parallelize
@@ -150,11 +151,19 @@ def _child(request: dict[str, Any]) -> dict[str, Any]:
         adapter.check_tensor_parallel(dims.tp, sequence_parallel=adapter.supports_sequence_parallel)
         loss_parallel = True
         tp_plan = adapter.tp_plan(sequence_parallel=adapter.supports_sequence_parallel, loss_parallel=True)
-    parallelize(module, mesh, blocks=adapter.blocks, tp_plan=tp_plan, transforms=transforms, mp_policy=policy)
+    context_parallel = None
+    if dims.cp_enabled:
+        adapter.check_context_parallel(dims.cp)
+        context_parallel = ContextParallel(mesh["cp"], "ring", load_balance=True)
+        # The layout of this rank's tokens, set as the strategy sets it for every batch. Positions
+        # only steer RoPE, not memory: the fake step runs the local tokens at positions 0..s/cp.
+        context_parallel.shard_batch({"input_ids": torch.zeros((r["micro_batch"], r["seq_len"]), dtype=torch.long)})
+    parallelize(module, mesh, blocks=adapter.blocks, tp_plan=tp_plan, transforms=transforms, mp_policy=policy,
+                context_parallel=context_parallel, enable_context_parallel=adapter.enable_context_parallel)
     with FakeTensorMode(allow_non_fake_inputs=True):  # the DeviceMesh holds a real rank tensor
         materialize_meta_module(module, torch.device("cpu"))
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=False)
-        tokens = torch.randint(0, vocab, (r["micro_batch"], r["seq_len"]))
+        tokens = torch.randint(0, vocab, (r["micro_batch"], r["seq_len"] // dims.cp))
         tracker = FSDPMemTracker(module, optimizer)
         tracker.track_inputs((tokens,))
 
