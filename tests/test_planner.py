@@ -382,7 +382,12 @@ def test_plan_refuses_impossible_layouts(capsys):
 def test_plan_says_what_would_fit(capsys):
     code, out = _plan(capsys, "--preset", "llama3_70b", "--gpus", "8", "--seq-len", "8192")
     assert code == 1
-    assert "nothing fits:" in out.out and "would fit  on 16 GPUs" in out.out
+    assert "nothing fits:" in out.out
+    # 16 bytes x 70.6B parameters = 1.1 TB of model states alone: more GPUs are needed.
+    import re
+
+    more = re.search(r"would fit  on (\d+) GPUs", out.out)
+    assert more and int(more.group(1)) > 8 and 16 * 70.55e9 / int(more.group(1)) < 80 * GIB
     code, out = _plan(capsys, "--preset", "llama3_8b", "--gpus", "8", "--seq-len", "8192", "--layout", "dp_shard=8,zero_stage=1,recompute=none")
     assert code == 1 and "would fit  without dp_shard=8, zero_stage=1, recompute=none" in out.out
     code, out = _plan(capsys, "--preset", "llama3_70b", "--gpus", "64", "--why-not", "tp=16")
