@@ -370,102 +370,108 @@ def _ring(kind: str, nbytes: float, n: int, bandwidth: float) -> float:
 
 def evaluate(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload, hf_config: Any = None) -> PlanRow:
     """Memory and time per GPU of one layout (also for a refused one: `problems` then says why)."""
-    lay, c = layout, work.compute_bytes
+    lay = layout
     problems = layout_problems(lay, shape, cluster, work.seq_len, work.global_batch, hf_config)
-    family = "fsdp" if lay.zero_stage == 3 else "zero12"
-    w_bytes, g_bytes, o_bytes = STATE_BYTES[(work.precision, family)]
-    n_shard = lay.dp_shard * lay.cp
-    n_expert_shard = max(n_shard // lay.ep, 1)
-    sp = shape.builtin and lay.tp > 1
-    loss_parallel = lay.tp > 1 and lay.pp == 1
-    s_local = work.seq_len // lay.cp
-    acts = ActivationModel(shape, s_local, lay.micro_batch, tp=lay.tp, sequence_parallel=sp,
-                           loss_parallel=loss_parallel, compute_bytes=c, recompute=lay.recompute,
+    acts = ActivationModel(shape, work.seq_len // lay.cp, lay.micro_batch, tp=lay.tp,
+                           sequence_parallel=shape.builtin and lay.tp > 1, loss_parallel=lay.tp > 1 and lay.pp == 1,
+                           compute_bytes=work.compute_bytes, recompute=lay.recompute,
                            attention_scores_saved=work.attention_scores_saved)
-    moe_fraction = shape.moe_layers / shape.n_layers
-    m = lay.grad_accumulation
-
     first_layers, last_layers = _stage_layers(shape.n_layers, lay.pp)
     stages = [(first_layers, True, lay.pp == 1)] + ([(last_layers, False, True)] if lay.pp > 1 else [])
-    worst: dict[str, float] = {}
-    for layers, first, last in stages:
-        dense, experts = _stage_params(shape, lay, layers, first, last)
-        states = stage_model_state(shape, lay, work, layers, first, last)
-        params, grads, optimizer = states["params"], states["grads"], states["optimizer"]
-        # Activations alive at the peak: 1F1B's first stage holds p micro-batches, GPipe all m,
-        # interleaving adds (p-1)/(p·v) (Narayanan et al. 2021); the last stage also the logits.
-        if lay.pp > 1:
-            interleaving = 1 + (lay.pp - 1) / (lay.pp * lay.virtual_stages) if lay.virtual_stages > 1 else 1.0
-            in_flight = min(m, lay.pp) * interleaving if first else 1.0
-        else:
-            in_flight = 1
-        activations = acts.peak_bytes(layers, in_flight=in_flight, with_loss=last, moe_fraction=moe_fraction)
-        # Buffers (FSDP keeps compute-dtype copies of gathered units). Without PP, at the peak (the
-        # loss): the root unit (embedding, norm, head; never resharded after forward) and the last
-        # block and the one before it (FSDPMemTracker on the 8B preset shows root + about one unit).
-        # Under PP nothing is resharded: the stage's whole gathered copy and its unsharded
-        # gradients, reduce-scattered (fp32) one unit at a time. ZeRO-1/2: two buckets.
-        layer_unit = (shape.attention_params / lay.tp + shape.norm_params + (1 - moe_fraction) * shape.dense_mlp_params / lay.tp
-                      + moe_fraction * (shape.router_params + shape.expert_params / lay.ep))
-        counts = shape.param_counts()
-        if lay.zero_stage == 3 and n_shard > 1 and lay.pp > 1:
-            buffers = 2 * c * (dense + experts) + 4 * layer_unit
-        elif lay.zero_stage == 3 and n_shard > 1:
-            buffers = c * ((counts["embedding"] + counts["head"]) / lay.tp + 2 * layer_unit)
-        elif lay.zero_stage in (1, 2) and n_shard > 1:
-            buffers = 2 * 100 * 2**20
-        else:
-            buffers = 0.0
-        # The peak is at the end of the forward, or at the optimizer step. FSDP's gradients do not
-        # exist during the forward (zero_grad sets them to None) unless they accumulate over
-        # micro-batches (accumulation, pipeline schedules); ZeRO-1/2 keep their gradient buffers.
-        # The step itself adds foreach AdamW's temporary: 4 bytes per parameter it updates
-        # (measured with torch's MemTracker on CPU: states 8 + temporary 4 bytes per parameter).
-        accumulating = m > 1 or lay.pp > 1 or lay.zero_stage in (1, 2)
-        grads_in_forward = grads if accumulating else 0.0
-        step_temporary = optimizer * 4 / o_bytes
-        if activations + grads_in_forward >= grads + step_temporary:
-            moment = {"grads": grads_in_forward, "activations": activations, "optimizer": optimizer}
-        else:
-            moment = {"grads": grads, "activations": 0.0, "optimizer": optimizer + step_temporary}
-        total = params + buffers + moment["optimizer"] + moment["grads"] + moment["activations"]
-        if total > worst.get("total", -1):
-            worst = {"params": params, "grads": moment["grads"], "optimizer": moment["optimizer"],
-                     "activations": moment["activations"], "buffers": buffers, "total": total}
-
-    # ---- time
+    memory = max((_peak_memory(shape, lay, work, acts, *stage) for stage in stages), key=lambda mem: mem["total"])
+    step_time = _step_time(shape, lay, cluster, work, acts)
     peak = cluster.gpu.peak_tflops * 1e12
-    rate = peak * cluster.efficiency
+    tokens_per_s_per_gpu = work.tokens / step_time["total"] / cluster.gpus
+    mfu = shape.flops_per_token(work.seq_len) * work.tokens / (step_time["total"] * cluster.gpus * peak)
+    fits = not problems and memory["total"] <= cluster.usable_bytes
+    return PlanRow(lay, fits, memory, step_time, tokens_per_s_per_gpu, mfu, problems)
+
+
+def _peak_memory(shape: ModelShape, lay: Layout, work: Workload, acts: ActivationModel, layers: int, first: bool,
+                 last: bool) -> dict[str, float]:
+    """Bytes per GPU of one pipeline stage at its peak, by category (they sum to `total`)."""
+    c, m = work.compute_bytes, lay.grad_accumulation
+    n_shard = lay.dp_shard * lay.cp
+    moe_fraction = shape.moe_layers / shape.n_layers
+    dense, experts = _stage_params(shape, lay, layers, first, last)
+    states = stage_model_state(shape, lay, work, layers, first, last)
+    params, grads, optimizer = states["params"], states["grads"], states["optimizer"]
+    # Activations alive at the peak: 1F1B's first stage holds p micro-batches, GPipe all m,
+    # interleaving adds (p-1)/(p·v) (Narayanan et al. 2021); the last stage also the logits.
+    in_flight = 1.0
+    if lay.pp > 1 and first:
+        interleaving = 1 + (lay.pp - 1) / (lay.pp * lay.virtual_stages) if lay.virtual_stages > 1 else 1.0
+        in_flight = min(m, lay.pp) * interleaving
+    activations = acts.peak_bytes(layers, in_flight=in_flight, with_loss=last, moe_fraction=moe_fraction)
+    # Buffers (FSDP keeps compute-dtype copies of gathered units). Without PP, at the peak (the
+    # loss): the root unit (embedding, norm, head; never resharded after forward) and the last
+    # block and the one before it (FSDPMemTracker on the 8B preset shows root + about one unit).
+    # Under PP nothing is resharded: the stage's whole gathered copy and its unsharded
+    # gradients, reduce-scattered (fp32) one unit at a time. ZeRO-1/2: two buckets.
+    layer_unit = (shape.attention_params / lay.tp + shape.norm_params + (1 - moe_fraction) * shape.dense_mlp_params / lay.tp
+                  + moe_fraction * (shape.router_params + shape.expert_params / lay.ep))
+    counts = shape.param_counts()
+    if lay.zero_stage == 3 and n_shard > 1 and lay.pp > 1:
+        buffers = 2 * c * (dense + experts) + 4 * layer_unit
+    elif lay.zero_stage == 3 and n_shard > 1:
+        buffers = c * ((counts["embedding"] + counts["head"]) / lay.tp + 2 * layer_unit)
+    elif lay.zero_stage in (1, 2) and n_shard > 1:
+        buffers = 2 * 100 * 2**20
+    else:
+        buffers = 0.0
+    # The peak is at the end of the forward, or at the optimizer step. FSDP's gradients do not
+    # exist during the forward (zero_grad sets them to None) unless they accumulate over
+    # micro-batches (accumulation, pipeline schedules); ZeRO-1/2 keep their gradient buffers.
+    # The step itself adds foreach AdamW's temporary: 4 bytes per parameter it updates
+    # (measured with torch's MemTracker on CPU: states 8 + temporary 4 bytes per parameter).
+    accumulating = m > 1 or lay.pp > 1 or lay.zero_stage in (1, 2)
+    grads_in_forward = grads if accumulating else 0.0
+    optimizer_bytes = STATE_BYTES[(work.precision, "fsdp" if lay.zero_stage == 3 else "zero12")][2]
+    step_temporary = optimizer * 4 / optimizer_bytes
+    if activations + grads_in_forward >= grads + step_temporary:
+        moment = {"grads": grads_in_forward, "optimizer": optimizer, "activations": activations}
+    else:
+        moment = {"grads": grads, "optimizer": optimizer + step_temporary, "activations": 0.0}
+    memory = {"params": params, **moment, "buffers": buffers}
+    return {**memory, "total": sum(memory.values())}
+
+
+def _step_time(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workload, acts: ActivationModel) -> dict[str, float]:
+    """Seconds per optimizer step of the slowest stage: compute, exposed communication, bubble."""
+    c, m = work.compute_bytes, lay.grad_accumulation
+    rate = cluster.gpu.peak_tflops * 1e12 * cluster.efficiency
+    first_layers, last_layers = _stage_layers(shape.n_layers, lay.pp)
     flops_token = shape.flops_per_token(work.seq_len)
     extra_token = 0.0
     if lay.recompute == "full":  # the forward again: 2N of the blocks + 4·L·h·s of attention
         blocks_n = shape.active_matmul_params() - shape.vocab * shape.hidden
         extra_token = 2 * blocks_n + 4 * shape.n_layers * shape.q_width * work.seq_len
-    model_flops_step = flops_token * work.tokens
     # Work per GPU of the slowest stage: its layers' share plus the head on the last stage.
     head_token = 6 * shape.vocab * shape.hidden
-    layer_token = (flops_token - head_token + extra_token * 1.0) / shape.n_layers
+    layer_token = (flops_token - head_token + extra_token) / shape.n_layers
     stage_tokens = work.tokens / (lay.dp * lay.cp * lay.tp)  # tokens one rank's stage processes per step
     stage_flops = max(first_layers * layer_token + (head_token if lay.pp == 1 else 0.0), last_layers * layer_token + head_token)
     compute = stage_tokens * stage_flops / rate
     if lay.recompute == "selective":  # norms, SiLU and products re-run: memory-bound, read + write once more
         rerun = (acts.layer_bytes(False) - acts.kept_layer_bytes(False)) * 2
         compute += m * first_layers * rerun / (cluster.gpu.hbm_gbps * 1e9)
-    per_mb_compute = compute / m
-    bubble = (lay.pp - 1) / lay.virtual_stages * per_mb_compute if lay.pp > 1 else 0.0
+    bubble = (lay.pp - 1) / lay.virtual_stages * compute / m if lay.pp > 1 else 0.0
 
-    tp_stride, cp_stride, dps_stride = 1, lay.tp, lay.tp * lay.cp
-    dpr_stride, pp_stride = dps_stride * lay.dp_shard, dps_stride * lay.dp_shard * lay.dp_replicate
-    bw_tp = _group_bandwidth(cluster, tp_stride, lay.tp)
+    n_shard = lay.dp_shard * lay.cp
+    n_expert_shard = max(n_shard // lay.ep, 1)
+    w_bytes, g_bytes, _ = STATE_BYTES[(work.precision, "fsdp" if lay.zero_stage == 3 else "zero12")]
+    cp_stride = lay.tp  # mesh order pp, dp_replicate, dp_shard, cp, tp: tp innermost
+    dpr_stride = lay.tp * lay.cp * lay.dp_shard
+    bw_tp = _group_bandwidth(cluster, 1, lay.tp)
     bw_cp = _group_bandwidth(cluster, cp_stride, lay.cp)
     bw_fsdp = _group_bandwidth(cluster, cp_stride, n_shard)  # dp_shard x cp, flattened
     bw_ep = _group_bandwidth(cluster, cp_stride, lay.ep)
     bw_dpr = _group_bandwidth(cluster, dpr_stride, lay.dp_replicate)
-    bw_pp = _group_bandwidth(cluster, pp_stride, lay.pp)
+    bw_pp = _group_bandwidth(cluster, dpr_stride * lay.dp_replicate, lay.pp)
     dense, experts = _stage_params(shape, lay, first_layers, True, lay.pp == 1)
-    tokens_mb = s_local * lay.micro_batch  # tokens of one micro-batch on this rank
-    layers = first_layers
-    lat = cluster.latency_s
+    tokens_mb = acts.seq_len * lay.micro_batch  # tokens of one micro-batch on this rank
+    layers, lat = first_layers, cluster.latency_s
+    moe_fraction = shape.moe_layers / shape.n_layers
     hidden_comm = 0.0  # communication that overlaps compute (FSDP prefetch, ZeRO-2 buckets, CP ring)
     exposed = 0.0
     # ZeRO-3: all-gather forward and backward every micro-batch (reshard after forward; under PP
@@ -483,7 +489,7 @@ def evaluate(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload
         else:
             exposed += grads_rs
         exposed += _ring("all_gather", dense * w_bytes, n_shard, bw_fsdp)
-    if lay.dp_replicate > 1:  # HSDP / replicas: all-reduce of each shard's fp32 gradient
+    if lay.dp_replicate > 1:  # HSDP / replicas: all-reduce of each shard's fp32 gradient, half hidden
         replicas = _ring("all_reduce", (dense + experts) * 4 / max(n_shard, 1), lay.dp_replicate, bw_dpr)
         hidden_comm += replicas * 0.5
         exposed += replicas * 0.5
@@ -501,16 +507,11 @@ def evaluate(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload
         routed = tokens_mb * shape.top_k * shape.hidden * c
         exposed += m * layers * moe_fraction * 4 * (_ring("all_to_all", routed, lay.ep, bw_ep) + lat)
     if lay.pp > 1:  # boundary sends: on the critical path while the pipeline fills and drains
-        boundary = tokens_mb * shape.hidden * c / (lay.tp if sp else 1)
+        boundary = tokens_mb * shape.hidden * c / (lay.tp if acts.sequence_parallel else 1)
         exposed += 2 * (lay.pp - 1) * (_ring("p2p", boundary, 2, bw_pp) + lat)
     # What the compute cannot hide (FSDP prefetch ahead of a short layer, a slow ring) is exposed.
     exposed += max(hidden_comm - compute, 0.0)
-    total_time = compute + exposed + bubble
-    tokens_per_s_per_gpu = work.tokens / total_time / cluster.gpus
-    mfu = model_flops_step / (total_time * cluster.gpus * peak)
-    fits = not problems and worst["total"] <= cluster.usable_bytes
-    return PlanRow(lay, fits, worst, {"compute": compute, "communication": exposed, "bubble": bubble, "total": total_time},
-                   tokens_per_s_per_gpu, mfu, problems)
+    return {"compute": compute, "communication": exposed, "bubble": bubble, "total": compute + exposed + bubble}
 
 
 # --------------------------------------------------------------------------- search
