@@ -169,31 +169,33 @@ MEASURED_LAYOUTS = (
     dict(dp_shard=8, recompute="none"), dict(dp_shard=8, recompute="selective"), dict(dp_shard=8, recompute="full"),
     dict(dp_shard=4, tp=2, recompute="none"), dict(dp_shard=4, tp=2, recompute="full"),
     dict(dp_shard=4, cp=2, recompute="none"), dict(dp_replicate=2, dp_shard=4, recompute="full"),
+    dict(dp_shard=8, zero_stage=1, recompute="full"), dict(dp_shard=8, zero_stage=2, recompute="full"),
 )
 
 
 def measured_table() -> list[str]:
-    """Llama-3 8B, 8 GPUs, seq 8192, micro-batch 1, bf16-mixed, ZeRO-3: predicted vs measured peak per GPU."""
+    """Llama-3 8B, 8 GPUs, seq 8192, micro-batch 1, bf16-mixed: predicted vs measured peak per GPU."""
     from ultrascale.measure import measure_layout
 
     shape = model_shape("llama3_8b")
     lines = [
-        "Llama-3 8B on 8 GPUs, seq 8192, micro-batch 1, bf16-mixed, ZeRO-3: the planner's peak per GPU beside "
-        "`ultrascale.measure` (FakeTensorMode + FSDPMemTracker, rank 0).",
+        "Llama-3 8B on 8 GPUs, seq 8192, micro-batch 1, bf16-mixed, ZeRO-3 unless named: the planner's peak per GPU "
+        "beside `ultrascale.measure` (FakeTensorMode + FSDPMemTracker, or MemTracker for ZeRO-1/2; rank 0).",
         "",
-        "| layout | predicted GiB (params + optimizer + activations + buffers) | measured GiB (same) | predicted / measured |",
+        "| layout | predicted GiB (params + grads + optimizer + activations + buffers) | measured GiB (same) | predicted / measured |",
         "|---|---|---|---|",
     ]
     for layout in MEASURED_LAYOUTS:
-        lay = planner.Layout(zero_stage=3, **layout)
+        lay = planner.Layout(**{"zero_stage": 3, **layout})
         row = planner.evaluate(shape, lay, planner.Cluster(planner.GPU_SPECS["h100"], 8), planner.Workload(8192, lay.dp))
         measured = measure_layout("llama3_8b", world=8, seq_len=8192, micro_batch=1, **layout)
         m, b = row.memory, measured["breakdown_gib"]
         name = ", ".join(f"{k}={v}" for k, v in layout.items())
         lines.append(
-            f"| {name} | {m['total'] / GIB:.2f} ({m['params'] / GIB:.2f} + {m['optimizer'] / GIB:.2f} + "
+            f"| {name} | {m['total'] / GIB:.2f} ({m['params'] / GIB:.2f} + {m['grads'] / GIB:.2f} + {m['optimizer'] / GIB:.2f} + "
             f"{m['activations'] / GIB:.2f} + {m['buffers'] / GIB:.2f}) | {measured['peak_gib']:.2f} ({b['params']:.2f} + "
-            f"{b['optimizer']:.2f} + {b['activations']:.2f} + {b['buffers']:.2f}) | {m['total'] / GIB / measured['peak_gib']:.3f} |"
+            f"{b['grads']:.2f} + {b['optimizer']:.2f} + {b['activations']:.2f} + {b['buffers']:.2f}) "
+            f"| {m['total'] / GIB / measured['peak_gib']:.3f} |"
         )
     return lines
 

@@ -5,7 +5,7 @@ under `FakeTensorMode`, so no weight is allocated, joins a fake process group at
 world size (every collective returns at once with the right shapes), applies ultrascale's
 own parallelisation (`ultrascale.parallel.parallelize`, as the strategy does: the adapter's
 TP plan with sequence and loss parallel, activation checkpointing, FSDP with the precision's
-mixed-precision policy), runs one training step (forward, token-sum cross-entropy, backward,
+mixed-precision policy, or ZeRO-1/2's engine), runs one training step (forward, token-sum cross-entropy, backward,
 AdamW) to allocate the optimizer state, and the next forward and backward under torch's
 `FSDPMemTracker`. The peak of rank 0, by category, is the measurement; the optimizer step's
 own moment (states + foreach temporaries) is not measured (see `_child`). It runs in a child process: the fake process group and fake mode are
@@ -13,8 +13,9 @@ process-wide.
 
     python -m ultrascale.measure '{"model": "llama3_8b", "world": 8, "seq_len": 8192}'
 
-Measured here: ZeRO-3 (FSDP) with dp_shard, dp_replicate (HSDP), cp (ring attention) and tp;
-ZeRO-1/2, pp and ep raise NotImplementedError rather than measure something else.
+Measured here: ZeRO-3 (FSDP, `FSDPMemTracker`) and ZeRO-1/2 (ultrascale's `ZeroEngine`,
+`MemTracker`) with dp_shard, dp_replicate (HSDP), cp (ring attention) and tp; pp and ep raise
+NotImplementedError rather than measure something else.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ _CATEGORIES = {
     "SHARDED_PARAM": "params", "SHARDED_GRAD": "grads", "OPT": "optimizer",
     "ACT": "activations", "TEMP": "activations", "INP": "activations",
     "UNSHARDED_PARAM": "buffers", "UNSHARDED_GRAD": "buffers", "ALL_GATHER": "buffers", "REDUCE_SCATTER": "buffers",
-    "BUFFER": "buffers",
+    "BUFFER": "buffers", "PARAM": "params", "GRAD": "grads", "OTH": "buffers",  # the last three: MemTracker (ZeRO-1/2)
 }
 
 
@@ -79,12 +80,11 @@ def measure_layout(
 
 
 def _check_supported(*, pp: int, cp: int, ep: int, zero_stage: int, recompute: str, precision: str) -> None:
-    missing = [name for name, on in (("pipeline parallel", pp > 1), ("expert parallel", ep > 1),
-                                     (f"ZeRO-{zero_stage}", zero_stage != 3)) if on]
+    missing = [name for name, on in (("pipeline parallel", pp > 1), ("expert parallel", ep > 1)) if on]
     if missing:
         raise NotImplementedError(
-            f"measure_layout: {', '.join(missing)} is not measured yet (measured: ZeRO-3 with dp_shard, dp_replicate, "
-            "cp and tp); use the planner's formulas for this layout"
+            f"measure_layout: {', '.join(missing)} is not measured yet (measured: ZeRO-1/2/3 with dp_shard, "
+            "dp_replicate, cp and tp); use the planner's formulas for this layout"
         )
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"measure_layout: recompute={recompute!r}; choose none, selective or full")
@@ -113,6 +113,7 @@ def _child(request: dict[str, Any]) -> dict[str, Any]:
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -122,6 +123,7 @@ def _child(request: dict[str, Any]) -> dict[str, Any]:
     from ultrascale.parallel.init import materialize_meta_module
     from ultrascale.parallel.parallelize import parallelize
     from ultrascale.parallel.tensor import maybe_loss_parallel
+    from ultrascale.parallel.zero import ZeroEngine
 
     r = request
     _check_supported(pp=r["pp"], cp=r["cp"], ep=r["ep"], zero_stage=r["zero_stage"], recompute=r["recompute"],
@@ -159,14 +161,21 @@ def _child(request: dict[str, Any]) -> dict[str, Any]:
         # The layout of this rank's tokens, set as the strategy sets it for every batch. Positions
         # only steer RoPE, not memory: the fake step runs the local tokens at positions 0..s/cp.
         context_parallel.shard_batch({"input_ids": torch.zeros((r["micro_batch"], r["seq_len"]), dtype=torch.long)})
+    fsdp = r["zero_stage"] == 3
     parallelize(module, mesh, blocks=adapter.blocks, tp_plan=tp_plan, transforms=transforms, mp_policy=policy,
-                context_parallel=context_parallel, enable_context_parallel=adapter.enable_context_parallel)
+                context_parallel=context_parallel, enable_context_parallel=adapter.enable_context_parallel,
+                shard_parameters=fsdp)
     with FakeTensorMode(allow_non_fake_inputs=True):  # the DeviceMesh holds a real rank tensor
         materialize_meta_module(module, torch.device("cpu"))
         # foreach=False: under fake tensors the tracker keeps foreach Adam's temporaries alive (it
         # reported 101 GiB of optimizer memory for the 8B preset at world 8). The optimizer step's
         # own peak (states + one shard-sized temporary of foreach Adam) is left to the formulas.
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=False, foreach=False)
+        masters: list[Any] = []
+        if not fsdp:  # ZeRO-1/2: bf16 weights for compute, fp32 master slices in the optimizer (as the strategy)
+            engine = ZeroEngine(module, optimizer, stage=r["zero_stage"], dp_mesh=mesh.fsdp, bucket_bytes=100 * 2**20,
+                       compute_dtype=torch.bfloat16 if r["precision"] == "bf16-mixed" else None)
+            masters = [bucket.master for bucket in engine.buckets]
         tokens = torch.randint(0, vocab, (r["micro_batch"], r["seq_len"] // dims.cp))
 
         def forward_backward() -> None:
@@ -178,20 +187,25 @@ def _child(request: dict[str, Any]) -> dict[str, Any]:
         forward_backward()  # a first step allocates the optimizer state, as every later step finds it
         optimizer.step()
         optimizer.zero_grad()
-        tracker = FSDPMemTracker(module, optimizer)
-        tracker.track_inputs((tokens,))
+        if fsdp:
+            tracker = FSDPMemTracker(module, optimizer)
+            tracker.track_inputs((tokens,))
+        else:
+            tracker = MemTracker()
+            tracker.track_external(module, optimizer, *masters)  # the masters count as "other" (OTH)
         with tracker:
             forward_backward()
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     breakdown = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "buffers": 0.0}
+    categories = _CATEGORIES if fsdp else {**_CATEGORIES, "OTH": "optimizer"}  # ZeRO-1/2's fp32 master slices
     for kind, value in peak.items():
         name = str(kind).split(".")[-1]
-        if name in _CATEGORIES:
-            breakdown[_CATEGORIES[name]] += value / GIB
+        if name in categories:
+            breakdown[categories[name]] += value / GIB
     return {
         "peak_gib": peak["Total"] / GIB,
         "breakdown_gib": breakdown,
-        "tracker": "FSDPMemTracker",
+        "tracker": "FSDPMemTracker" if fsdp else "MemTracker",
         "rank": 0,
         "layout": dims.describe(),
     }
