@@ -20,7 +20,6 @@ __all__ = [
     "ModelShape",
     "ModelStateEstimate",
     "STATE_BYTES",
-    "activation_bytes_per_layer",
     "model_shape",
     "PEAK_TFLOPS",
     "active_params",
@@ -99,28 +98,6 @@ STATE_BYTES: dict[tuple[str, str], tuple[int, int, int]] = {
     ("bf16-true", "fsdp"): (2, 2, 4),
     ("bf16-true", "zero12"): (2, 2, 4),
 }
-
-
-def activation_bytes_per_layer(
-    seq_len: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1, sequence_parallel: bool = True,
-    full_recompute: bool = False, attention_scores_saved: bool = False,
-) -> float:
-    """Activation bytes one rank keeps per transformer layer in 16-bit (Korthikanti et al. 2022, Table 2).
-
-    No recompute:  s·b·h·(34 + 5·a·s/h) / tp  with sequence parallel,
-                   s·b·h·(10 + 24/tp + 5·a·s/(h·tp))  without it.
-    Full recompute: only the layer input, 2·s·b·h (/tp with sequence parallel).
-    The 5·a·s/h term is the s x s attention scores and softmax, which fused kernels (flash,
-    SDPA's memory-efficient path) do not keep: counted only with `attention_scores_saved`.
-    A GPT-style estimate: a SwiGLU MLP saves somewhat more.
-    """
-    sbh = seq_len * micro_batch * hidden
-    if full_recompute:
-        return 2 * sbh / (tp if sequence_parallel else 1)
-    attention_scores = 5 * heads * seq_len / hidden if attention_scores_saved else 0.0
-    if sequence_parallel:
-        return sbh * (34 + attention_scores) / tp
-    return sbh * (10 + 24 / tp + attention_scores / tp)
 
 
 # --------------------------------------------------------------------------- FLOPs
@@ -283,7 +260,6 @@ def find_peak_tflops(device_name: str, dtype: str) -> Optional[tuple[str, float]
             peak = PEAK_TFLOPS[key].get(dtype)
             return None if peak is None else (key, peak)
     return None
-
 
 
 # --------------------------------------------------------------------------- model shape

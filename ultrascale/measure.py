@@ -1,41 +1,86 @@
 """A measured second opinion on a layout's memory per GPU, for models far larger than this machine.
 
-`measure_layout` builds the real model (a built-in Llama preset or a Hugging Face config)
-under `FakeTensorMode`, so no weight is allocated, joins a fake process group at the real
-world size (every collective returns at once with the right shapes), applies ultrascale's
-own parallelisation (`ultrascale.parallel.parallelize`, as the strategy does: the adapter's
-TP plan with sequence and loss parallel, activation checkpointing, FSDP with the precision's
-mixed-precision policy, or ZeRO-1/2's engine), runs one training step (forward, token-sum cross-entropy, backward,
-AdamW) to allocate the optimizer state, and the next forward and backward under torch's
-`FSDPMemTracker`. The peak of rank 0, by category, is the measurement; the optimizer step's
-own moment (states + foreach temporaries) is not measured (see `_child`). It runs in a child process: the fake process group and fake mode are
-process-wide.
+`measure_layout` runs one training step of the real model on fake tensors at the real world size
+and reports the peak memory of rank 0, by category, from torch's memory trackers
+(`torch.distributed._tools`). Nothing of the model's size is allocated: Llama-3 8B at world 8 takes
+about 20 s (most of it importing) and under 0.5 GiB of host memory, 70B at world 64 about a minute.
 
-    python -m ultrascale.measure '{"model": "llama3_8b", "world": 8, "seq_len": 8192}'
+The child process (the fake process group and the fake mode are process-wide) does what
+`UltraScaleStrategy._parallelize` and a training step do, without Lightning:
 
-Measured here: ZeRO-3 (FSDP, `FSDPMemTracker`) and ZeRO-1/2 (ultrascale's `ZeroEngine`,
-`MemTracker`) with dp_shard, dp_replicate (HSDP), cp (ring attention) and tp; pp and ep raise
-NotImplementedError rather than measure something else.
+1. joins a *fake* process group (`FakeStore` + backend "fake") as rank 0 of `world` ranks: every
+   collective returns at once, with the right shapes, and builds the mesh (`build_mesh`);
+2. builds the model (a built-in Llama preset, or a Hugging Face folder's config.json) on the meta
+   device (fake tensors if it ties its embedding and head) in the precision's parameter dtype;
+3. checks and applies `ultrascale.parallel.parallelize` with the model's adapter: the pipeline split
+   (1F1B, rank 0 holds stage 0), the adapter's TP plan (sequence parallel where the adapter supports
+   it, loss parallel without PP), context parallel (ring attention, load-balanced layout),
+   activation checkpointing of every block (`ultrascale.callbacks.activation_checkpointing.apply_ac`),
+   FSDP with the precision's `MixedPrecisionPolicy` (ZeRO-3) or replicated parameters and
+   `ultrascale.parallel.zero.ZeroEngine` (ZeRO-1/2, 100 MiB buckets as on GPUs);
+4. materialises the weights as fake tensors (`to_empty`; values do not change memory);
+5. runs one untracked step (forward on random token ids (micro_batch, seq_len / cp), token-sum
+   cross-entropy (`cross_entropy_sum`), backward, AdamW as `adamw_warmup_cosine` builds it:
+   foreach, not fused), so that the optimizer state exists as in every later step;
+6. runs the next step under `FSDPMemTracker` (ZeRO-3) or `MemTracker` (ZeRO-1/2) and reports its peak:
+   the larger of the forward/backward peak and the optimizer step's own peak (both are returned).
+   With `grad_accumulation` > 1 a step is that many micro-batches, reduced only after the last, as
+   the strategy's `block_backward_sync` runs them.
+
+Under pipeline parallel torch's `Schedule1F1B` cannot run on fake tensors (its P2P warm-up reads a
+received value), so its order on the first stage is replayed: min(pp, micro-batches) forwards in
+flight before the first backward, FSDP's gradient reduction once after the last (`_first_stage_1f1b`).
+
+What is measured is what the trackers see: every tensor of the step at its exact size, without
+the CUDA caching allocator's rounding and fragmentation, CUDA/NCCL workspaces or the CUDA context
+(about 1-3 GiB on a real GPU). Not measured (NotImplementedError): expert parallel (ep > 1: its
+all-to-all sizes come from the routing, i.e. from values), and anything else whose shapes depend on
+tensor values (an MoE with a capacity factor).
+
+    python -m ultrascale.measure '{"model": "llama3_8b", "world": 8, "seq_len": 8192, "recompute": "full"}'
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
-__all__ = ["measure_layout"]
+__all__ = ["CATEGORIES", "PRECISIONS", "RECOMPUTE_MODES", "measure_layout"]
 
 GIB = 2**30
 
-# FSDPMemTracker's categories -> the planner's.
-_CATEGORIES = {
-    "SHARDED_PARAM": "params", "SHARDED_GRAD": "grads", "OPT": "optimizer",
-    "ACT": "activations", "TEMP": "activations", "INP": "activations",
-    "UNSHARDED_PARAM": "buffers", "UNSHARDED_GRAD": "buffers", "ALL_GATHER": "buffers", "REDUCE_SCATTER": "buffers",
-    "BUFFER": "buffers", "PARAM": "params", "GRAD": "grads", "OTH": "buffers",  # the last three: MemTracker (ZeRO-1/2)
+PRECISIONS: tuple[str, ...] = ("bf16-mixed", "32-true", "bf16-true")
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "activations", "other")
+"""Keys of the returned `breakdown_gib` (the trackers' own categories are in `tracker_gib`)."""
+
+_RESULT_PREFIX = "ULTRASCALE_MEASURE_RESULT "
+_ERROR_PREFIX = "ULTRASCALE_MEASURE_ERROR "
+
+# The trackers' categories (the `.value` of `_FSDPRefType` / `_MemRefType`) -> ours.
+_CATEGORY_OF = {
+    # FSDPMemTracker
+    "Sharded Param": "params",
+    "Sharded Grad": "grads",
+    "OptState": "optimizer",
+    "Activation": "activations",
+    "Inputs": "activations",
+    "Temp": "other",  # created during backward: activation gradients, the loss's softmax gradient
+    "Unsharded Param": "other",  # FSDP's gathered (compute-dtype) copies
+    "Unsharded Grad": "other",
+    "All Gather": "other",
+    "Reduce Scatter": "other",
+    "Buffer": "other",
+    # MemTracker
+    "Parameter": "params",
+    "Gradient": "grads",
+    "Optstate": "optimizer",
+    "Other": "optimizer",  # only what `track_external` registers: ZeRO-1/2's fp32 master slices
 }
 
 
@@ -54,162 +99,514 @@ def measure_layout(
     seq_len: int = 4096,
     micro_batch: int = 1,
     recompute: str = "none",
-    pipeline_microbatches: Optional[int] = None,
+    pipeline_microbatches: int | None = None,
     timeout_s: float = 900,
+    grad_accumulation: int = 1,
 ) -> dict[str, Any]:
-    """Peak memory of rank 0 for this layout, measured on fake tensors in a child process.
+    """Peak memory of rank 0 for one training step of this layout, measured on fake tensors.
 
-    `model`: a built-in Llama preset name or a Hugging Face folder with config.json. Returns
-    {"peak_gib", "breakdown_gib": {params, grads, optimizer, activations, buffers}, "tracker",
-    "layout", "seconds"}. Raises NotImplementedError for what is not measured (see the module
-    docstring) and RuntimeError, with the child's last output, if the child fails."""
-    _check_supported(pp=pp, cp=cp, ep=ep, zero_stage=zero_stage, recompute=recompute, precision=precision)
-    request = dict(model=model, world=world, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep,
-                   zero_stage=zero_stage, precision=precision, seq_len=seq_len, micro_batch=micro_batch,
-                   recompute=recompute, pipeline_microbatches=pipeline_microbatches)
+    Args:
+        model: a built-in Llama preset (`ultrascale.models.llama.LLAMA_PRESETS`, e.g. "llama3_8b")
+            or a Hugging Face folder with a config.json (no weights are read).
+        world: number of ranks (GPUs); the degrees below are resolved against it (`ParallelDims.resolve`,
+            one of pp/dp_replicate/dp_shard/cp/tp may be -1).
+        zero_stage: 3 = FSDP (parameters, gradients and optimizer state sharded over dp_shard x cp);
+            1/2 = replicated parameters with `ZeroEngine` (optimizer state, ZeRO-2 also gradients, sharded).
+        precision: "bf16-mixed" (fp32 master weights, bf16 compute), "32-true" or "bf16-true".
+        seq_len: tokens per sequence (the whole sequence; context parallel gives each rank seq_len / cp).
+        micro_batch: sequences per forward (per pipeline micro-batch under PP).
+        recompute: activation checkpointing of every block: "none", "selective" or "full".
+        pipeline_microbatches: micro-batches per step under PP (default: pp); the 1F1B schedule's first
+            stage holds min(pp, this) of them at its peak.
+        timeout_s: the child process is killed after this many seconds (RuntimeError).
+        grad_accumulation: micro-batches per optimizer step without PP, as the strategy runs them: no
+            gradient reduction on all but the last (`block_backward_sync`: FSDP then accumulates unsharded
+            gradients in its reduce dtype, ZeRO-1/2 in their buckets). Under PP use `pipeline_microbatches`.
+
+    Returns:
+        ``{"peak_gib": the peak of the step, "breakdown_gib": {"params", "grads", "optimizer", "activations",
+        "other"} at that peak (they sum to peak_gib), "tracker_gib": the tracker's own categories there,
+        "peak_phase": "forward/backward" or "optimizer step", "phases": {phase: {"peak_gib", "breakdown_gib",
+        "tracker_gib"}} for both, "rank": 0, "layout": the resolved degrees and settings (under PP also the
+        pipeline layout), "describe": the mesh in words, "tracker": "FSDPMemTracker" (ZeRO-3) or
+        "MemTracker" (ZeRO-1/2), "params_per_rank": parameter elements rank 0 holds, "seconds": wall time}``.
+
+        Categories: params = the parameters rank 0 keeps (FSDP's sharded fp32 masters; ZeRO-1/2's
+        replicated compute-dtype weights); grads = their gradients (FSDP's sharded ones; ZeRO-1/2's
+        bucket gradients); optimizer = AdamW's moments and the step's temporaries (plus ZeRO-1/2's fp32
+        master slices under bf16-mixed, the Playbook's 12 bytes); activations = what the forward
+        allocated and still holds (saved tensors, logits, inputs); other = the rest: temporaries of the
+        backward (activation gradients, the loss's logit gradients) and FSDP's gathered compute-dtype
+        parameters, unsharded gradients and collective buffers.
+
+    Raises:
+        ValueError: invalid degrees, precision, recompute mode, or a sequence length the layout cannot split.
+        NotImplementedError: a combination this measurement does not run (never a silent substitute).
+        RuntimeError: the child process failed or timed out (with the end of its output).
+    """
+    request = {
+        "model": str(model), "world": world, "pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp,
+        "tp": tp, "ep": ep, "zero_stage": zero_stage, "precision": precision, "seq_len": seq_len,
+        "micro_batch": micro_batch, "recompute": recompute, "pipeline_microbatches": pipeline_microbatches,
+        "grad_accumulation": grad_accumulation,
+    }
+    _check_request(request)
     started = time.perf_counter()
-    child = subprocess.run([sys.executable, "-m", "ultrascale.measure", json.dumps(request)], capture_output=True,
-                           text=True, timeout=timeout_s)
-    lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
-    if child.returncode != 0 or not lines:
-        tail = "\n".join((child.stderr or child.stdout).strip().splitlines()[-15:])
-        raise RuntimeError(f"measure_layout({model!r}, world={world}) failed in its child process:\n{tail}")
-    result = json.loads(lines[-1])
-    result["seconds"] = time.perf_counter() - started
-    return result
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)  # this ultrascale
+    env.setdefault("OMP_NUM_THREADS", "1")
+    command = [sys.executable, "-m", "ultrascale.measure", json.dumps(request)]
+    try:
+        child = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+    except subprocess.TimeoutExpired as error:
+        raise RuntimeError(
+            f"measure_layout({model!r}, world={world}): the measurement did not finish within timeout_s={timeout_s} s; "
+            f"its last output:\n{_tail(error.stderr)}"
+        ) from None
+    for line in reversed(child.stdout.splitlines()):
+        if line.startswith(_ERROR_PREFIX):
+            error = json.loads(line[len(_ERROR_PREFIX):])
+            kind = {"NotImplementedError": NotImplementedError, "ValueError": ValueError}.get(error["type"], RuntimeError)
+            message = error["message"]
+            raise kind(message if message.startswith("measure_layout") else f"measure_layout: {message}")
+        if line.startswith(_RESULT_PREFIX) and child.returncode == 0:
+            result = json.loads(line[len(_RESULT_PREFIX):])
+            result["seconds"] = time.perf_counter() - started
+            return result
+    raise RuntimeError(
+        f"measure_layout({model!r}, world={world}) failed in its child process (exit code {child.returncode}):\n"
+        f"{_tail(child.stderr or child.stdout)}"
+    )
 
 
-def _check_supported(*, pp: int, cp: int, ep: int, zero_stage: int, recompute: str, precision: str) -> None:
-    missing = [name for name, on in (("pipeline parallel", pp > 1), ("expert parallel", ep > 1)) if on]
-    if missing:
+def _tail(text: Any, lines: int = 25) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return "\n".join((text or "").strip().splitlines()[-lines:])
+
+
+def _check_request(r: dict[str, Any]) -> None:
+    """ValueError / NotImplementedError for what can be refused without building anything."""
+    from ultrascale.parallel.dims import ParallelDims
+
+    if r["precision"] not in PRECISIONS:
+        raise ValueError(f"measure_layout: precision={r['precision']!r}; choose one of {', '.join(PRECISIONS)}")
+    if r["recompute"] not in RECOMPUTE_MODES:
+        raise ValueError(f"measure_layout: recompute={r['recompute']!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
+    if r["zero_stage"] not in (1, 2, 3):
+        raise ValueError(f"measure_layout: zero_stage={r['zero_stage']!r}; choose 1, 2 or 3")
+    for name in ("seq_len", "micro_batch", "grad_accumulation"):
+        if not isinstance(r[name], int) or r[name] < 1:
+            raise ValueError(f"measure_layout: {name}={r[name]!r} must be a positive integer")
+    from ultrascale.models.llama import LLAMA_PRESETS
+
+    if r["model"] not in LLAMA_PRESETS and not os.path.isfile(os.path.join(r["model"], "config.json")):
+        raise ValueError(f"measure_layout: model={r['model']!r} is neither a built-in Llama preset "
+                         f"({', '.join(LLAMA_PRESETS)}) nor a folder with a Hugging Face config.json")
+    dims = ParallelDims.resolve(r["world"], dp_replicate=r["dp_replicate"], dp_shard=r["dp_shard"], cp=r["cp"], tp=r["tp"],
+                                pp=r["pp"], ep=r["ep"])
+    if dims.ep_enabled:
         raise NotImplementedError(
-            f"measure_layout: {', '.join(missing)} is not measured yet (measured: ZeRO-1/2/3 with dp_shard, "
-            "dp_replicate, cp and tp); use the planner's formulas for this layout"
+            f"measure_layout: expert parallel (ep={dims.ep}) is not measured: the all-to-all sizes of its token dispatch "
+            "come from the routing decisions (token counts per expert read on the host), and fake tensors have no values; "
+            "MoE models are measured with ep=1"
         )
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"measure_layout: recompute={recompute!r}; choose none, selective or full")
-    if precision not in ("bf16-mixed", "32-true", "bf16-true"):
-        raise ValueError(f"measure_layout: precision={precision!r}; choose bf16-mixed, 32-true or bf16-true")
+    if dims.pp_enabled and r["grad_accumulation"] != 1:
+        raise NotImplementedError(
+            f"measure_layout: grad_accumulation={r['grad_accumulation']} with pipeline parallel (pp={dims.pp}) is not "
+            "measured; give the pipeline's micro-batches as `pipeline_microbatches`"
+        )
+    if dims.pp_enabled and r["pipeline_microbatches"] is not None and r["pipeline_microbatches"] < 1:
+        raise ValueError(f"measure_layout: pipeline_microbatches={r['pipeline_microbatches']!r} must be a positive integer")
 
 
-def _build(model: str, seq_len: int) -> Any:
+# --------------------------------------------------------------------------- child process
+
+
+class _Recompute:
+    """The `ModelTransform` of `ultrascale.callbacks.ActivationCheckpointing`, without the callback."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def transform_model(self, module: Any, blocks: Any) -> None:
+        from ultrascale.callbacks.activation_checkpointing import apply_ac, make_policy
+
+        if not blocks:
+            raise ValueError("recompute needs the model's transformer blocks (a ModuleList of identical layers); none found")
+        apply_ac(module, blocks, make_policy(self.mode))
+
+
+def _build(model: str, seq_len: int, fake_mode: Any) -> tuple[Any, int, bool]:
+    """(the model, its vocabulary size, whether it is on the meta device).
+
+    On the meta device, as the strategy builds models whose weights are loaded after sharding;
+    a model that ties its input embedding to its head is built on fake tensors instead (as the
+    strategy builds it for real): materialising meta weights after sharding would untie them."""
+    import torch
+
     from ultrascale.models.llama import LLAMA_PRESETS, Llama, LlamaConfig
 
     if model in LLAMA_PRESETS:
         config = LlamaConfig.from_preset(model)
-        if seq_len > config.max_seq_len:
+        if seq_len > config.max_seq_len:  # RoPE tables only: no parameter depends on it
             config = LlamaConfig.from_preset(model, max_seq_len=seq_len)
-        return Llama(config), config.vocab_size
+        meta = not config.tie_embeddings
+        with torch.device("meta") if meta else fake_mode:
+            return Llama(config), config.vocab_size, meta
     import transformers
 
+    from ultrascale.models.adapters import hf_num_experts
+
     config = transformers.AutoConfig.from_pretrained(model, local_files_only=True)
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    return hf, config.vocab_size
+    meta = not bool(getattr(config, "tie_word_embeddings", False))
+    with torch.device("meta") if meta else fake_mode:
+        hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, attn_implementation="sdpa")
+    if hf_num_experts(config):  # as HFCausalLM.configure_model: ultrascale's routing (and its balance loss)
+        from ultrascale.models.moe import attach_hf_routing
+
+        attach_hf_routing(hf, aux_loss_coef=0.0, z_loss_coef=0.0)
+    return hf, config.vocab_size, meta
 
 
-def _child(request: dict[str, Any]) -> dict[str, Any]:
+def _convert(module: Any, dtype: Any) -> None:
+    """`UltraScalePrecision.convert_module` (`module.to(dtype)`) in place, which keeps tied weights tied."""
+    import torch
+
+    seen: set[int] = set()
+    for tensor in (*module.parameters(), *module.buffers()):
+        if id(tensor) not in seen and tensor.is_floating_point() and tensor.dtype != dtype:
+            with torch.no_grad():
+                tensor.data = tensor.data.to(dtype)
+        seen.add(id(tensor))
+
+
+def _logits(module: Any, input_ids: Any, position_ids: Any) -> Any:
+    from ultrascale.models.llama import Llama
+
+    if isinstance(module, Llama):
+        return module(input_ids, position_ids)
+    return module(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits  # as HFCausalLM.forward
+
+
+def _child(r: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=r["world"])
+    try:
+        return _measure(r)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(r: dict[str, Any]) -> dict[str, Any]:
+    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ultrascale.models.adapters import get_adapter
     from ultrascale.parallel.context import ContextParallel
     from ultrascale.parallel.dims import ParallelDims, build_mesh
-    from ultrascale.parallel.init import materialize_meta_module
+    from ultrascale.parallel.fsdp import set_gradient_sync
+    from ultrascale.parallel.loss import cross_entropy_sum
     from ultrascale.parallel.parallelize import parallelize
+    from ultrascale.parallel.pipeline import PipelineLayout
     from ultrascale.parallel.tensor import maybe_loss_parallel
     from ultrascale.parallel.zero import ZeroEngine
 
-    r = request
-    _check_supported(pp=r["pp"], cp=r["cp"], ep=r["ep"], zero_stage=r["zero_stage"], recompute=r["recompute"],
-                     precision=r["precision"])
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=r["world"])
+    _check_request(r)
     dims = ParallelDims.resolve(r["world"], dp_replicate=r["dp_replicate"], dp_shard=r["dp_shard"], cp=r["cp"], tp=r["tp"],
                                 pp=r["pp"], ep=r["ep"])
-    mesh = build_mesh(dims, "cpu")  # outside fake mode: building the mesh reads real rank tensors
-    transforms = []
-    if r["recompute"] != "none":
-        from ultrascale.callbacks import ActivationCheckpointing
+    mesh = build_mesh(dims, "cpu")  # outside fake mode: the mesh holds real rank tensors
+    precision, zero_stage, fsdp = r["precision"], r["zero_stage"], r["zero_stage"] == 3
+    batch, seq_len = r["micro_batch"], r["seq_len"]
 
-        transforms.append(ActivationCheckpointing(mode=r["recompute"]))
-    policy = {
-        "bf16-mixed": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-        "32-true": MixedPrecisionPolicy(),
-        "bf16-true": MixedPrecisionPolicy(),
-    }[r["precision"]]
-    # Built and parallelised on the meta device (FSDP reads the real mesh there), then allocated
-    # as fake tensors: shapes, dtypes and placements are the real run's, the bytes never exist.
-    with torch.device("meta"):
-        module, vocab = _build(r["model"], r["seq_len"])
-    if r["precision"] == "bf16-true":
-        module.to(torch.bfloat16)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # the DeviceMesh keeps real rank tensors
+    module, vocab, meta = _build(r["model"], seq_len, fake_mode)
+    with contextlib.nullcontext() if meta else fake_mode:
+        _convert(module, torch.bfloat16 if precision == "bf16-true" else torch.float32)
     adapter = get_adapter(module)
-    tp_plan, loss_parallel = None, False
-    if dims.tp_enabled:
-        adapter.check_tensor_parallel(dims.tp, sequence_parallel=adapter.supports_sequence_parallel)
-        loss_parallel = True
-        tp_plan = adapter.tp_plan(sequence_parallel=adapter.supports_sequence_parallel, loss_parallel=True)
-    context_parallel = None
+
+    # The strategy's checks, in its order (`_parallelize`).
     if dims.cp_enabled:
         adapter.check_context_parallel(dims.cp)
-        context_parallel = ContextParallel(mesh["cp"], "ring", load_balance=True)
-        # The layout of this rank's tokens, set as the strategy sets it for every batch. Positions
-        # only steer RoPE, not memory: the fake step runs the local tokens at positions 0..s/cp.
-        context_parallel.shard_batch({"input_ids": torch.zeros((r["micro_batch"], r["seq_len"]), dtype=torch.long)})
-    fsdp = r["zero_stage"] == 3
-    parallelize(module, mesh, blocks=adapter.blocks, tp_plan=tp_plan, transforms=transforms, mp_policy=policy,
-                context_parallel=context_parallel, enable_context_parallel=adapter.enable_context_parallel,
-                shard_parameters=fsdp)
-    with FakeTensorMode(allow_non_fake_inputs=True):  # the DeviceMesh holds a real rank tensor
-        materialize_meta_module(module, torch.device("cpu"))
-        # foreach=False: under fake tensors the tracker keeps foreach Adam's temporaries alive (it
-        # reported 101 GiB of optimizer memory for the 8B preset at world 8). The optimizer step's
-        # own peak (states + one shard-sized temporary of foreach Adam) is left to the formulas.
-        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=False, foreach=False)
-        masters: list[Any] = []
-        if not fsdp:  # ZeRO-1/2: bf16 weights for compute, fp32 master slices in the optimizer (as the strategy)
-            engine = ZeroEngine(module, optimizer, stage=r["zero_stage"], dp_mesh=mesh.fsdp, bucket_bytes=100 * 2**20,
-                       compute_dtype=torch.bfloat16 if r["precision"] == "bf16-mixed" else None)
-            masters = [bucket.master for bucket in engine.buckets]
-        tokens = torch.randint(0, vocab, (r["micro_batch"], r["seq_len"] // dims.cp))
+    if dims.ep_enabled:
+        adapter.check_expert_parallel(dims.ep)
+    if dims.tp_enabled and adapter.num_experts:
+        raise NotImplementedError(f"tensor parallel on the Mixture-of-Experts model {adapter.name} is not implemented")
+    pipeline = None
+    if dims.pp_enabled:
+        if adapter.pipeline_parts is None:
+            raise NotImplementedError(f"pipeline parallel has no stage split for {adapter.name}")
+        parts = adapter.pipeline_parts()
+        parts.check(adapter.name)
+        layout = PipelineLayout.build(n_layers=len(parts.layer_list()), pp=dims.pp, schedule="1F1B",
+                                      microbatches=r["pipeline_microbatches"])
+        pipeline = (parts, layout)
+    tp_plan, sequence_parallel, loss_parallel = None, False, False
+    if dims.tp_enabled:
+        sequence_parallel = adapter.supports_sequence_parallel
+        loss_parallel = not dims.pp_enabled  # the last stage's logits leave the stage module: plain tensors
+        adapter.check_tensor_parallel(dims.tp, sequence_parallel=sequence_parallel)
+        assert adapter.tp_plan is not None
+        tp_plan = adapter.tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    dims.check_seq_len(seq_len, sequence_parallel=sequence_parallel, where="measure_layout's sequence")
+    context_parallel = ContextParallel(mesh["cp"], "ring", load_balance=True) if dims.cp_enabled else None
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16-mixed"
+              else MixedPrecisionPolicy())  # UltraScalePrecision.mixed_precision_policy
+    transforms = [_Recompute(r["recompute"])] if r["recompute"] != "none" else []
+    # Outside the fake mode (fake weights still compute as fake tensors): FSDP x TP builds a new
+    # DeviceMesh, which reads its rank's coordinates from a real tensor.
+    stages = parallelize(
+        module, mesh, blocks=adapter.blocks, tp_plan=tp_plan, transforms=transforms, mp_policy=policy,
+        reshard_after_forward=True, shard_parameters=fsdp, context_parallel=context_parallel,
+        enable_context_parallel=adapter.enable_context_parallel, pipeline=pipeline,
+        enable_expert_parallel=adapter.enable_expert_parallel, experts=adapter.experts,
+    )
 
-        def forward_backward() -> None:
-            output = module(tokens)
-            logits = output.logits if hasattr(output, "logits") else output
-            with maybe_loss_parallel(loss_parallel):
-                F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten(), reduction="sum").backward()
+    with fake_mode:
+        if meta:
+            # `materialize_meta_module` without its initialisation: values do not change memory, and
+            # `Llama.init_weights` cannot run on a pipeline-split model (its gaps have no weights).
+            module.to_empty(device=torch.device("cpu"))
+        params = [p for p in module.parameters() if p.requires_grad]
+        params_per_rank = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+        # As `ultrascale.models.lm.adamw_warmup_cosine`: foreach (one temporary the size of the local parameters).
+        # (The request key "foreach": false, command line only, measures the per-parameter loop instead.)
+        optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=bool(r.get("foreach", True)), fused=False)
+        engine = None
+        if not fsdp:
+            engine = ZeroEngine(module, optimizer, stage=zero_stage, dp_mesh=mesh.fsdp, bucket_bytes=100 * 2**20,
+                                compute_dtype=torch.bfloat16 if precision == "bf16-mixed" else None)
+        microbatches = pipeline[1].microbatches if pipeline is not None else 1
+        accumulation = r["grad_accumulation"]
+        input_ids = torch.randint(0, vocab, (batch * microbatches, seq_len))
+        labels = torch.randint(0, vocab, (batch * microbatches, seq_len))
 
-        forward_backward()  # a first step allocates the optimizer state, as every later step finds it
-        optimizer.step()
-        optimizer.zero_grad()
-        if fsdp:
-            tracker = FSDPMemTracker(module, optimizer)
-            tracker.track_inputs((tokens,))
+        def forward_backward(tracker: Any = None) -> None:
+            step_batch = {"input_ids": input_ids, "labels": labels}
+            if context_parallel is not None:
+                step_batch = context_parallel.shard_batch(step_batch)  # (B, T / cp) tokens and their positions
+            if stages:
+                _first_stage_1f1b(stages, pipeline[1], step_batch, engine, tracker)
+                return
+            for i in range(accumulation):  # the strategy's `block_backward_sync` on all but the last
+                sync = i == accumulation - 1
+                if fsdp:
+                    set_gradient_sync(module, sync)
+                if engine is not None:
+                    engine.require_backward_grad_sync = sync
+                if tracker is not None and i > 0:  # the trackers refuse a second root forward otherwise
+                    tracker.reset_mod_stats()
+                with maybe_loss_parallel(loss_parallel):
+                    logits = _logits(module, step_batch["input_ids"], step_batch.get("position_ids"))
+                    loss_sum, _ = cross_entropy_sum(logits, step_batch["labels"])
+                    del logits
+                    loss_sum.backward()
+                    del loss_sum
+
+        def optimizer_step() -> None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        forward_backward()  # the first step creates the optimizer state that every later step finds
+        optimizer_step()
+
+        use_fsdp_tracker = fsdp
+        if use_fsdp_tracker:
+            tracker: Any = FSDPMemTracker(stages[0] if stages else module, optimizer)
+            tracker.track_inputs((input_ids, labels))
         else:
             tracker = MemTracker()
-            tracker.track_external(module, optimizer, *masters)  # the masters count as "other" (OTH)
+            external: list[Any] = [module, optimizer]
+            if engine is not None:  # the fp32 master slices under bf16-mixed (the tracker's "Other")
+                external += [b.master for b in engine.buckets if not b.master_is_view]
+            tracker.track_external(*external)
+            if engine is not None:  # ZeRO-1's bucket gradients, kept (zeroed) between steps
+                for bucket in engine.buckets:
+                    if bucket.grad_buffer is not None:
+                        tracker._update_and_maybe_create_winfos(bucket.grad_buffer, _mem_ref_type("GRAD"))
+            tracker._update_and_maybe_create_winfos(input_ids, _mem_ref_type("ACT"))
+            tracker._update_and_maybe_create_winfos(labels, _mem_ref_type("ACT"))
         with tracker:
-            forward_backward()
-        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
-    breakdown = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "buffers": 0.0}
-    categories = _CATEGORIES if fsdp else {**_CATEGORIES, "OTH": "optimizer"}  # ZeRO-1/2's fp32 master slices
-    for kind, value in peak.items():
-        name = str(kind).split(".")[-1]
-        if name in categories:
-            breakdown[categories[name]] += value / GIB
+            forward_backward(tracker)
+            peaks = {"forward/backward": tracker.get_tracker_snapshot("peak")}
+            _restart_peak(tracker)  # the step's own peak, from what the backward left
+            optimizer_step()
+            peaks["optimizer step"] = tracker.get_tracker_snapshot("peak")
+    phases = {phase: _summarise(snapshot) for phase, snapshot in peaks.items()}
+    phase = max(phases, key=lambda name: phases[name]["peak_gib"])
+    layout: dict[str, Any] = {axis: getattr(dims, axis) for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+    layout.update(world=dims.world_size, zero_stage=zero_stage, precision=precision, seq_len=seq_len, micro_batch=batch,
+                  grad_accumulation=accumulation, recompute=r["recompute"], sequence_parallel=sequence_parallel,
+                  loss_parallel=loss_parallel)
+    if pipeline is not None:
+        layout.update(pipeline=pipeline[1].describe(), pipeline_microbatches=pipeline[1].microbatches,
+                      stage_layers=list(pipeline[1].layers_of(0)))
     return {
-        "peak_gib": peak["Total"] / GIB,
-        "breakdown_gib": breakdown,
-        "tracker": "FSDPMemTracker" if fsdp else "MemTracker",
+        **phases[phase],
+        "peak_phase": phase,
+        "phases": phases,
         "rank": 0,
-        "layout": dims.describe(),
+        "layout": layout,
+        "describe": dims.describe(),
+        "tracker": "FSDPMemTracker" if use_fsdp_tracker else "MemTracker",
+        "params_per_rank": params_per_rank,
     }
 
 
+def _first_stage_1f1b(stages: Any, layout: Any, batch: dict[str, Any], engine: Any, tracker: Any = None) -> None:
+    """Rank 0's part of one 1F1B step: stage 0 of `layout` over `layout.microbatches` micro-batches.
+
+    torch's `Schedule1F1B` cannot run on fake tensors (its P2P warm-up reads a received value), so its
+    order on the first stage is replayed here: min(m, pp) forwards before the first backward, then one
+    backward and one forward at a time; each backward receives a gradient shaped like the stage's
+    output (the next stage's, which the fake group never sends). FSDP is handled as the schedule
+    handles it: no reduction nor resharding until all micro-batches ran, then every unit's
+    post-backward (`_PipelineStageBase.perform_reduce_grad`); ZeRO-1/2 reduce at the step. `tracker`'s
+    per-module statistics are reset before each micro-batch's forward (its peak is kept).
+    """
+    import torch
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    (stage,) = stages  # 1F1B: one stage per rank
+    if stage.stage != 0 or stage.stage == layout.num_stages - 1:
+        raise NotImplementedError("measure_layout measures the first pipeline stage only (rank 0)")
+    m = layout.microbatches
+    ids = batch["input_ids"].chunk(m)
+    positions = batch.get("position_ids")
+    if positions is not None:  # context parallel: this rank's tokens' positions
+        positions = positions.chunk(m)
+    else:
+        # The Llama's (T,) form: a (B, T) one makes it look for packed documents in the values (data-dependent).
+        from ultrascale.models.llama import Llama
+
+        whole = torch.arange(ids[0].shape[1])
+        llama = isinstance(stage._parts.root, Llama)
+        positions = [whole if llama else whole.expand(chunk.shape) for chunk in ids]
+    fsdp = isinstance(stage, FSDPModule)
+    if fsdp:
+        stage.set_is_last_backward(False)
+        stage.set_reshard_after_backward(False)
+        stage.set_requires_gradient_sync(False)
+    if engine is not None:
+        engine.require_backward_grad_sync = False
+    in_flight: list[Any] = []
+
+    def forward(i: int) -> None:
+        if tracker is not None:  # the trackers refuse a second forward of their root otherwise; the peak stays
+            tracker.reset_mod_stats()
+        in_flight.append(stage(ids[i], positions[i]))
+
+    def backward() -> None:
+        output = in_flight.pop(0)
+        output.backward(torch.empty_like(output))
+        del output
+
+    warmup = min(m, layout.num_stages)
+    for i in range(warmup):
+        forward(i)
+    for i in range(warmup, m):
+        backward()
+        forward(i)
+    while in_flight:
+        backward()
+    if fsdp:  # the schedule's REDUCE_GRAD action
+        stage.set_is_last_backward(True)
+        stage.set_reshard_after_backward(True)
+        stage.set_requires_gradient_sync(True)
+        state = fully_shard.state(stage)
+        for unit in state._state_ctx.all_states:
+            for group in unit._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+    if engine is not None:
+        engine.require_backward_grad_sync = True
+        engine.absorb_assigned_grads()
+
+
+def _restart_peak(tracker: Any) -> None:
+    """Make the tracker's peak the current memory (MemTracker keeps it in these two fields in torch 2.13)."""
+    current = tracker.get_tracker_snapshot("current")
+    tracker._peak_mem_snap = current
+    tracker._peak_mem = {device: snapshot.get("Total", 0) for device, snapshot in current.items()}
+
+
+def _summarise(snapshot: dict[Any, dict[Any, int]]) -> dict[str, Any]:
+    """{"peak_gib", "breakdown_gib" (our categories), "tracker_gib" (the tracker's)} of a peak snapshot."""
+    tracker_bytes: dict[str, int] = {}
+    for device_snapshot in snapshot.values():
+        for kind, value in device_snapshot.items():
+            name = getattr(kind, "value", kind)
+            tracker_bytes[name] = tracker_bytes.get(name, 0) + int(value)
+    total = tracker_bytes.pop("Total", 0)
+    breakdown = dict.fromkeys(CATEGORIES, 0.0)
+    for name, value in tracker_bytes.items():
+        breakdown[_CATEGORY_OF.get(name, "other")] += value / GIB
+    return {"peak_gib": total / GIB, "breakdown_gib": breakdown,
+            "tracker_gib": {name: value / GIB for name, value in tracker_bytes.items() if value}}
+
+
+def _mem_ref_type(name: str) -> Any:
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    return getattr(_MemRefType, name)
+
+
+def _last_project_frame(tb: Any) -> str:
+    """'file:line (function)' of the innermost traceback frame inside ultrascale."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(tb) if os.sep + "ultrascale" + os.sep in f.filename]
+    return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
+
+
+def _describe_request(r: dict[str, Any]) -> str:
+    keys = ("world", "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero_stage")
+    return f"{r['model']}, " + ", ".join(f"{key}={r[key]}" for key in keys)
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m ultrascale.measure '<json request>'  (the keyword arguments of measure_layout)",
+              file=sys.stderr)
+        return 2
+    import warnings
+
+    warnings.filterwarnings("ignore")  # DTensor random ops on a CPU mesh, deprecations: noise on the parent's stderr
+    request = json.loads(argv[0])
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    defaults = {"pp": 1, "dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1, "ep": 1, "zero_stage": 3,
+                "precision": "bf16-mixed", "seq_len": 4096, "micro_batch": 1, "recompute": "none",
+                "pipeline_microbatches": None, "grad_accumulation": 1}
+    request = {**defaults, **request}
+
+    try:
+        result = _child(request)
+    except (NotImplementedError, ValueError) as error:
+        import traceback
+
+        traceback.print_exc()  # on stderr, for whoever reads it; the parent raises the message
+        print(_ERROR_PREFIX + json.dumps({"type": type(error).__name__, "message": str(error)}), flush=True)
+        return 3
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        # Fake tensors have shapes but no values: a step whose shapes depend on values (expert token
+        # counts, dropped tokens, packed-document masks) cannot run on them.
+        where = _last_project_frame(error.__traceback__)
+        message = (f"this layout ({_describe_request(request)}) is not measured: its step reads tensor values to decide a "
+                   f"shape ({type(error).__name__}: {error}{', at ' + where if where else ''}), and fake tensors have none")
+        print(_ERROR_PREFIX + json.dumps({"type": "NotImplementedError", "message": message}), flush=True)
+        return 3
+    print(_RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0
+
+
 if __name__ == "__main__":
-    print(json.dumps(_child(json.loads(sys.argv[1]))))
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,102 @@
+"""`ultrascale.measure`: per-GPU memory of a layout, measured on fake tensors in a child process.
+
+Each measurement starts a child Python (importing ultrascale costs ~5 s of its ~8 s on a small model).
+"""
+
+import pytest
+import torch
+
+from ultrascale.measure import CATEGORIES, GIB, measure_layout
+from ultrascale.models.llama import Llama, LlamaConfig
+
+
+def _numel(preset: str) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in Llama(LlamaConfig.from_preset(preset)).parameters())
+
+
+def _check_sums(result: dict) -> None:
+    assert set(result["breakdown_gib"]) == set(CATEGORIES)
+    assert sum(result["breakdown_gib"].values()) == pytest.approx(result["peak_gib"], rel=1e-9)
+    assert sum(result["tracker_gib"].values()) == pytest.approx(result["peak_gib"], rel=1e-9)
+    assert result["phases"][result["peak_phase"]]["peak_gib"] == result["peak_gib"]
+    assert max(phase["peak_gib"] for phase in result["phases"].values()) == result["peak_gib"]
+
+
+@pytest.mark.parametrize(
+    ("world", "degrees", "shards"),
+    [(2, {}, 2), (4, {"dp_shard": 2, "tp": 2}, 4)],
+    ids=["fsdp2", "fsdp2xtp2"],
+)
+def test_small_model_params_are_the_sharded_fp32_weights(world, degrees, shards):
+    result = measure_layout("small", world=world, seq_len=256, micro_batch=2, **degrees)
+    # bf16-mixed under ZeRO-3: every rank keeps 1/shards of the fp32 weights.
+    expected = _numel("small") * 4 / shards
+    assert result["breakdown_gib"]["params"] * GIB == pytest.approx(expected, rel=0.05)
+    assert result["params_per_rank"] == pytest.approx(_numel("small") / shards, rel=0.05)
+    assert result["tracker"] == "FSDPMemTracker" and result["rank"] == 0
+    assert result["layout"]["dp_shard"] == world // degrees.get("tp", 1) and result["layout"]["tp"] == degrees.get("tp", 1)
+    assert result["layout"]["sequence_parallel"] == (degrees.get("tp", 1) > 1)
+    # AdamW's two fp32 moments, at least (the step's foreach temporary comes on top at its own peak)
+    assert result["phases"]["optimizer step"]["breakdown_gib"]["optimizer"] * GIB >= 2 * expected * 0.95
+    assert result["breakdown_gib"]["activations"] > 0
+    _check_sums(result)
+
+
+def test_refusals_come_before_any_child_process():
+    with pytest.raises(NotImplementedError, match="expert parallel"):
+        measure_layout("tiny_moe", world=2, ep=2)
+    with pytest.raises(ValueError, match="precision"):
+        measure_layout("small", world=2, precision="fp8")
+    with pytest.raises(ValueError, match="recompute"):
+        measure_layout("small", world=2, recompute="sometimes")
+    with pytest.raises(ValueError, match="world size"):
+        measure_layout("small", world=3, dp_shard=2)
+    with pytest.raises(ValueError, match="preset"):
+        measure_layout("no_such_model", world=2)
+
+
+@pytest.mark.slow
+def test_llama3_8b_world8_zero3_full_recompute():
+    result = measure_layout("llama3_8b", world=8, zero_stage=3, seq_len=8192, micro_batch=1, recompute="full")
+    assert result["breakdown_gib"]["params"] * GIB == pytest.approx(8.03e9 * 4 / 8, rel=0.05)
+    assert result["phases"]["optimizer step"]["breakdown_gib"]["grads"] * GIB == pytest.approx(8.03e9 * 4 / 8, rel=0.05)
+    assert 10 < result["peak_gib"] < 80  # H100: 80 GB
+    _check_sums(result)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("degrees", "param_bytes"),
+    [
+        # ZeRO-2, bf16-mixed: replicated bf16 weights (the fp32 masters count as optimizer state)
+        ({"zero_stage": 2}, lambda n, emb, layer: 2 * n),
+        # pp=2, 1F1B: rank 0 holds stage 0 (embedding + first half of the layers), fp32 weights
+        ({"pp": 2, "pipeline_microbatches": 4}, lambda n, emb, layer: 4 * (emb + 2 * layer)),
+    ],
+    ids=["zero2", "pp2"],
+)
+def test_zero12_and_pipeline_paths(degrees, param_bytes):
+    config = LlamaConfig.from_preset("small")
+    with torch.device("meta"):
+        model = Llama(config)
+    n = sum(p.numel() for p in model.parameters())
+    emb = model.tok_embeddings.weight.numel()
+    layer = sum(p.numel() for p in model.layers[0].parameters())
+    result = measure_layout("small", world=2, seq_len=256, **degrees)
+    assert result["breakdown_gib"]["params"] * GIB == pytest.approx(param_bytes(n, emb, layer), rel=0.05)
+    _check_sums(result)
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_holds_unsharded_fp32_gradients():
+    # The strategy skips FSDP's reduce-scatter on all but the last micro-batch (`block_backward_sync`); FSDP2
+    # then accumulates every parameter's whole gradient in its reduce dtype (fp32 under bf16-mixed).
+    n = _numel("small")
+    one = measure_layout("small", world=2, seq_len=256)
+    two = measure_layout("small", world=2, seq_len=256, grad_accumulation=2)
+    assert two["layout"]["grad_accumulation"] == 2
+    assert two["breakdown_gib"]["params"] == pytest.approx(one["breakdown_gib"]["params"])
+    assert two["tracker_gib"]["Temp"] * GIB >= 4 * n  # the fp32 whole gradients (and the backward's temporaries)
+    assert (two["peak_gib"] - one["peak_gib"]) * GIB > 0.8 * 4 * n
+    _check_sums(two)
