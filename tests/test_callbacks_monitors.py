@@ -123,6 +123,32 @@ def test_mfu_unknown_model_needs_flops_per_token():
     assert metrics["throughput/tflops_per_device"].item() == pytest.approx(48.0 * metrics["throughput/tokens_per_sec_per_device"].item() / 1e12)
 
 
+def test_mfu_above_one_is_reported_not_logged():
+    loader = torch.utils.data.DataLoader(torch.randn(8, 2, 4), batch_size=2)
+    monitor = MFUMonitor(flops_per_token=48.0, peak_tflops=1e-15)  # a peak far below what any step reaches
+    run = trainer(1, [monitor], strategy="auto", logger=False)
+    with pytest.warns(UserWarning, match=r"computes MFU .* > 1 .* MFU and HFU are not logged") as caught:
+        run.fit(_Unknown(), loader)
+    assert sum("> 1" in str(w.message) for w in caught) == 1  # once, not every step
+    assert "throughput/mfu" not in run.callback_metrics and "throughput/tokens_per_sec" in run.callback_metrics
+    assert monitor.impossible_mfu_steps == STEPS
+
+
+def test_cpu_peak_without_fast_bf16_falls_back_to_fp32(monkeypatch):
+    from ultrascale.callbacks import mfu as mfu_module
+
+    speeds = {torch.bfloat16: 0.001, torch.float32: 0.05}  # the emulated-bf16 CPU of the report
+    monkeypatch.setattr(mfu_module, "measure_matmul_tflops", lambda dtype, device, **kw: speeds[dtype])
+    monitor = MFUMonitor(flops_per_token=48.0)
+    run = trainer(1, [monitor], strategy="auto", logger=False, precision="bf16-mixed")
+    with pytest.warns(UserWarning, match="no fast bf16 path; MFU is relative to the fp32 peak"):
+        monitor._resolve_peak(run)
+    assert monitor.peak == 0.05 and "fp32" in monitor.peak_source
+    speeds[torch.bfloat16] = 0.1  # a CPU with bf16 instructions keeps its bf16 peak
+    monitor._resolve_peak(run)
+    assert monitor.peak == 0.1 and "bf16" in monitor.peak_source
+
+
 # --------------------------------------------------------------------------- tokens once per dp group
 
 

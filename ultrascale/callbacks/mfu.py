@@ -18,7 +18,7 @@ from typing import Any, Literal, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ultrascale.callbacks._common import parallel_dims_of
 from ultrascale.estimate import ModelFlops, find_peak_tflops, model_flops, recompute_flops_per_token
@@ -95,6 +95,8 @@ class MFUMonitor(Callback):
         self.peak_source = ""
         """Where `peak` came from, e.g. 'table: H100 SXM bf16 dense' or 'measured fp32 matmul'."""
         self.tokens_seen = 0
+        self.impossible_mfu_steps = 0
+        """Steps whose MFU came out above 1 (not logged: a wrong peak or FLOP count, warned once)."""
         self._model: Optional[ModelFlops] = None
         self._ac: Any = None
         self._window: deque[tuple[int, float, float]] = deque(maxlen=window_size)
@@ -134,6 +136,19 @@ class MFUMonitor(Callback):
                 raise ValueError("MFUMonitor: `peak_dtype='fp8'` has no measured CPU peak; set `peak_tflops=`")
             self.peak = measure_matmul_tflops(torch_dtype, device)
             self.peak_source = f"measured {dtype} 1024^3 matmul on this process ({torch.get_num_threads()} threads)"
+            if torch_dtype != torch.float32:
+                # A CPU without 16-bit matmul instructions emulates them, far below what the same
+                # core does in fp32 (measured: 0.001 TFLOP/s in bf16, which gave MFU 3.3); the fp32
+                # matmul is then the honest ceiling of what the run can reach.
+                fp32 = measure_matmul_tflops(torch.float32, device)
+                if fp32 > self.peak:
+                    rank_zero_warn(
+                        f"MFUMonitor: this CPU's {dtype} matmul ({self.peak:.3g} TFLOP/s) is slower than its fp32 one "
+                        f"({fp32:.3g} TFLOP/s), so it has no fast {dtype} path; MFU is relative to the fp32 peak"
+                    )
+                    self.peak = fp32
+                    self.peak_source = (f"measured fp32 1024^3 matmul on this process ({torch.get_num_threads()} threads; "
+                                        f"its {dtype} matmul was slower)")
         else:
             raise ValueError(f"MFUMonitor: no peak FLOP/s for device type {device.type!r}; set `peak_tflops=`")
         from ultrascale.callbacks.float8 import Float8Training
@@ -211,6 +226,19 @@ class MFUMonitor(Callback):
         extra = self.recompute_flops_per_token(seq_len)
         if extra is not None:
             metrics["throughput/hfu"] = (model_fpt + extra) * per_device / 1e12 / self.peak
+        if metrics["throughput/mfu"] > 1.0:
+            # More FLOP/s than the peak is impossible: the peak or the FLOP count is wrong. Report it
+            # (once) instead of logging a figure nobody should read.
+            if self.impossible_mfu_steps == 0:
+                rank_zero_warn(
+                    f"MFUMonitor: step {trainer.global_step} computes MFU {metrics['throughput/mfu']:.3g} > 1 "
+                    f"({tflops:.4g} TFLOP/s per device against a peak of {self.peak:.4g}, {self.peak_source}); the peak "
+                    "or the FLOP count is wrong, so MFU and HFU are not logged. Set `peak_tflops=` (and "
+                    "`flops_per_token=` for a model of your own). Please report this if the peak is right."
+                )
+            self.impossible_mfu_steps += 1
+            metrics.pop("throughput/mfu")
+            metrics.pop("throughput/hfu", None)
         for name, value in metrics.items():
             shown = self.prog_bar and name in ("throughput/tokens_per_sec", "throughput/mfu")
             pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=shown, batch_size=1)
