@@ -73,6 +73,18 @@ def test_unsupported_precision():
         trainer("ultrascale_zero3", precision="64-true")
 
 
+def test_fp16_mixed_is_refused_and_lightning_turns_it_into_bf16_on_cpu():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    strategy = ultrascale.ZeRO3Strategy()
+    with pytest.raises(ValueError, match=r"supports `precision` in .*16-mixed"):
+            strategy.precision_plugin = MixedPrecision("16-mixed", "cuda")  # what a GPU Trainer hands the strategy
+    # On CPU Lightning's connector rewrites the flag before any strategy sees it, and says so.
+    with pytest.warns(UserWarning, match="AMP with fp16 is not supported on CPU"):
+        plugin = trainer("ultrascale_zero3", precision="16-mixed").strategy.precision_plugin
+    assert plugin.precision == "bf16-mixed"
+
+
 def test_precision_mapping():
     for name in ("32-true", "bf16-mixed", "bf16-true"):
         plugin = trainer("ultrascale_zero3", precision=name).strategy.precision_plugin
