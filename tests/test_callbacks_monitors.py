@@ -295,3 +295,52 @@ def test_callbacks_recipe_configures_every_callback(tmp_path):
     assert by_type[ProfilerCapture].active == 3
     assert MemoryMonitor in by_type
     assert Float8Training not in by_type  # FP8 is shown commented out: the tiny model's dims are too small to gain
+
+
+# --------------------------------------------------------------------------- progress bar
+
+
+class _Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch[0]).pow(2).mean()
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(12, 4)), batch_size=4)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_step_progress_bar_counts_optimizer_steps_across_epochs_and_resumes(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from ultrascale.callbacks import StepProgressBar
+
+    def run(max_steps, ckpt_path=None):
+        seen = []
+
+        class Watch(L.Callback):
+            def on_train_batch_end(self, trainer, *args):
+                seen.append((trainer.progress_bar_callback.train_progress_bar.n, trainer.global_step))
+
+        bar = StepProgressBar()
+        trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, callbacks=[bar, Watch()], logger=CSVLogger(tmp_path),
+                            default_root_dir=tmp_path, enable_model_summary=False)
+        trainer.fit(_Tiny(), ckpt_path=ckpt_path)
+        return trainer, bar.train_progress_bar, seen
+
+    # 3 batches per epoch, 7 steps: Lightning's bar would restart at every epoch and say "Epoch 2".
+    trainer, bar, seen = run(7)
+    assert (bar.n, bar.total, bar.desc.strip(": ")) == (7, 7, "Training")
+    assert [n for n, _ in seen] == [step for _, step in seen] == list(range(1, 8))
+    assert "v_num" not in bar.postfix and "train_loss=" in bar.postfix
+    checkpoint = trainer.checkpoint_callback.best_model_path or trainer.checkpoint_callback.last_model_path
+    # Resumed at step 7 towards 10: the bar continues from 7 (not 0/3, nor "7/1").
+    _, bar, seen = run(10, ckpt_path=checkpoint)
+    assert seen[0] == (8, 8) and (bar.n, bar.total) == (10, 10)

@@ -16,6 +16,7 @@ from ultrascale.callbacks.float8 import Float8Training
 from ultrascale.callbacks.memory import MemoryMonitor
 from ultrascale.callbacks.mfu import MFUMonitor
 from ultrascale.callbacks.profiler import ProfilerCapture
+from ultrascale.callbacks.progress import StepProgressBar
 
 __all__ = [
     "ACPolicy",
@@ -28,4 +29,5 @@ __all__ = [
     "MemoryMonitor",
     "ProfilerCapture",
     "SelectiveAC",
+    "StepProgressBar",
 ]
