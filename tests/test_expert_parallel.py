@@ -264,7 +264,7 @@ def reference_hf_moe_run(path, dataset, *, global_batch, steps, aux_coef):
 
     from tests._parity import make_hf
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     terms = []
 
     def router_hook(module, args, output):
@@ -332,7 +332,7 @@ def test_hf_moe_expert_parallel_parity_and_export(tmp_path, arch, world, kwargs)
     # Weights after step 1 within 3e-5, as in the other HF tests: Adam's first step amplifies reduction-order noise.
     assert_parity(results[0], reference, losses, param_atol=3e-5)
     assert_close(torch.tensor(results[0]["aux"]), torch.tensor(reference["aux"]), rtol=1e-5, atol=1e-6)
-    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", torch_dtype=torch.float32)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
     for (name, got), (_, want) in zip(exported.state_dict().items(), reference_model.state_dict().items()):
         assert_close(got, want, rtol=0, atol=5e-5, msg=lambda m: f"{name}: {m}")
     on_disk = {k for f in (tmp_path / "export").glob("*.safetensors") for k in load_file(f)}

@@ -32,7 +32,7 @@ def make_checkpoint(folder: Path, arch: str = "llama", tied: bool = False, dtype
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                            tie_word_embeddings=tied)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():  # non-trivial weights everywhere (HF inits norms to 1 and biases to 0)
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
