@@ -248,7 +248,7 @@ class HFCausalLM(CausalLMModule):
         warmup_steps: int = 0,
         max_steps: Optional[int] = None,
         min_lr_ratio: float = 0.1,
-        attn_implementation: str = "sdpa",
+        attn_implementation: Optional[str] = None,
         export_dir: Optional[str] = None,
         export_overwrite: bool = False,
         trust_remote_code: bool = False,
@@ -266,7 +266,9 @@ class HFCausalLM(CausalLMModule):
             warmup_steps: linear warm-up steps.
             max_steps: end of the cosine decay; None uses the trainer's estimated_stepping_batches.
             min_lr_ratio: final learning rate as a fraction of `learning_rate`.
-            attn_implementation: Hugging Face attention kernel ("sdpa", "eager", "flash_attention_2").
+            attn_implementation: Hugging Face attention kernel ("sdpa", "eager", "flash_attention_2"). None:
+                "flash_attention_2" on a CUDA device (Ampere+) with flash-attn installed and 16-bit compute,
+                "sdpa" elsewhere (`ultrascale.parallel.device.attention_backend`, the built-in Llama's choice too).
             export_dir: if set, the trained model is written there as a Hugging Face folder when fit ends.
                 Checked when the module is built: not the source folder, and empty unless `export_overwrite`.
             export_overwrite: replace a non-empty `export_dir` (once the new folder is complete).
@@ -305,25 +307,39 @@ class HFCausalLM(CausalLMModule):
         those models are built for real (then sharded, then loaded)."""
         return not bool(getattr(self.config, "tie_word_embeddings", False))
 
+    def attention_implementation(self) -> str:
+        """The `attn_implementation` the model is built with: the one given, or the device's choice
+        (`hf_attention_implementation`) for the Trainer's device and compute dtype."""
+        if self.hparams.attn_implementation is not None:
+            return self.hparams.attn_implementation
+        from ultrascale.parallel.device import hf_attention_implementation
+
+        strategy = attached_strategy(self)
+        device = getattr(strategy, "root_device", None) or torch.device("cpu")
+        precision = str(getattr(getattr(strategy, "precision_plugin", None), "precision", ""))
+        compute = torch.bfloat16 if "bf16" in precision or self.hparams.dtype == "bfloat16" else torch.float32
+        return hf_attention_implementation(device, compute)
+
     def configure_model(self) -> None:
         if self.model is not None:
             return
         from transformers import AutoModelForCausalLM
 
         dtype = DTYPES[self.hparams.dtype]
+        attention = self.attention_implementation()
         meta = torch.empty(()).device.type == "meta"  # the strategy's init context asked for meta
         if meta or self._sharding_strategy():
             check_sharded_loading_supported(self.config)
             self.model = AutoModelForCausalLM.from_config(
-                self.config, torch_dtype=dtype, attn_implementation=self.hparams.attn_implementation,
+                self.config, dtype=dtype, attn_implementation=attention,
                 trust_remote_code=self.hparams.trust_remote_code,
             )
             # Not meta (tied embeddings): the weights are loaded by `init_weights` after sharding too.
             self._weights_pending = True
         else:
             self.model = AutoModelForCausalLM.from_pretrained(
-                self.pretrained_path, torch_dtype=dtype, local_files_only=True,
-                attn_implementation=self.hparams.attn_implementation, trust_remote_code=self.hparams.trust_remote_code,
+                self.pretrained_path, dtype=dtype, local_files_only=True,
+                attn_implementation=attention, trust_remote_code=self.hparams.trust_remote_code,
             )
             self._weights_pending = False
         from ultrascale.models.adapters import hf_num_experts

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ultrascale.parallel.device import attention_backend
+
 __all__ = [
     "LLAMA_PRESETS",
     "Attention",
@@ -235,6 +237,13 @@ LLAMA_PRESETS: Dict[str, Dict[str, Any]] = {
         vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
         ffn_dim_multiplier=1.2, multiple_of=4096, rope_theta=500000.0, max_seq_len=8192,
     ),
+    # Mistral's published Mixtral-8x7B shape (config.json) on the built-in MoE block: every layer
+    # has 8 SwiGLU experts of 14336, 2 per token, router weights renormalised over the chosen two
+    # (46,702,792,704 parameters, as Mistral's checkpoint). For Mixtral's own weights use HFCausalLM.
+    "mixtral_8x7b": dict(
+        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336,
+        rope_theta=1000000.0, max_seq_len=32768, n_experts=8, moe_top_k=2, moe_aux_loss_coef=0.02,
+    ),
 }
 
 
@@ -321,8 +330,20 @@ class ScaledDotProductAttention(nn.Module):
         """
         gqa = q.shape[1] != k.shape[1]
         if mask is None:
+            if attention_backend(q.device, q.dtype) == "flash":
+                return flash_causal_attention(q, k, v)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        # Packed documents: SDPA with the block-diagonal causal mask (flash-attn would need its varlen
+        # entry point and the documents' cumulative lengths).
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def flash_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """flash-attn 2's causal kernel on SDPA's layout; GQA is native (query head h reads kv head h // n_rep)."""
+    from flash_attn import flash_attn_func
+
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)  # (B, T, n_heads, head_dim)
+    return out.transpose(1, 2)  # (B, n_heads, T, head_dim)
 
 
 class Attention(nn.Module):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import platform
 
 import torch
@@ -15,6 +17,14 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 def process_group_backend(device: torch.device) -> str:
     """NCCL for CUDA devices (GPU-direct collectives), gloo for CPU."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def async_checkpoint_backend() -> str:
+    """The backend of the process group asynchronous checkpoint saves run their collectives on: gloo, on
+    CPU and CUDA alike. DCP's `async_save` plans and gathers in a background thread while training uses
+    the default group, so the save needs a group of its own, and it requires a CPU backend (its
+    collectives exchange Python objects staged in host memory)."""
+    return "gloo"
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
@@ -52,3 +62,26 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type == "cuda":
         return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
     return False
+
+
+@functools.lru_cache(maxsize=1)
+def flash_attn_installed() -> bool:
+    """Whether the optional `flash-attn` package (the `gpu` extra) can be imported."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def attention_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """The attention kernel for this device and compute dtype: "flash" or "sdpa".
+
+    "flash" (Dao's flash-attn 2) where it runs: a CUDA device of compute capability 8.0+ (Ampere
+    and later), fp16/bf16 inputs, flash-attn installed. Everywhere else torch's SDPA, which on
+    CUDA picks its own flash / memory-efficient kernels and on CPU its fused kernel.
+    """
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or not flash_attn_installed():
+        return "sdpa"
+    return "flash" if torch.cuda.get_device_capability(device) >= (8, 0) else "sdpa"
+
+
+def hf_attention_implementation(device: torch.device, dtype: torch.dtype) -> str:
+    """`attn_implementation` for a Hugging Face model: `attention_backend` in transformers' names."""
+    return "flash_attention_2" if attention_backend(device, dtype) == "flash" else "sdpa"
