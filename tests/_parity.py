@@ -228,16 +228,22 @@ def assert_parity(result: dict[str, Any], reference: dict[str, Any], losses: lis
     assert_close(torch.tensor(losses), torch.tensor(reference["losses"]), rtol=0, atol=1e-4)
 
 
-def make_hf_checkpoint(folder: Any, arch: str, *, vocab_size: int, hidden_size: int = 64, layers: int = 2) -> str:
-    """A tiny, untied Hugging Face checkpoint of `arch` ("llama", "mistral", "qwen2", "qwen3", and the MoE
-    "mixtral", "qwen3_moe" with 4 experts, 2 per token) saved
-    to `folder`, with weights perturbed away from their init (so every parameter matters)."""
+def make_hf_checkpoint(folder: Any, arch: str, *, vocab_size: int, hidden_size: int = 64, layers: int = 2,
+                       **overrides: Any) -> str:
+    """A tiny, untied Hugging Face checkpoint of `arch` ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2",
+    "gemma3" (text-only Gemma3ForCausalLM), and the MoE "mixtral", "qwen3_moe" with 4 experts, 2 per token) saved
+    to `folder`, with weights perturbed away from their init (so every parameter matters).
+    `overrides` are further config fields (e.g. `head_dim=16`)."""
     import transformers
 
     config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
                     "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
+                    "phi3": transformers.Phi3Config, "olmo2": transformers.Olmo2Config,
+                    "gemma3": transformers.Gemma3TextConfig,
                     "mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[arch]
     extra: dict[str, Any] = {"sliding_window": None} if arch in ("mistral", "mixtral") else {}
+    if arch in ("phi3", "olmo2", "gemma3"):  # their default special tokens lie outside a tiny vocabulary
+        extra.update(pad_token_id=None, bos_token_id=1, eos_token_id=2)
     if arch == "mixtral":  # 4 experts, 2 per token
         extra.update(num_local_experts=4, num_experts_per_tok=2)
     if arch == "qwen3_moe":
@@ -245,7 +251,7 @@ def make_hf_checkpoint(folder: Any, arch: str, *, vocab_size: int, hidden_size: 
                      decoder_sparse_step=1, mlp_only_layers=[])
     config = config_class(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=64, tie_word_embeddings=False, **extra)
+                          max_position_embeddings=64, tie_word_embeddings=False, **{**extra, **overrides})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

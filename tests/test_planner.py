@@ -490,8 +490,12 @@ def test_hf_models_get_only_what_ultrascale_runs_for_them():
     shape = ModelShape.from_hf_config(qwen3)
     lay = planner.Layout(dp_shard=4, tp=2)
     problems = " ".join(planner.layout_problems(lay, shape, cluster, 1024, 4, hf_config=qwen3))
-    # Qwen3's plan uses 'replicated_with_grad_allreduce', a style ultrascale does not map yet (issue 12).
-    assert "unknown tensor-parallel style 'replicated_with_grad_allreduce'" in problems
+    # Qwen3's plan ('replicated_with_grad_allreduce' q/k norms) runs since issue 12.
+    assert problems == ""
+    mixtral = T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    problems = " ".join(planner.layout_problems(lay, ModelShape.from_hf_config(mixtral), cluster, 1024, 4, hf_config=mixtral))
+    assert "tensor parallel on a Mixture-of-Experts model is not implemented" in problems
+    assert "'packed_colwise' is not supported" in problems  # a known style, refused with its reason
     llama = T.LlamaConfig(**common)
     assert planner.layout_problems(lay, ModelShape.from_hf_config(llama), cluster, 1024, 4, hf_config=llama) == []
     gemma = T.Gemma2Config(**common, head_dim=32)

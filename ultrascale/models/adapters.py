@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from typing import Any, Optional
 
 import torch.nn as nn
@@ -30,6 +31,9 @@ class ModelAdapter:
     """`tp_plan(sequence_parallel=..., loss_parallel=...)` -> plan keyed by module path; None: no TP support."""
     supports_sequence_parallel: bool = False
     """Whether `tp_plan(sequence_parallel=True)` is implemented for this architecture."""
+    tp_refusal: Optional[str] = None
+    """Why this architecture's own TP plan cannot run (a style ultrascale refuses, or an entry naming a bare
+    parameter); None: it can. A user's `tp_plan=` replaces the model's plan and this check."""
     enable_context_parallel: Optional[Callable[[Any], None]] = None
     """`enable_context_parallel(cp)` routes the model's attention through `cp.attention`
     (`ultrascale.parallel.context.ContextParallel`); None: no context-parallel support."""
@@ -69,12 +73,16 @@ class ModelAdapter:
         """Raise (before any collective) if `tp` cannot be applied to this model."""
         from ultrascale.parallel.tensor import check_tp_divides
 
+        if self.tp_refusal is not None:
+            raise ValueError(self.tp_refusal)
         if self.tp_plan is None:
             raise ValueError(
-                f"tensor parallel has no plan for {self.name}: ultrascale has TP plans for the built-in Llama and "
-                "Hugging Face Llama/Mistral/Qwen2 models. Pass your own plan to the strategy, e.g. "
-                "`tp_plan={'layers.*.attn.q': 'colwise', 'layers.*.attn.out': 'rowwise', ...}` "
-                "(module path -> ParallelStyle or one of ultrascale.parallel.tensor.STYLE_NAMES)."
+                f"tensor parallel has no plan for {self.name}: ultrascale has one for the built-in Llama and runs the "
+                "plan a Hugging Face causal LM's config ships (`base_model_tp_plan`: Llama, Mistral, Qwen2/3, Gemma3, "
+                "Phi3, OLMo2 and every other dense model with one), and this model has none. Pass your own plan to "
+                "the strategy, e.g. `UltraScaleStrategy(tp_plan={'layers.*.attn.q': 'colwise', "
+                "'layers.*.attn.out': 'rowwise', ...})` (module path -> ParallelStyle or one of "
+                "ultrascale.parallel.tensor.STYLE_NAMES)."
             )
         if sequence_parallel and not self.supports_sequence_parallel:
             raise ValueError(
@@ -208,11 +216,6 @@ def _find_hf_causal_lm(module: nn.Module) -> Optional[tuple[str, nn.Module]]:
 
 
 def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAdapter:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    from ultrascale.parallel.tensor import style_from_name
-
     path, hf = found
     config = hf.config
     base_plan = getattr(config, "base_model_tp_plan", None) or {}
@@ -220,22 +223,19 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
     base = _prefix(prefix + hf.base_model_prefix)
 
     def plan(*, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
-        styles = {base + key: style_from_name(value) for key, value in base_plan.items()}
-        styles[base + "embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
-        styles[prefix + "lm_head"] = ColwiseParallel(
-            output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel
-        )
-        return styles
+        return hf_tp_plan(hf, base_plan, base=base, prefix=prefix, loss_parallel=loss_parallel)
 
+    sizes = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        "intermediate_size": getattr(config, "intermediate_size", None),
+        "vocab_size": config.vocab_size,
+    }
     return ModelAdapter(
         **common,
-        tp_sizes={
-            "num_attention_heads": config.num_attention_heads,
-            "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-            "intermediate_size": config.intermediate_size,
-            "vocab_size": config.vocab_size,
-        },
+        tp_sizes={name: size for name, size in sizes.items() if size},
         tp_plan=plan if base_plan else None,
+        tp_refusal=_hf_tp_refusal(hf, base_plan, common["name"]) if base_plan else None,
         supports_sequence_parallel=False,
         enable_context_parallel=(
             (lambda cp: _hf_context_parallel(hf, cp)) if config.model_type in HF_CONTEXT_PARALLEL_TYPES else None
@@ -247,6 +247,63 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
         ),
         experts=lambda: _hf_experts(hf),
     )
+
+
+def _hf_tp_refusal(hf: nn.Module, base_plan: Mapping[str, str], name: str) -> Optional[str]:
+    """Why `base_plan` cannot run on `hf` (checked on every rank before any collective), or None."""
+    from ultrascale.parallel.tensor import style_from_name
+
+    modules = [n for n, _ in hf.named_modules()]
+    base = _prefix(hf.base_model_prefix)
+    for key, style in base_plan.items():
+        try:
+            style_from_name(style)
+        except ValueError as error:
+            return (
+                f"tensor parallel on {name}: its plan (config.base_model_tp_plan) entry {key!r}: {error}. "
+                "Pass your own plan with `UltraScaleStrategy(tp_plan=...)` to run tensor parallel without it."
+            )
+        if not any(fnmatch(module, base + key) for module in modules):
+            # transformers also shards bare parameters by name (e.g. attention sinks); ultrascale's styles
+            # apply to modules, so a key naming none would leave that parameter silently whole.
+            return (
+                f"tensor parallel on {name}: its plan (config.base_model_tp_plan) entry {key!r} ({style!r}) names "
+                "no submodule (a bare parameter?), which ultrascale does not shard. Pass your own plan with "
+                "`UltraScaleStrategy(tp_plan=...)`."
+            )
+    return None
+
+
+def hf_tp_plan(
+    hf: nn.Module, base_plan: Mapping[str, str], *, base: str, prefix: str, loss_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """The model's own `base_model_tp_plan` as ParallelStyles, plus the embedding and head it leaves out.
+
+    The input embedding is vocab-parallel (partial lookups all-reduced) unless the plan places it; the
+    head is column-parallel over the vocabulary, its logits vocab-sharded into the loss under loss
+    parallel and gathered otherwise.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from ultrascale.parallel.tensor import MlaKvAProjParallel, style_from_name
+
+    def style(name: str) -> ParallelStyle:
+        if name == "mla_kv_a_proj":  # the RoPE key width is in the config, not on the Linear
+            return MlaKvAProjParallel(rope_dim=getattr(hf.config, "qk_rope_head_dim", None))
+        return style_from_name(name)
+
+    styles = {base + key: style(value) for key, value in base_plan.items()}
+    paths = {id(module): name for name, module in hf.named_modules()}
+    embedding, head = hf.get_input_embeddings(), hf.get_output_embeddings()
+    embed_path = prefix + paths[id(embedding)] if embedding is not None and id(embedding) in paths else None
+    if embed_path is not None and not any(fnmatch(embed_path, key) for key in styles):
+        styles[embed_path] = RowwiseParallel(input_layouts=Replicate())
+    if head is not None and id(head) in paths:
+        styles[prefix + paths[id(head)]] = ColwiseParallel(
+            output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel
+        )
+    return styles
 
 
 def hf_num_experts(config: Any) -> int:
@@ -324,6 +381,6 @@ def _architecture_name(module: nn.Module) -> str:
         architectures = getattr(config, "architectures", None)
         if architectures:
             return str(architectures[0])
-        if type(sub).__name__.endswith("ForCausalLM"):
-            return type(sub).__name__
+        if type(sub).__name__.endswith("ForCausalLM") or (config is not None and hasattr(sub, "base_model_prefix")):
+            return type(sub).__name__  # a Hugging Face model built from a config (no `architectures` yet)
     return "generic"

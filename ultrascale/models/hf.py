@@ -219,6 +219,10 @@ def recompute_nonpersistent_buffers(model: torch.nn.Module) -> None:
     build and `to_empty` they hold garbage. Each owning module is re-created from its config."""
     for module in model.modules():
         names = getattr(module, "_non_persistent_buffers_set", set())
+        if names and not hasattr(module, "config") and hasattr(module, "scalar_embed_scale"):
+            # Gemma's scaled embedding (no config): its `embed_scale` buffer is sqrt(hidden) kept as a float too.
+            module.embed_scale.fill_(module.scalar_embed_scale)
+            continue
         if not names or not hasattr(module, "config"):
             continue
         device = next(iter(module.buffers())).device

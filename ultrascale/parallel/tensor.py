@@ -20,14 +20,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from typing import Union
+from typing import Optional, Union
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -36,18 +39,154 @@ from torch.distributed.tensor.parallel import (
 
 TPPlan = Mapping[str, ParallelStyle]
 
-# String names accepted in user plans (YAML / CLI) and in Hugging Face `base_model_tp_plan`s.
+
+class ReplicatedWithGradAllReduce(ParallelStyle):
+    """A module whose parameters every TP rank holds whole but runs on this rank's shard of the
+    activations, along a dim it does not reduce over: Qwen3/Gemma3's per-head `q_norm`/`k_norm`
+    (weight (head_dim,)) between the column-parallel q/k projections and the row-parallel o_proj
+    see (B, T, n_heads // tp, head_dim). Forward needs no collective; backward does: each rank's
+    weight gradient covers only its heads, and the true gradient is their sum over tp.
+
+    The parameters become Replicate DTensors on the tp mesh (so FSDP over dp composes, as for
+    sequence-parallel norms); the module runs on a local view of each whose gradient is declared
+    Partial, and a same-placement `redistribute` in front turns that Partial gradient into a
+    Replicate one in autograd: one all-reduce per parameter per backward, and `.grad` already
+    has the parameter's layout. FSDP2 would redistribute a Partial gradient itself; summing here
+    keeps the style right without FSDP too (tests/test_tensor_parallel_styles.py), and FSDP then
+    finds the layout it expects and adds no second tp reduction.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                # Every rank holds the same values already (broadcast, or loaded after a meta build).
+                replicated = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
+                module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        module.register_forward_pre_hook(_swap_in_local_params)
+        module.register_forward_hook(_swap_back_params, always_call=True)
+        return module
+
+
+_SWAPPED = "_ultrascale_tp_swapped_params"
+
+
+def _swap_in_local_params(module: nn.Module, args: object) -> None:
+    # Read the parameters at call time: under FSDP they are its unsharded (tp-only) DTensors.
+    originals = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+    setattr(module, _SWAPPED, originals)
+    for name, param in originals.items():
+        local = param.redistribute(param.device_mesh, [Replicate()] * param.device_mesh.ndim).to_local(
+            grad_placements=[Partial()] * param.device_mesh.ndim
+        )
+        module._parameters[name] = local  # a plain view for the forward only (restored below)
+
+
+def _swap_back_params(module: nn.Module, args: object, output: object) -> None:
+    module._parameters.update(getattr(module, _SWAPPED, {}))
+    setattr(module, _SWAPPED, {})
+
+
+class KeepReplicated(ParallelStyle):
+    """Leave the module as it is: every rank holds and computes it whole on replicated inputs, so its
+    gradients are identical on every tp rank already (transformers' 'replicate')."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return module
+
+
+class _AllReduceBackward(torch.autograd.Function):
+    """Identity in forward, all-reduce (sum) of the gradient over tp in backward: `f` of Megatron-LM
+    (Shoeybi et al. 2019), for an activation that feeds per-rank (sharded) consumers only."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class MlaKvAProjParallel(ParallelStyle):
+    """DeepSeek-V2-style MLA `kv_a_proj_with_mqa` (replicated): its output (..., kv_lora_rank + rope_dim)
+    splits into a latent part that feeds the column-parallel `kv_b_proj` (whose input gradient is
+    all-reduced over tp by that style) and a RoPE key part shared by every head, which reaches this
+    rank's heads only: its gradient is partial per rank and is all-reduced here, so the
+    projection's weight gradient is whole and identical on every tp rank."""
+
+    def __init__(self, rope_dim: Optional[int] = None) -> None:
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rope_dim = self.rope_dim
+        if rope_dim is None:
+            rope_dim = getattr(getattr(module, "config", None), "qk_rope_head_dim", None)
+        if rope_dim is None:
+            raise ValueError(
+                "tensor-parallel style 'mla_kv_a_proj' needs the RoPE key width: pass "
+                "`MlaKvAProjParallel(rope_dim=config.qk_rope_head_dim)` in `tp_plan=`"
+            )
+        group = device_mesh.get_group()
+
+        def split_rope_grad(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+            latent, rope = output.split([output.shape[-1] - rope_dim, rope_dim], dim=-1)
+            return torch.cat([latent, _AllReduceBackward.apply(rope, group)], dim=-1)
+
+        module.register_forward_hook(split_rope_grad)
+        return module
+
+
+# String names accepted in user plans (YAML / CLI) and in Hugging Face `base_model_tp_plan`s: every
+# dense style of `transformers.distributed.tensor_parallel.ALL_PARALLEL_STYLES`, with the same maths
+# (the layouts are torch's: 'sequence_parallel' is torch's SequenceParallel, whose output stays a DTensor).
 STYLE_NAMES: dict[str, Callable[[], ParallelStyle]] = {
+    # Linear, weight (out, in) split on out: replicated input, output sharded on the last dim.
     "colwise": ColwiseParallel,
+    # Linear, weight split on in: input sharded on the last dim, partial outputs all-reduced.
     "rowwise": RowwiseParallel,
+    # Column-parallel, output all-gathered: whole activations after it (Phi3's fused qkv/gate_up,
+    # OLMo2's q/k/v, whose q_norm/k_norm normalise over all heads and so must see them all).
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
     "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    # Row-parallel on a replicated input (after a gathered column-parallel layer): each rank takes
+    # its slice of the input locally (no communication), then the partial outputs are all-reduced.
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    # Vocab-parallel embedding: rows split, partial lookups all-reduced.
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
     "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
+    # Embedding with the hidden dim split, slices all-gathered.
+    "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
     "sequence_parallel": SequenceParallel,
+    "replicated_with_grad_allreduce": ReplicatedWithGradAllReduce,
+    # A module whose output is a partial sum over tp ranks: all-reduce it (identity backward).
+    "all_reduce": lambda: PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
+    "replicate": KeepReplicated,
+    "mla_kv_a_proj": MlaKvAProjParallel,
 }
+
+REFUSED_STYLE_NAMES: dict[str, str] = {
+    name: "it splits the fused experts of a Mixture-of-Experts layer, and ultrascale does not implement tensor "
+    "parallel of experts: split them with `expert_parallel=` instead"
+    for name in ("packed_colwise", "packed_rowwise", "moe_tp_experts", "moe_identity_expert")
+}
+for name in ("grouped_gemm", "ep_dispatch_experts"):  # styles of transformers' `base_model_ep_plan`s
+    REFUSED_STYLE_NAMES[name] = (
+        "it belongs to transformers' expert-parallel plan; ultrascale splits experts with `expert_parallel=` "
+        "and its own token dispatch"
+    )
+REFUSED_STYLE_NAMES["local_params"] = (
+    "it runs a module on shards of its own bare parameters (attention sinks), which ultrascale does not implement"
+)
+"""transformers style names that ultrascale knows but does not run, and why (named in the error)."""
 
 
 def style_from_name(name: str) -> ParallelStyle:
+    if name in REFUSED_STYLE_NAMES:
+        raise ValueError(f"tensor-parallel style {name!r} is not supported: {REFUSED_STYLE_NAMES[name]}")
     try:
         return STYLE_NAMES[name]()
     except KeyError:

@@ -1,0 +1,150 @@
+"""The tensor-parallel style names of transformers' `base_model_tp_plan`s, each checked on its own.
+
+Tier 1 (no process group): every style transformers registers is either run by ultrascale or refused
+with a reason. Tier 2 (gloo, tp=2, no FSDP on top): a toy model using every dense style at once equals
+one process in its output and every gradient, and no gradient is left a pending (Partial) sum.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor.parallel import RowwiseParallel
+from torch.testing import assert_close
+
+from tests._dist import run_ranks
+from ultrascale.parallel.tensor import REFUSED_STYLE_NAMES, STYLE_NAMES, apply_tp, resolve_plan, style_from_name
+
+
+def test_every_transformers_style_is_run_or_refused():
+    import transformers.distributed.expert_parallel  # noqa: F401  (registers the expert-parallel styles)
+    import transformers.distributed.tensor_parallel  # noqa: F401  (registers the tensor-parallel styles)
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+    registered = set(ALL_PARALLEL_STYLES.keys())
+    assert registered, "transformers registered no tensor-parallel styles"
+    unknown = registered - set(STYLE_NAMES) - set(REFUSED_STYLE_NAMES)
+    assert not unknown, f"transformers styles ultrascale neither runs nor refuses: {sorted(unknown)}"
+    assert not set(STYLE_NAMES) & set(REFUSED_STYLE_NAMES)
+
+
+def test_refused_style_says_why():
+    with pytest.raises(ValueError, match="tensor-parallel style 'packed_colwise' is not supported: .*expert_parallel="):
+        style_from_name("packed_colwise")
+    with pytest.raises(ValueError, match="unknown tensor-parallel style 'diagonal'"):
+        style_from_name("diagonal")
+
+
+def test_shipped_plans_of_tested_architectures_resolve():
+    import transformers as T
+
+    for config in (T.Qwen3Config(), T.Gemma3TextConfig(), T.Phi3Config(), T.Olmo2Config()):
+        resolve_plan(config.base_model_tp_plan)
+
+
+HEAD_DIM, HEADS, DIM, ROPE = 8, 4, 16, 4
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class Toy(nn.Module):
+    """Every dense style of transformers' plans in one forward (module -> style in PLAN)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, DIM)
+        self.q = nn.Linear(DIM, HEADS * HEAD_DIM)
+        self.q_norm = RMSNorm(HEAD_DIM)  # per head, on this rank's heads
+        self.kv_a = nn.Linear(DIM, HEAD_DIM + ROPE)  # MLA: latent | RoPE key part
+        self.kv_b = nn.Linear(HEAD_DIM, HEADS * HEAD_DIM)
+        self.o = nn.Linear(HEADS * HEAD_DIM, DIM)
+        self.gather = nn.Linear(DIM, 2 * DIM)
+        self.full_norm = RMSNorm(2 * DIM)  # over every feature: needs them all (OLMo2's q_norm)
+        self.split = nn.Linear(2 * DIM, DIM)
+        self.mlp = MLP()
+        self.head = nn.Linear(DIM, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)  # (B, T, D)
+        B, T, _ = x.shape
+        q = self.q_norm(self.q(x).view(B, T, -1, HEAD_DIM))  # (B, T, HEADS // tp, hd)
+        latent, rope = self.kv_a(x).split([HEAD_DIM, ROPE], dim=-1)  # (B, T, hd), (B, T, ROPE)
+        k = self.kv_b(latent).view(B, T, -1, HEAD_DIM)  # (B, T, HEADS // tp, hd)
+        k = torch.cat([k[..., :ROPE] + rope[:, :, None, :], k[..., ROPE:]], dim=-1)  # RoPE part shared by all heads
+        mixed = (q * k).sum(-1, keepdim=True).tanh() * k  # (B, T, HEADS // tp, hd)
+        x = x + self.o(mixed.reshape(B, T, -1))  # row-parallel: (B, T, D)
+        x = x + self.split(self.full_norm(self.gather(x)))  # gathered (B, T, 2D) -> split input
+        x = x + self.mlp(x)
+        return self.head(x)
+
+
+PLAN = {
+    "emb": "embedding_colwise",
+    "q": "colwise",
+    "q_norm": "replicated_with_grad_allreduce",
+    "kv_a": "mla_kv_a_proj",
+    "kv_b": "colwise",
+    "o": "rowwise",
+    "gather": "colwise_gather_output",
+    "split": "rowwise_split_input",
+    "mlp.up": "colwise",
+    # A row-parallel layer that leaves its partial sums to its parent, which all-reduces them.
+    "mlp.down": RowwiseParallel(output_layouts=Partial()),
+    "mlp": "all_reduce",
+    "head": "replicate",
+}
+
+
+def _toy_and_batch():
+    torch.manual_seed(0)
+    model = Toy()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model, torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(1))
+
+
+def _styles_tp2(rank, world_size, plan):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ultrascale.parallel.tensor import MlaKvAProjParallel
+
+    model, ids = _toy_and_batch()
+    plan = resolve_plan({k: MlaKvAProjParallel(rope_dim=ROPE) if v == "mla_kv_a_proj" else v for k, v in plan.items()})
+    apply_tp(model, init_device_mesh("cpu", (world_size,)), plan)
+    out = model(ids)
+    out.pow(2).mean().backward()
+    partial = [n for n, p in model.named_parameters() if any(pl.is_partial() for pl in getattr(p.grad, "placements", ()))]
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for n, p in model.named_parameters()}
+    local = {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    return {"out": out.detach(), "grads": grads, "partial": partial, "local": local}
+
+
+def test_every_dense_style_matches_one_process():
+    model, ids = _toy_and_batch()
+    out = model(ids)
+    out.pow(2).mean().backward()
+    expected = {n: p.grad for n, p in model.named_parameters()}
+    for result in run_ranks(_styles_tp2, 2, PLAN):
+        assert result["partial"] == []  # every tp sum done in backward, once: `.grad` has the parameter's layout
+        assert result["local"]["emb.weight"] == (32, DIM // 2) and result["local"]["q.weight"] == (16, DIM)
+        assert result["local"]["q_norm.weight"] == (HEAD_DIM,) and result["local"]["split.weight"] == (DIM, DIM)
+        assert_close(result["out"], out.detach(), rtol=1e-5, atol=1e-6)
+        for name, grad in expected.items():
+            assert_close(result["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"grad {name}: {m}")
