@@ -1,0 +1,179 @@
+"""PEFT LoRA under ZeRO-2/3: the adapter saved from the sharded model reloads with peft and gives the trained
+model's logits; the merged Hugging Face folder loads without peft and gives them too."""
+
+import json
+import sys
+from pathlib import Path
+
+import peft  # the `test` extra installs it
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from torch.testing import assert_close
+
+import ultrascale
+from tests._dist import run_ranks
+from tests._parity import ParityData, Recorder, TokenDataset, full, make_hf_checkpoint, parity_trainer, reference_run
+from ultrascale.models.lm import CausalLMModule
+from ultrascale.models.peft import PeftAdapterExport, export_merged_hf, find_peft_model, save_peft_adapter
+
+VOCAB, SEQ, GLOBAL_BATCH, STEPS = 128, 16, 8, 4
+
+
+class LoraLM(CausalLMModule):
+    """A Hugging Face Llama from a local folder wrapped in LoRA on q_proj and v_proj, as a PEFT user writes it."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        self.model = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        base = transformers.AutoModelForCausalLM.from_pretrained(self.path, local_files_only=True)
+        torch.manual_seed(0)  # the same LoRA init on every rank and in the reference
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+        self.model = peft.get_peft_model(base, config)
+
+    def forward(self, input_ids, position_ids=None):
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+    def configure_optimizers(self):
+        # eps 1e-6: Adam's first update of a near-zero gradient stays comparable across reduction orders.
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=3e-3, eps=1e-6)
+
+
+def dataset() -> TokenDataset:
+    return TokenDataset(STEPS * GLOBAL_BATCH, SEQ, VOCAB, seed=1, masked=True)
+
+
+def probe() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def lora_weights(module: LoraLM) -> dict[str, torch.Tensor]:
+    return {n: full(p) for n, p in find_peft_model(module).named_parameters() if "lora_" in n}
+
+
+def _train(rank, world_size, path, strategy, adapter_dir, merged_dir, use_callback):
+    strategies = {"zero3": ultrascale.ZeRO3Strategy, "zero2": ultrascale.ZeRO2Strategy}
+    recorder = Recorder()
+    callbacks = [PeftAdapterExport(adapter_dir, merged_dir)] if use_callback else []
+    trainer = parity_trainer(world_size, strategies[strategy](), recorder, STEPS, callbacks=callbacks)
+    module = LoraLM(path)
+    trainer.fit(module, ParityData(dataset(), GLOBAL_BATCH))
+    if not use_callback:  # the functions, called by every rank (they are collectives)
+        assert save_peft_adapter(trainer, adapter_dir) == Path(adapter_dir).resolve()
+        export_merged_hf(module, merged_dir)
+    q = find_peft_model(module).base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight
+    with torch.no_grad():
+        logits = module(probe())
+    return {"logits": full(logits), "lora": lora_weights(module), "losses": recorder.losses,
+            "sharded": isinstance(q, torch.distributed.tensor.DTensor)}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return make_hf_checkpoint(tmp_path_factory.mktemp("peft") / "base", "llama", vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize("strategy, use_callback", [("zero3", True), ("zero2", False)],
+                         ids=["zero3-callback", "zero2-functions"])
+def test_adapter_and_merged_export_reload(tmp_path, checkpoint, strategy, use_callback):
+    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
+    results = run_ranks(_train, 2, checkpoint, strategy, str(adapter_dir), str(merged_dir), use_callback)
+    trained, logits = results[0]["lora"], results[0]["logits"]
+    assert results[0]["sharded"] is (strategy == "zero3")  # ZeRO-3 really held LoRA weights as DTensor shards
+    assert_close(results[1]["logits"], logits)
+
+    # LoRA trains correctly under ZeRO: the adapter equals one process trained on the same global batches.
+    reference = reference_run(LoraLM(checkpoint), dataset(), global_batch=GLOBAL_BATCH, steps=STEPS)
+    assert_close(results[0]["losses"], reference["losses"], rtol=0, atol=1e-5)
+    for name, value in trained.items():
+        assert_close(value, reference["final_params"][f"model.{name}"], rtol=1e-5, atol=1e-5,
+                     msg=lambda m: f"{name}: {m}")
+    initial = lora_weights(_configured(checkpoint))
+    assert all(not torch.allclose(trained[n], initial[n], atol=1e-4) for n in trained)  # every LoRA tensor moved
+
+    # The folder PEFT's own save_pretrained writes for the same model, key for key.
+    expected_dir = tmp_path / "peft_own"
+    find_peft_model(_configured(checkpoint)).save_pretrained(expected_dir)
+    assert sorted(p.name for p in adapter_dir.iterdir()) == sorted(p.name for p in expected_dir.iterdir())
+    saved = load_file(adapter_dir / "adapter_model.safetensors")
+    expected = load_file(expected_dir / "adapter_model.safetensors")
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in expected.items()}
+    assert json.loads((adapter_dir / "adapter_config.json").read_text()) == json.loads(
+        (expected_dir / "adapter_config.json").read_text())
+    assert not list(tmp_path.glob(".*tmp-*"))  # no temporary folder left behind
+
+    # Reload with peft on one process: the trained weights, and the trained model's logits.
+    base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True)
+    reloaded = peft.PeftModel.from_pretrained(base, adapter_dir)
+    for name, value in reloaded.named_parameters():
+        if "lora_" in name:
+            assert torch.equal(value, trained[name]), name
+    with torch.no_grad():
+        assert_close(reloaded(input_ids=probe()).logits, logits, rtol=1e-5, atol=1e-5)
+
+    # The merged folder is a plain HF model: no peft, same logits, q_proj/v_proj changed and nothing else.
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, local_files_only=True)
+    assert not any("lora" in name for name in merged.state_dict())
+    with torch.no_grad():
+        assert_close(merged(input_ids=probe()).logits, logits, rtol=1e-5, atol=1e-5)
+    original = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True).state_dict()
+    changed = {name for name, value in merged.state_dict().items() if not torch.equal(value, original[name])}
+    assert changed == {f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qv"}
+
+
+def _configured(path: str) -> LoraLM:
+    module = LoraLM(path)
+    module.configure_model()
+    return module
+
+
+def test_single_process_save_matches_peft(tmp_path, checkpoint):
+    """Without a process group the functions write what PEFT writes, tensor for tensor."""
+    module = _configured(checkpoint)
+    with torch.no_grad():  # a non-zero B, so the merge changes the weights
+        for name, p in module.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    save_peft_adapter(module, tmp_path / "ours")
+    find_peft_model(module).save_pretrained(tmp_path / "peft_own")
+    ours = load_file(tmp_path / "ours" / "adapter_model.safetensors")
+    theirs = load_file(tmp_path / "peft_own" / "adapter_model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    export_merged_hf(module.model, tmp_path / "merged")  # the PeftModel itself is accepted too
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True)
+    with torch.no_grad():
+        assert_close(merged(input_ids=probe()).logits, module(probe()), rtol=1e-5, atol=1e-5)
+    assert isinstance(module.model, peft.PeftModel)  # the trained model is left as it was (not merged)
+    assert any("lora_A" in n for n, _ in module.model.named_parameters())
+
+
+def test_errors(tmp_path, checkpoint, monkeypatch):
+    plain = ultrascale.models.LlamaLM(preset="tiny")
+    with pytest.raises(ValueError, match="LlamaLM holds no peft.PeftModel"):
+        save_peft_adapter(plain, tmp_path / "a")
+    module = _configured(checkpoint)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="not empty"):
+        save_peft_adapter(module, tmp_path / "full")
+    with pytest.raises(FileExistsError, match="not empty"):
+        PeftAdapterExport(tmp_path / "full").on_fit_start(None, module)  # refused before training
+    assert (tmp_path / "full" / "keep.txt").is_file()
+    save_peft_adapter(module, tmp_path / "full", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["README.md", "adapter_config.json",
+                                                                       "adapter_model.safetensors"]
+    with pytest.raises(ValueError, match="model's source folder"):
+        export_merged_hf(module, checkpoint, overwrite=True)
+    with pytest.raises(ValueError, match=r"unknown adapter\(s\) \['other'\]"):
+        save_peft_adapter(module, tmp_path / "b", adapters=["other"])
+    with pytest.raises(ValueError, match="same folder"):
+        PeftAdapterExport(tmp_path / "x", merged_dir=tmp_path / "x")
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
+    with pytest.raises(ImportError, match=r'pip install "ultrascale\[peft\]"'):
+        save_peft_adapter(module, tmp_path / "c")
