@@ -85,6 +85,58 @@ def test_skip_equals_a_run_without_that_batch(layout):
     assert any(m.get("skipped_steps") == 1.0 for m in skipped["metrics"].values())
 
 
+def _rollback(rank, world_size, layout, ckpt_dir, steps, drop_batches, bad_step, every, policy="rollback"):
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    strategy = ultrascale.UltraScaleStrategy(nonfinite=policy, **STRATEGIES[layout][1])
+    recorder = Recorder()
+    callbacks = [recorder]
+    if every:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every, save_top_k=-1))
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=recorder.logger,
+                        log_every_n_steps=1, enable_checkpointing=bool(every), enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=callbacks, gradient_clip_val=1.0)
+    module = InfAtStep(bad_step=bad_step)
+    dataset = data()
+    if drop_batches:
+        keep = [i for i in range(len(dataset)) if i // BATCH not in drop_batches]
+        dataset.blocks, dataset.labels = dataset.blocks[keep], dataset.labels[keep]
+    try:
+        trainer.fit(module, ParityData(dataset, BATCH))
+    except (FloatingPointError, ValueError) as error:
+        return {"error": str(error), "initialised": torch.distributed.is_initialized()}
+    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in module.named_parameters()}
+    return {"error": None, "weights": weights, "losses": recorder.losses, "metrics": recorder.logger.steps}
+
+
+@pytest.mark.parametrize("layout", ["zero3", "zero2"])
+def test_rollback_restores_the_checkpoint_and_skips_the_batches_since(layout, tmp_path):
+    world = STRATEGIES[layout][0]
+    # Checkpoints at steps 2 and 4; the inf comes at step 3: back to step 2's weights and optimizer
+    # state, and batches 2 and 3 (the one after that checkpoint and the bad one) are never trained on.
+    rolled = run_ranks(_rollback, world, layout, str(tmp_path / "ckpt"), STEPS, (), BAD_STEP, 2)[0]
+    # The same model trained on the data without batches 2 and 3, no bad step: 4 optimizer steps.
+    without = run_ranks(_rollback, world, layout, str(tmp_path / "none"), STEPS - 2, (2, 3), -1, 0, "stop")[0]
+    assert rolled["error"] is None and without["error"] is None, (rolled["error"], without["error"])
+    for name, value in without["weights"].items():
+        assert_close(rolled["weights"][name], value, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert any(m.get("rollbacks") == 1.0 for m in rolled["metrics"].values())
+    # Steps 4 and 5 train on batches 4 and 5 from step 2's weights: the reference's steps 2 and 3.
+    assert rolled["losses"][4:] == pytest.approx(without["losses"][2:], abs=1e-6)
+
+
+def test_rollback_needs_checkpoints(tmp_path):
+    # No ModelCheckpoint at all: refused before any process group.
+    for result in run_ranks(_rollback, 2, "zero3", str(tmp_path), STEPS, (), BAD_STEP, 0):
+        assert result["error"] is not None and "writes none: add a ModelCheckpoint" in result["error"]
+        assert not result["initialised"]
+    # Checkpoints every 5 steps, the inf at step 3: nothing to roll back to yet, so it stops there.
+    for result in run_ranks(_rollback, 2, "zero3", str(tmp_path / "late"), STEPS, (), BAD_STEP, 5):
+        assert result["error"] is not None and "no complete checkpoint to roll back to" in result["error"]
+
+
 def test_skip_stops_after_the_limit():
     guard = StepGuard("skip", max_skips=2)
     assert guard.check(step=0, rank=0, loss=1.0, grad_norm=1.0)

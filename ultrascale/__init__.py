@@ -17,7 +17,21 @@ from ultrascale.strategies import (
     ZeRO2Strategy,
     ZeRO3Strategy,
 )
+from ultrascale.strategies.autoresume import latest_checkpoint
 
 __version__ = "0.1.0"
 
-__all__ = ["ParallelDims", "token_loss", "UltraScaleStrategy", "ZeRO1Strategy", "ZeRO2Strategy", "ZeRO3Strategy", "HSDPStrategy", "TensorParallelStrategy", "ContextParallelStrategy", "PipelineParallelStrategy", "ExpertParallelStrategy", "UltraScalePrecision", "__version__"]
+# Sub-packages reachable as attributes after a bare `import ultrascale` (`ultrascale.data.CausalLMDataModule`,
+# as the README writes them), imported on first use so that `import ultrascale` stays light (the
+# callbacks pull in torchao, the data modules datasets).
+_SUBMODULES = ("callbacks", "cli", "data", "estimate", "launch", "measure", "models", "parallel", "planner", "strategies")
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"ultrascale.{name}")
+    raise AttributeError(f"module 'ultrascale' has no attribute {name!r}")
+
+__all__ = ["ParallelDims", "token_loss", "latest_checkpoint", "UltraScaleStrategy", "ZeRO1Strategy", "ZeRO2Strategy", "ZeRO3Strategy", "HSDPStrategy", "TensorParallelStrategy", "ContextParallelStrategy", "PipelineParallelStrategy", "ExpertParallelStrategy", "UltraScalePrecision", "__version__"]

@@ -22,12 +22,18 @@ Leftovers of an interrupted save (`.<name>.tmp-<nonce>/`, and `.<name>.old-<nonc
 the next resume from it, with an info message on the `ultrascale.parallel.checkpoint` logger.
 Only flat directories matching exactly those names are touched, and a temporary directory
 changed within the last `LEFTOVER_GRACE_S` seconds is kept: another process may be writing it.
+
+Asynchronous saves (`async_save_sharded_checkpoint`) write the same temporary directory from a
+background thread and publish it the same way, in `PendingSave.finish()`, once every rank's write
+has ended. `latest_checkpoint` picks the checkpoint a restarted job resumes from: only published
+names count, so a save in flight or cut short is never chosen.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import io
 import logging
 import os
 import re
@@ -37,7 +43,7 @@ import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -65,19 +71,93 @@ def save_sharded_checkpoint(state: dict[str, Any], metadata: dict[str, Any], pat
     Every rank must call this with the same `path`.
     """
     path = Path(path)
+    tmp, nonce = _begin_save(path)
+    # DCP's FileSystemWriter (the writer `checkpoint_id=` selects) has `sync_files=True` by default:
+    # it fsyncs every shard file and `.metadata` (written as `.metadata.tmp`, renamed) itself
+    # (torch/distributed/checkpoint/filesystem.py, `_write_files_from_queue` and `finish`). It
+    # never fsyncs the directory holding them: `_fsync_dir(tmp)` in `_complete_save` does.
+    dcp.save(state, checkpoint_id=str(tmp))
+    _complete_save(tmp, path, nonce, _serialized(metadata) if _rank() == 0 else b"")
+    return path
+
+
+class PendingSave:
+    """A checkpoint whose shards DCP is writing in a background thread (`async_save_sharded_checkpoint`).
+
+    Until `finish()` it lives under its hidden temporary name only, so nothing (a resume, `latest_checkpoint`)
+    can take it for a checkpoint; `finish()` waits for the write on every rank and publishes it exactly as
+    `save_sharded_checkpoint` does. Every rank calls `finish()` (it is collective), from the training thread.
+    """
+
+    def __init__(self, future: Any, tmp: Path, path: Path, nonce: str, metadata: bytes, group: Any) -> None:
+        self._future, self._tmp, self.path, self._nonce, self._metadata, self._group = future, tmp, path, nonce, metadata, group
+
+    def done(self) -> bool:
+        """Whether this rank's part of the write has ended (no collective)."""
+        return self._future.done()
+
+    def done_everywhere(self, group: Any) -> bool:
+        """Whether every rank's part has ended: one all-reduce of a flag over `group`, a CPU-backend group
+        other than the save's own (its background collectives may still be running on that one)."""
+        flag = torch.tensor([int(self.done())], dtype=torch.int32)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+
+    def finish(self) -> Path:
+        """Wait until every rank's shards are written, then publish the checkpoint; RuntimeError on every rank
+        (and nothing published, the previous version of `path` kept) if the write failed on any rank."""
+        try:
+            self._future.result()
+            error: BaseException | None = None
+        except BaseException as failure:  # noqa: BLE001 - every rank must learn of it before deciding
+            error = failure
+        outcomes: list[Any] = [None] * (dist.get_world_size(self._group) if dist.is_initialized() else 1)
+        if dist.is_initialized():
+            dist.all_gather_object(outcomes, None if error is None else repr(error), group=self._group)
+        else:
+            outcomes = [None if error is None else repr(error)]
+        failed = {rank: why for rank, why in enumerate(outcomes) if why is not None}
+        if failed:
+            raise RuntimeError(
+                f"the asynchronous save of {self.path} failed on rank(s) {sorted(failed)}: "
+                f"{next(iter(failed.values()))[:2000]}; it was not published (the previous checkpoint is kept)"
+            ) from error
+        _complete_save(self._tmp, self.path, self._nonce, self._metadata)
+        return self.path
+
+
+def async_save_sharded_checkpoint(
+    state: dict[str, Any], metadata: dict[str, Any], path: str | Path, *, group: Any
+) -> PendingSave:
+    """`save_sharded_checkpoint`, with the shards written in the background (DCP `async_save`).
+
+    Returns once this rank's tensors are copied to host memory (DCP's default stager copies them, so
+    training may change the originals) and `metadata` is serialised. `group`: a process group with a CPU
+    backend (gloo) that nothing else uses while the save runs: DCP runs its collectives on it from the
+    background thread. Call `finish()` on the result, on every rank, before the next save.
+    """
+    path = Path(path)
+    tmp, nonce = _begin_save(path)
+    future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group)
+    return PendingSave(future, tmp, path, nonce, _serialized(metadata) if _rank() == 0 else b"", group)
+
+
+def _begin_save(path: Path) -> tuple[Path, str]:
+    """The temporary directory of a new save of `path` (same on every rank), with the folder ready."""
     nonce = _broadcast_from_rank0(uuid.uuid4().hex[:12])
     tmp = path.parent / f".{path.name}.tmp-{nonce}"
     if _rank() == 0:
         _make_dirs(path.parent)
         remove_leftovers(path.parent)
     _barrier()
-    # DCP's FileSystemWriter (the writer `checkpoint_id=` selects) has `sync_files=True` by default:
-    # it fsyncs every shard file and `.metadata` (written as `.metadata.tmp`, renamed) itself
-    # (torch/distributed/checkpoint/filesystem.py, `_write_files_from_queue` and `finish`). It
-    # never fsyncs the directory holding them: `_fsync_dir(tmp)` below does.
-    dcp.save(state, checkpoint_id=str(tmp))
+    return tmp, nonce
+
+
+def _complete_save(tmp: Path, path: Path, nonce: str, metadata: bytes) -> None:
+    """Every rank's shards are in `tmp`: add `meta.pt` and publish it as `path` (rank 0)."""
     if _rank() == 0:
-        _save_synced(metadata, tmp / METADATA_FILE)
+        _write_synced(metadata, tmp / METADATA_FILE)
     _barrier()  # every rank's shard files are complete and fsynced
     if _rank() == 0:
         _fsync_dir(tmp)  # the directory entries of the shards, .metadata and meta.pt
@@ -88,7 +168,6 @@ def save_sharded_checkpoint(state: dict[str, Any], metadata: dict[str, Any], pat
             log.info("ultrascale checkpoint: removing %s, a previous version of %s left by an interrupted save", stale, path)
             _remove_any(stale)
     _barrier()
-    return path
 
 
 def check_checkpoint_dir(path: str | Path) -> Path:
@@ -151,6 +230,54 @@ def read_checkpoint_metadata(path: str | Path) -> dict[str, Any]:
         raise
     except Exception as error:
         raise RuntimeError(f"could not read {file}: {error}") from error
+
+
+def latest_checkpoint(folders: Iterable[str | Path]) -> Path | None:
+    """The newest complete ultrascale checkpoint directly inside any of `folders`, or None.
+
+    Newest: the highest `global_step` in its `meta.pt` (a checkpoint without one counts as -1),
+    then the later `meta.pt`, then the name; never the directory's mtime alone, which a copy or
+    a restore changes. Only checkpoints under their final name are candidates, so what a save
+    still in progress or an interrupted one left (`.<name>.tmp-<nonce>/`) is never chosen; a
+    complete `.<name>.old-<nonce>/` whose `<name>` is missing stands for `<name>` (the path
+    returned is `<name>`: loading it falls back with a warning, see `check_checkpoint_dir`).
+    A candidate whose `meta.pt` cannot be read is skipped with a warning. Read-only, no
+    collective: every process that sees the same folders gets the same answer.
+    """
+    best: tuple[tuple[int, int, str], Path] | None = None
+    seen: set[Path] = set()
+    for folder in dict.fromkeys(Path(f) for f in folders):
+        try:
+            entries = sorted(folder.iterdir())
+        except OSError:  # not there (yet)
+            continue
+        names = {entry.name for entry in entries}
+        for entry in entries:
+            old = _OLD_NAME.match(entry.name)
+            if old and old["name"] not in names:
+                name, source = old["name"], _newest_complete(_old_versions(folder / old["name"]))
+                if source != entry:  # the newest complete `.old` of that name stands for it, once
+                    continue
+            elif entry.name.startswith("."):
+                continue
+            else:
+                name, source = entry.name, entry
+            try:
+                real = source.resolve()
+                if real in seen or not _is_complete(real):
+                    continue
+                seen.add(real)
+                meta_file = real / METADATA_FILE
+                step = read_checkpoint_metadata(real).get("global_step", -1)
+                key = (step if isinstance(step, int) else -1, meta_file.stat().st_mtime_ns, name)
+            except FileNotFoundError:  # removed meanwhile
+                continue
+            except (RuntimeError, UnsafeCheckpointError) as error:
+                warnings.warn(f"skipping checkpoint {source} while looking for the newest one: {error}", stacklevel=2)
+                continue
+            if best is None or key > best[0]:
+                best = (key, folder / name)
+    return None if best is None else best[1]
 
 
 def remove_leftovers(folder: str | Path, grace_s: float | None = None) -> list[Path]:
@@ -288,9 +415,15 @@ def _exchange(a: Path, b: Path) -> bool:
 # ------------------------------------------------------------------ files on disk
 
 
-def _save_synced(obj: Any, file: Path) -> None:
+def _serialized(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _write_synced(data: bytes, file: Path) -> None:
     with open(file, "wb") as stream:
-        torch.save(obj, stream)
+        stream.write(data)
         stream.flush()
         os.fsync(stream.fileno())
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import warnings
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -32,9 +33,14 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from ultrascale.models.adapters import HF_EXPERT_PARALLEL_TYPES, ModelAdapter, get_adapter
-from ultrascale.parallel.checkpoint import check_checkpoint_dir, save_sharded_checkpoint
+from ultrascale.parallel.checkpoint import (
+    PendingSave,
+    async_save_sharded_checkpoint,
+    check_checkpoint_dir,
+    save_sharded_checkpoint,
+)
 from ultrascale.parallel.context import CONTEXT_PARALLEL_METHODS, ContextLayout, ContextParallel, ContextParallelMethod
-from ultrascale.parallel.device import process_group_backend, tune_cpu_allocator
+from ultrascale.parallel.device import async_checkpoint_backend, process_group_backend, tune_cpu_allocator
 from ultrascale.parallel.dims import ParallelDims, ParallelMesh, build_mesh
 from ultrascale.parallel.expert import (
     ROUTER_LOAD_ATTRIBUTE,
@@ -72,6 +78,7 @@ from ultrascale.strategies._lightning_compat import (
     optimizers_to_device,
     step_logged,
 )
+from ultrascale.strategies.autoresume import AUTO
 from ultrascale.strategies.launcher import LauncherName, make_launcher
 from ultrascale.strategies.precision import SUPPORTED_PRECISION, UltraScalePrecision
 from ultrascale.strategies.step import NonFinitePolicy, StepGuard, TokenNormalizedStep
@@ -89,6 +96,7 @@ class ProcessKnobs(TypedDict, total=False):
     timeout: Optional[timedelta]
     nonfinite: NonFinitePolicy
     max_nonfinite_skips: int
+    async_checkpoint: bool
 
 
 class ShardingKnobs(ProcessKnobs, total=False):
@@ -96,6 +104,7 @@ class ShardingKnobs(ProcessKnobs, total=False):
 
     reshard_after_forward: bool
     meta_init: bool
+    accumulate_unsharded_grads: bool
 
 
 def checked_knobs(owner: str, knobs: dict[str, Any], allowed: type) -> dict[str, Any]:
@@ -174,6 +183,13 @@ class UltraScaleStrategy(StrategyInternals):
         reshard_after_forward: free gathered parameters after each block's forward
             (ZeRO-3, least memory; one extra all-gather in backward). False keeps them
             until backward (ZeRO-2-like memory for parameters, less communication).
+        accumulate_unsharded_grads: ZeRO-3 with gradient accumulation. False: reduce-scatter every
+            micro-batch into the sharded gradients (ZeRO-3's memory, 4Ψ/N bytes of fp32 gradients
+            per rank; k times the reduce-scatter traffic for k micro-batches). True: skip the
+            reduce-scatter on all but the last micro-batch (one per step), at the price of every
+            rank holding the whole model's unsharded fp32 gradients (4Ψ/(tp·pp) bytes: 32 GB for
+            an 8B model), so only for models small next to the device. Pipeline schedules always
+            reduce once per step.
         meta_init: build the model on the meta device in `configure_model()` and
             materialise each rank's shard after sharding (needed for models that do not
             fit on one device; weights then come from the model's `init_weights()`).
@@ -188,10 +204,26 @@ class UltraScaleStrategy(StrategyInternals):
         nonfinite: what a step whose loss or global gradient norm is NaN/inf does: "stop" raises
             FloatingPointError naming the step, rank, loss and norm; "skip" drops the step (no
             optimizer update; counted, warned and logged as `skipped_steps`) up to
-            `max_nonfinite_skips`, then stops; "off" does not check (saves one host sync and,
+            `max_nonfinite_skips`, then stops; "rollback" skips it too and restores the weights and
+            optimizer state of the newest complete checkpoint (the step count, LR schedule and data go
+            on, so the batches since that checkpoint are skipped; logged as `rollbacks`; counted
+            against `max_nonfinite_skips`); "off" does not check (saves one host sync and,
             without clipping, one all-reduce per step). Loss spikes (robust z-score > 6 over the
             last 100 steps) are warned and logged as `loss_spikes` unless "off".
-        max_nonfinite_skips: how many steps "skip" may drop in a run before it stops.
+        max_nonfinite_skips: how many steps "skip" / "rollback" may drop in a run before it stops.
+        async_checkpoint: write checkpoints saved during `fit` in a background thread (DCP `async_save`):
+            the save returns once this rank's shards are copied to host memory and training goes on while
+            they are written. A checkpoint is published under its name (and found by a resume or
+            `latest_checkpoint`) only once every rank has written it: at the first step after that, at the
+            next save, before a load or at the end of `fit`; removals `ModelCheckpoint` asks for wait until
+            then. Costs one host copy of this rank's shards while writing, and two gloo process groups.
+        auto_layout: choose the layout with `ultrascale plan`'s planner when the processes start:
+            the fastest predicted layout that fits this world size, device memory, model and
+            batch (see `ultrascale.strategies.auto_layout`), logged on rank 0. Degrees, `zero_stage`
+            and pipeline knobs left at their defaults are searched; those set are kept. Needs a
+            model the planner knows (built-in Llama, Hugging Face Llama-family / MoE) and a data
+            module with `seq_len` and `global_batch_size`; otherwise it says so and keeps the
+            defaults (ZeRO-3 over every rank). `strategy="ultrascale_4d"` turns it on.
     """
 
     strategy_name = "ultrascale_4d"
@@ -221,6 +253,7 @@ class UltraScaleStrategy(StrategyInternals):
         zero_bucket_mb: Optional[float] = None,
         accumulate_grads_in_fp32: bool = False,
         reshard_after_forward: bool = True,
+        accumulate_unsharded_grads: bool = False,
         meta_init: bool = False,
         sync_module_states: bool = True,
         launcher: LauncherName = "auto",
@@ -228,6 +261,8 @@ class UltraScaleStrategy(StrategyInternals):
         timeout: Optional[timedelta] = default_pg_timeout,
         nonfinite: NonFinitePolicy = "stop",
         max_nonfinite_skips: int = 10,
+        auto_layout: bool = False,
+        async_checkpoint: bool = False,
     ) -> None:
         check_lightning_internals()
         super().__init__()
@@ -300,9 +335,18 @@ class UltraScaleStrategy(StrategyInternals):
         self._sequence_parallel_active: Optional[bool] = None  # known once the TP plan is chosen
         self._token_step = TokenNormalizedStep()
         self._guard = StepGuard(nonfinite, max_nonfinite_skips)
+        self._rollbacks = 0
+        if not isinstance(async_checkpoint, bool):
+            raise TypeError(f"{type(self).__name__}(`async_checkpoint={async_checkpoint!r}`): True or False")
+        self.async_checkpoint = async_checkpoint
+        self._async_open = False  # async saves only inside fit, where teardown publishes the last one
+        self._pending_save: Optional[PendingSave] = None
+        self._deferred_removals: list[Path] = []
+        self._checkpoint_groups: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]] = None  # (save, poll)
         self._skip_update = False
         self._step_calls_module: dict[str, bool] = {}  # per step hook: does it call `self(...)` itself?
         self.reshard_after_forward = reshard_after_forward
+        self.accumulate_unsharded_grads = accumulate_unsharded_grads
         self.meta_init = meta_init
         self.sync_module_states = sync_module_states
         self._launcher_name = launcher
@@ -311,6 +355,33 @@ class UltraScaleStrategy(StrategyInternals):
         self._parallel_dims: Optional[ParallelDims] = None
         self._parallel_mesh: Optional[ParallelMesh] = None
         self.num_nodes = 1
+        self.auto_layout = auto_layout
+        # What the user set away from the defaults stays fixed in the auto search.
+        self._auto_fixed = {
+            key: value for key, value, default in (
+                ("dp_replicate", data_parallel_replicate, 1), ("dp_shard", data_parallel_shard, -1),
+                ("cp", context_parallel, 1), ("tp", tensor_parallel, 1), ("pp", pipeline_parallel, 1),
+                ("ep", expert_parallel, 1), ("zero_stage", zero_stage, 3),
+                ("virtual_stages", pipeline_virtual_stages, None),
+            ) if value != default
+        }
+        self._auto_transforms: list[ModelTransform] = []
+        self.chosen_layout: Optional[Any] = None
+        """Under `auto_layout`, the planner's row that was applied (`ultrascale.planner.PlanRow`)."""
+
+    @classmethod
+    def from_accelerate(cls, parallelism_config: Any, **knobs: Any) -> "UltraScaleStrategy":
+        """The strategy for an accelerate `ParallelismConfig` (or a mapping with its field names): its
+        dp_replicate / dp_shard / tp / cp sizes become the degrees, cp's communication strategy the
+        context-parallel method; what ultrascale does not run (Ulysses `sp_size`, async TP) is refused.
+        Other knobs (`zero_stage`, `pipeline_parallel`, ...) pass through `knobs`."""
+        from ultrascale.strategies.accelerate_interop import knobs_from_accelerate
+
+        mapped = knobs_from_accelerate(parallelism_config, owner=cls.__name__)
+        clash = sorted(set(mapped) & set(knobs))
+        if clash:
+            raise ValueError(f"{cls.__name__}.from_accelerate: {clash} come from the ParallelismConfig; do not pass them too")
+        return cls(**mapped, **knobs)
 
     # ------------------------------------------------------------------ layout
     def resolve_dims(self, world_size: int) -> ParallelDims:
@@ -419,6 +490,14 @@ class UltraScaleStrategy(StrategyInternals):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
+        trainer = _trainer_of(self.lightning_module)
+        if self._guard.policy == "rollback" and trainer is not None and trainer.checkpoint_callback is None:
+            raise ValueError(
+                f"{type(self).__name__}(`nonfinite='rollback'`) rolls back to the newest checkpoint, and this Trainer "
+                "writes none: add a ModelCheckpoint(every_n_train_steps=...) callback, or use nonfinite='skip'"
+            )
+        if self.auto_layout and self.chosen_layout is None:
+            self._choose_auto_layout()
         dims = self.resolve_dims(self.world_size)
         self._parallel_dims = dims
         if self.sequence_parallel is not None or not dims.tp_enabled:
@@ -441,6 +520,44 @@ class UltraScaleStrategy(StrategyInternals):
         assert self.lightning_module is not None
         attach_device_mesh(self.lightning_module, self.device_mesh)
 
+    def _choose_auto_layout(self) -> None:
+        """Apply the planner's best layout (same inputs on every rank: same choice, no collective)."""
+        from ultrascale.strategies.auto_layout import auto_layout_inputs, choose_layout
+
+        name = type(self).__name__
+        module = self.lightning_module
+        trainer = _trainer_of(module)
+        inputs, why = auto_layout_inputs(module, trainer, self.root_device, self.world_size, self.num_processes,
+                                         str(getattr(self.precision_plugin, "precision", "32-true")))
+        if inputs is None:
+            rank_zero_warn(f"{name}(auto_layout=True): the planner cannot price this run ({why}); keeping the set "
+                           f"degrees {self._degrees} (ZeRO-3 over the rest). Give the layout yourself to choose another.")
+            self.chosen_layout = False
+            return
+        try:
+            row = choose_layout(inputs, self._auto_fixed)
+        except ValueError as error:
+            raise ValueError(f"{name}(auto_layout=True): {error}") from None
+        lay = row.layout
+        self._degrees = {"dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "cp": lay.cp, "tp": lay.tp,
+                         "pp": lay.pp, "ep": lay.ep}
+        self.zero_stage = lay.zero_stage
+        if lay.pp > 1:
+            self.pipeline_schedule = lay.schedule or self.pipeline_schedule
+            self.pipeline_virtual_stages = lay.virtual_stages
+            if self.pipeline_microbatches is None:
+                self.pipeline_microbatches = lay.grad_accumulation
+        if lay.recompute != "none" and not any(
+                getattr(callback, "mode", None) is not None and type(callback).__name__ == "ActivationCheckpointing"
+                for callback in (trainer.callbacks if trainer is not None else [])):
+            self._auto_transforms = [_PlannedRecompute(lay.recompute)]
+        self.chosen_layout = row
+        memory, step = row.memory, row.step_time
+        rank_zero_info(
+            f"ultrascale_4d auto layout for {inputs.describe()}: {lay.describe()} "
+            f"(predicted {memory['total'] / 2**30:.2f} GiB per device, step {step['total']:.3g} s)"
+        )
+
     def _init_process_group(self) -> None:
         if dist.is_initialized():  # an outer launcher or a previous fit created it
             return
@@ -449,8 +566,21 @@ class UltraScaleStrategy(StrategyInternals):
         # env:// rendezvous at the address the cluster environment (torchrun, SLURM, Lightning's launcher) names.
         os.environ["MASTER_ADDR"] = environment.main_address
         os.environ["MASTER_PORT"] = str(environment.main_port)
+        store = None
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+            # torchrun keeps one agent store for all restart attempts and torch adds no per-attempt prefix
+            # (torch 2.13 `_create_c10d_store`): a restarted rank that starts before its peers reads the
+            # process-group keys of the killed attempt and dials dead addresses ("connectFullMesh failed ...
+            # Connection refused", pytorch/pytorch#167288).
+            store = dist.PrefixStore(
+                f"ultrascale/attempt_{attempt}",
+                dist.TCPStore(environment.main_address, environment.main_port, environment.world_size(),
+                              is_master=False, timeout=self._timeout or default_pg_timeout),
+            )
         dist.init_process_group(
             self._process_group_backend,
+            store=store,
             rank=environment.global_rank(),
             world_size=environment.world_size(),
             timeout=self._timeout,
@@ -499,6 +629,7 @@ class UltraScaleStrategy(StrategyInternals):
             precision.norm_group = self.parallel_mesh["pp"].get_group()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
+        self._async_open = trainer.state.fn == TrainerFn.FITTING
 
     def _check_pipeline_early(self) -> None:
         """What the module's config and the data module declare, checked before any process group:
@@ -659,7 +790,8 @@ class UltraScaleStrategy(StrategyInternals):
     def _model_transforms(self) -> list[ModelTransform]:
         """Callbacks that rewrite the model (activation checkpointing, FP8) run inside `parallelize`."""
         trainer = _trainer_of(self.lightning_module)
-        return [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, ModelTransform)]
+        callbacks = [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, ModelTransform)]
+        return [*self._auto_transforms, *callbacks]
 
     def _tensor_parallel_plan(self, module: torch.nn.Module, adapter: ModelAdapter) -> dict[str, Any]:
         """Pick the plan (checked before any weight is communicated) and decide loss parallel."""
@@ -862,9 +994,9 @@ class UltraScaleStrategy(StrategyInternals):
             self._finish_gradients(optimizer)
             return result
 
-        if self._guard.policy != "skip":
+        if self._guard.policy not in ("skip", "rollback"):
             return super().optimizer_step(optimizer, closure_then_normalise, model, **kwargs)
-        # "skip" decides before the optimizer runs: the closure runs first, then the step (or none).
+        # "skip" and "rollback" decide before the optimizer runs: the closure runs first, then the step (or none).
         result = closure_then_normalise()
         if not self._skip_update:
             return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
@@ -874,7 +1006,40 @@ class UltraScaleStrategy(StrategyInternals):
         if engine is not None:
             engine.discard_step()
         optimizer.zero_grad(set_to_none=True)
+        if self._guard.policy == "rollback":
+            self._roll_back()
         return result
+
+    def _roll_back(self) -> None:
+        """`nonfinite="rollback"`: weights and optimizer state back to the newest complete checkpoint.
+
+        The step counter, the learning-rate schedule and the data go on: the batches between that
+        checkpoint and the bad step, the bad one included, are not seen again (PaLM's remedy for
+        loss spikes: restart from an earlier checkpoint and skip the batches that led there)."""
+        from ultrascale.strategies.autoresume import latest_checkpoint
+
+        module = self.lightning_module
+        assert module is not None
+        trainer = module.trainer
+        found = latest_checkpoint(trainer)
+        chosen = self.broadcast(found or "")  # rank 0's view of the folder decides for every rank
+        step = trainer.global_step
+        if not chosen:
+            raise FloatingPointError(
+                f"non-finite step {step} (rank {self.global_rank}) and nonfinite='rollback', but there is no complete "
+                "checkpoint to roll back to yet; save checkpoints (ModelCheckpoint(every_n_train_steps=...)) or use "
+                "nonfinite='skip'"
+            )
+        meta = self.load_checkpoint(chosen)
+        restored = int(meta.get("global_step", -1)) if isinstance(meta, Mapping) else -1
+        self._rollbacks += 1
+        rank_zero_warn(
+            f"ultrascale: non-finite step {step}: weights and optimizer state rolled back to {chosen} (step {restored}); "
+            f"the batches since then are skipped ({self._guard.skipped} of at most {self._guard.max_skips}; "
+            "nonfinite='rollback')"
+        )
+        with logging_as_hook(module, "on_before_optimizer_step"):
+            module.log("rollbacks", float(self._rollbacks), sync_dist=False)
 
     def _finish_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         engine = zero_engine_for(optimizer)
@@ -952,7 +1117,7 @@ class UltraScaleStrategy(StrategyInternals):
                 self._skip_update = True
                 rank_zero_warn(
                     f"ultrascale: skipping step {step}: loss {loss_value}, global gradient norm {grad_norm} "
-                    f"({self._guard.skipped} of at most {self._guard.max_skips} skipped; nonfinite='skip')"
+                    f"({self._guard.skipped} of at most {self._guard.max_skips} skipped; nonfinite='{self._guard.policy}')"
                 )
                 module.log("skipped_steps", float(self._guard.skipped), sync_dist=False)
             z = self._guard.spike(loss_value)
@@ -1027,13 +1192,16 @@ class UltraScaleStrategy(StrategyInternals):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip FSDP's reduce-scatter on non-final micro-batches of gradient accumulation.
+        """Non-final micro-batches of gradient accumulation: ZeRO-1/2 engines defer their reduction;
+        FSDP skips its reduce-scatter only under `accumulate_unsharded_grads` (Lightning's own
+        implementation only knows DDP's `no_sync`).
 
-        Lightning's own implementation only knows DDP's `no_sync`; without this, FSDP2
-        would reduce-scatter after every micro-batch (accumulate_grad_batches x the traffic).
+        FSDP2 without gradient sync accumulates each parameter's *unsharded* gradient until the
+        last micro-batch, so by default FSDP keeps reducing every micro-batch into its shards:
+        ZeRO-3's memory is the point of ZeRO-3.
         """
         module = self.model
-        fsdp = module is not None and is_fsdp_sharded(module)
+        fsdp = module is not None and is_fsdp_sharded(module) and self.accumulate_unsharded_grads
         if fsdp:
             set_gradient_sync(module, False)
         for engine in self._zero_engines:
@@ -1106,13 +1274,52 @@ class UltraScaleStrategy(StrategyInternals):
             "num_optimizers": len(tensors) - 1,
             "zero_stage": self.zero_stage,
         }
-        save_sharded_checkpoint(tensors, checkpoint, path)
+        self.finish_checkpoint()  # one save in flight at a time: DCP's background collectives share one group
+        if self.async_checkpoint and self._async_open:
+            if self._checkpoint_groups is None:
+                backend = async_checkpoint_backend()
+                self._checkpoint_groups = (dist.new_group(backend=backend), dist.new_group(backend=backend))
+            self._pending_save = async_save_sharded_checkpoint(tensors, checkpoint, path, group=self._checkpoint_groups[0])
+        else:
+            save_sharded_checkpoint(tensors, checkpoint, path)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Publish a finished asynchronous save at the next step, not at the next save: a job killed in
+        # between then resumes from it rather than from the one before.
+        if self._pending_save is not None and self._checkpoint_groups is not None:
+            if self._pending_save.done_everywhere(self._checkpoint_groups[1]):
+                self.finish_checkpoint()
+
+    def finish_checkpoint(self) -> Optional[Path]:
+        """Publish the asynchronous save in flight, once every rank has written its shards (then apply the
+        removals that waited for it); returns its path, or None if none was in flight. Every rank calls it."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is None:
+            return None
+        removals, self._deferred_removals = self._deferred_removals, []
+        path = pending.finish()
+        for removal in removals:
+            self.remove_checkpoint(removal)
+        return path
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load a sharded checkpoint, resharded to this run's layout: any world size, ZeRO family,
         TP / CP layout or pipeline degree (`ultrascale.parallel.resume.load_training_state`)."""
-        path = check_checkpoint_dir(self.broadcast(str(checkpoint_path)))
+        if str(checkpoint_path) == AUTO:  # every rank gets the same value: all raise, before any collective
+            raise ValueError(
+                f"{type(self).__name__}: `ckpt_path='auto'` is resolved by the `ultrascale` CLI; with the Trainer API pass "
+                "`ckpt_path=ultrascale.latest_checkpoint(trainer)` (None, a fresh start, when there is no checkpoint yet)"
+            )
+        self.finish_checkpoint()
+        chosen = self.broadcast(str(checkpoint_path))
+        if chosen != str(checkpoint_path):
+            warnings.warn(
+                f"rank {self.global_rank} was asked to resume from {checkpoint_path}, rank 0 from {chosen}: every rank "
+                f"loads {chosen}. Do the ranks see the same checkpoint folder?"
+            )
+        path = check_checkpoint_dir(chosen)
         assert self.model is not None and self.lightning_module is not None
         optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         return load_training_state(
@@ -1121,6 +1328,11 @@ class UltraScaleStrategy(StrategyInternals):
 
     @override
     def remove_checkpoint(self, filepath: PathLike) -> None:
+        if self._pending_save is not None:
+            # ModelCheckpoint drops the previous top-k / last checkpoint right after saving the next one; while
+            # that one is still being written, the previous one is the newest complete checkpoint: kept until then.
+            self._deferred_removals.append(Path(filepath))
+            return
         if self.is_global_zero:
             import shutil
 
@@ -1133,9 +1345,31 @@ class UltraScaleStrategy(StrategyInternals):
     @override
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
+        self._async_open = False
+        trainer = _trainer_of(self.lightning_module)
+        if self._pending_save is not None and trainer is not None and trainer.interrupted:
+            # A failed or killed peer would never join the collectives of publishing: leave the write unpublished
+            # (the previous checkpoint stays the newest; the next save in the folder removes the leftover).
+            rank_zero_warn(f"ultrascale: the asynchronous save of {self._pending_save.path} was not published: "
+                           "the run was interrupted while it was being written")
+            self._pending_save, self._deferred_removals = None, []
+        self.finish_checkpoint()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+class _PlannedRecompute:
+    """Activation checkpointing the auto layout chose (the `ActivationCheckpointing` callback's transform)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def transform_model(self, module: torch.nn.Module, blocks: Any) -> None:
+        from ultrascale.callbacks.activation_checkpointing import apply_ac, make_policy
+
+        if blocks:
+            apply_ac(module, blocks, make_policy(self.mode))
 
 
 def _destroy_process_group() -> None:

@@ -99,7 +99,7 @@ class TokenNormalizedStep:
         return (loss_sum / num_tokens).float()
 
 
-NonFinitePolicy = Literal["stop", "skip", "off"]
+NonFinitePolicy = Literal["stop", "skip", "rollback", "off"]
 
 
 class StepGuard:
@@ -113,8 +113,8 @@ class StepGuard:
 
     def __init__(self, policy: NonFinitePolicy = "stop", max_skips: int = 10, window: int = 100,
                  spike_threshold: float = 6.0) -> None:
-        if policy not in ("stop", "skip", "off"):
-            raise ValueError(f"`nonfinite={policy!r}`: choose 'stop', 'skip' or 'off'")
+        if policy not in ("stop", "skip", "rollback", "off"):
+            raise ValueError(f"`nonfinite={policy!r}`: choose 'stop', 'skip', 'rollback' or 'off'")
         if max_skips < 0:
             raise ValueError(f"`max_nonfinite_skips={max_skips}` must be >= 0")
         self.policy = policy
@@ -131,12 +131,12 @@ class StepGuard:
         if finite:
             return True
         what = f"loss {loss}, global gradient norm {grad_norm}" if loss is not None else f"global gradient norm {grad_norm}"
-        if self.policy == "skip" and self.skipped < self.max_skips:
+        if self.policy in ("skip", "rollback") and self.skipped < self.max_skips:
             self.skipped += 1
             return False
         reason = (
-            f"{self.skipped} step(s) were skipped already, the limit (max_nonfinite_skips={self.max_skips})"
-            if self.policy == "skip" else "nonfinite='stop'"
+            f"{self.skipped} step(s) were {'skipped' if self.policy == 'skip' else 'rolled back'} already, the limit "
+            f"(max_nonfinite_skips={self.max_skips})" if self.policy in ("skip", "rollback") else "nonfinite='stop'"
         )
         raise FloatingPointError(
             f"non-finite step {step} (rank {rank}): {what}; stopped ({reason}). Look at this step's batch and the "

@@ -1,0 +1,231 @@
+"""`ultrascale_4d`: every dimension at once, the planner-chosen layout, accelerate layouts, the attention choice.
+
+Parity is against `tests._parity.reference_run` (plain torch, whole global batch, the token-mean
+loss written inline) on prompt-masked data with an empty row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+
+import ultrascale
+from tests._dist import run_ranks
+from tests._parity import ParityData, Recorder, assert_parity, parity_trainer, reference_run, step_losses
+from tests.test_pipeline_parallel import BATCH, SEQ, STEPS, VOCAB, _check, make_llama, masked_data, merge_stages
+from ultrascale import planner
+from ultrascale.models.llama import LlamaConfig
+from ultrascale.models.lm import LlamaLM
+
+
+@pytest.mark.slow
+def test_pp2_dp2_cp2_tp2_world16_parity():
+    """All four at once on 16 ranks: 1F1B stages, ZeRO-3 over dp_shard x cp, ring attention over the
+    sequence halves, TP with sequence parallel inside each stage."""
+    _check(16, {"pipeline_parallel": 2, "data_parallel_shard": 2, "context_parallel": 2, "tensor_parallel": 2,
+                "pipeline_microbatches": 2})
+
+
+class SizedParityData(ParityData):
+    """`ParityData` declaring its batch as ultrascale's data modules do (what `auto_layout` reads)."""
+
+    def __init__(self, global_batch: int) -> None:
+        super().__init__(masked_data(), global_batch)
+        self.seq_len = SEQ
+        self.global_batch_size = global_batch
+
+
+def _train_auto(rank, world_size, strategy, global_batch):
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, strategy, recorder, STEPS)
+    trainer.fit(make_llama(), SizedParityData(global_batch))
+    chosen = trainer.strategy.chosen_layout
+    return {**recorder.result(), "chosen": chosen.layout if chosen else None,
+            "mesh": trainer.strategy.parallel_dims.describe()}
+
+
+def _expected_layout(world: int, global_batch: int, fixed: dict) -> planner.Layout:
+    """The planner's best layout for the parity model on CPU ranks, asked directly."""
+    from ultrascale.strategies.auto_layout import AutoLayoutInputs, choose_layout, device_cluster
+    from ultrascale.estimate import ModelShape
+
+    config = make_llama().config
+    inputs = AutoLayoutInputs(ModelShape.from_llama_config(config), None, planner.Workload(SEQ, global_batch, "32-true"),
+                              device_cluster(torch.device("cpu"), world, world), 1)
+    return choose_layout(inputs, fixed).layout
+
+
+@pytest.mark.parametrize(("world", "global_batch", "strategy", "fixed"), [
+    (2, BATCH, "ultrascale_4d", {}),
+    (4, BATCH, {"auto_layout": True, "tensor_parallel": 2}, {"tp": 2}),
+], ids=["by-name-world2", "tp-fixed-world4"])
+def test_auto_layout_is_the_planners_and_exact(world, global_batch, strategy, fixed):
+    strategy = ultrascale.UltraScaleStrategy(**strategy) if isinstance(strategy, dict) else strategy
+    results = run_ranks(_train_auto, world, strategy, global_batch)
+    expected = _expected_layout(world, global_batch, fixed)
+    assert all(result["chosen"] == expected for result in results), (results[0]["chosen"], expected)
+    assert all(getattr(expected, key) == value for key, value in fixed.items())
+    dims = f"pp={expected.pp} x dp_replicate={expected.dp_replicate} x dp_shard={expected.dp_shard} x cp={expected.cp} x tp={expected.tp}"
+    assert results[0]["mesh"].startswith(dims)
+    reference = reference_run(make_llama(), masked_data(), global_batch=global_batch, steps=STEPS)
+    losses = step_losses(results)
+    assert all(math.isfinite(v) for v in losses)
+    assert_parity(merge_stages(results), reference, losses)
+
+
+def test_registry_turns_auto_layout_on_only_by_name():
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="ultrascale_4d", logger=False)
+    assert trainer.strategy.auto_layout is True
+    assert ultrascale.UltraScaleStrategy().auto_layout is False
+
+
+def _auto_refused(rank, world_size, preset):
+    import torch.distributed as dist
+    from ultrascale.data import CausalLMDataModule
+
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy="ultrascale_4d", max_steps=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    data = CausalLMDataModule(seq_len=64, global_batch_size=2, max_tokens=5_000, val_fraction=0.0)
+    try:
+        trainer.fit(LlamaLM(preset=preset, max_seq_len=64), data)
+    except ValueError as error:
+        return str(error), dist.is_initialized()
+    return None, dist.is_initialized()
+
+
+def test_auto_layout_that_cannot_fit_says_so_before_any_process_group():
+    # 70B parameters on two CPU ranks: no layout's model states fit in this machine's memory.
+    for error, initialised in run_ranks(_auto_refused, 2, "llama3_70b"):
+        assert error is not None and "no layout of Llama (LlamaLM)" in error and "fits" in error, error
+        assert "UltraScaleStrategy(auto_layout=True)" in error
+        assert not initialised
+
+
+class _Plain(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0]
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 8)), batch_size=4)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _auto_unknown(rank, world_size):
+    import warnings
+
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy="ultrascale_4d", max_steps=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_Plain())
+    said = [str(w.message) for w in caught if "auto_layout" in str(w.message)]
+    return said, trainer.strategy.parallel_dims.describe()
+
+
+def test_auto_layout_on_a_model_the_planner_cannot_read_says_so_and_keeps_zero3():
+    said, mesh = run_ranks(_auto_unknown, 2)[0]
+    assert said and "_Plain has no `config` the planner reads" in said[0], said
+    assert mesh.startswith("pp=1 x dp_replicate=1 x dp_shard=2")
+
+
+# --------------------------------------------------------------------------- accelerate
+
+
+def test_from_accelerate_maps_every_field():
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils.dataclasses import TorchContextParallelConfig
+
+    from ultrascale.strategies.accelerate_interop import ACCELERATE_FIELDS
+
+    import dataclasses
+
+    # Every field accelerate declares is in the table (a new accelerate field fails here, not silently).
+    declared = {f.name for f in dataclasses.fields(ParallelismConfig)} - {"tp_handler", "cp_handler", "sp_handler"}
+    assert declared <= {name.split(".")[0] for name in ACCELERATE_FIELDS}, declared
+
+    config = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2, cp_size=2,
+                               cp_handler=TorchContextParallelConfig(cp_comm_strategy="alltoall"))
+    strategy = ultrascale.UltraScaleStrategy.from_accelerate(config, zero_stage=3, pipeline_parallel=1)
+    assert strategy.resolve_dims(16).describe().startswith("pp=1 x dp_replicate=2 x dp_shard=2 x cp=2 x tp=2")
+    assert strategy.context_parallel_method == "ring"
+    allgather = ultrascale.UltraScaleStrategy.from_accelerate({"dp_shard_size": 4, "cp_size": 2})
+    assert allgather.context_parallel_method == "allgather"  # accelerate's default comm strategy
+    assert allgather.resolve_dims(8).describe().startswith("pp=1 x dp_replicate=1 x dp_shard=4 x cp=2 x tp=1")
+    # accelerate's sizes are exact: a layout that does not fill the world is refused, naming the product.
+    with pytest.raises(ValueError, match="world size"):
+        ultrascale.UltraScaleStrategy.from_accelerate(ParallelismConfig(dp_shard_size=2)).resolve_dims(4)
+
+
+def test_from_accelerate_refuses_what_ultrascale_does_not_run():
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils.dataclasses import TorchTensorParallelConfig
+
+    with pytest.raises(NotImplementedError, match="Ulysses"):
+        ultrascale.UltraScaleStrategy.from_accelerate(ParallelismConfig(dp_shard_size=2, sp_size=2))
+    with pytest.raises(NotImplementedError, match="async tensor parallel"):
+        ultrascale.UltraScaleStrategy.from_accelerate(
+            ParallelismConfig(dp_shard_size=2, tp_size=2, tp_handler=TorchTensorParallelConfig(enable_async_tp=True)))
+    with pytest.raises(ValueError, match="unknown ParallelismConfig field"):
+        ultrascale.UltraScaleStrategy.from_accelerate({"dp_shard_size": 2, "pp_size": 2})
+    with pytest.raises(ValueError, match="come from the ParallelismConfig"):
+        ultrascale.UltraScaleStrategy.from_accelerate({"tp_size": 2}, tensor_parallel=4)
+
+
+# --------------------------------------------------------------------------- attention kernel
+
+
+def test_attention_kernel_is_chosen_in_one_place(monkeypatch):
+    from ultrascale.parallel import device as device_module
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert device_module.attention_backend(cpu, torch.bfloat16) == "sdpa"
+    monkeypatch.setattr(device_module, "flash_attn_installed", lambda: False)
+    assert device_module.attention_backend(cuda, torch.bfloat16) == "sdpa"
+    monkeypatch.setattr(device_module, "flash_attn_installed", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert device_module.attention_backend(cuda, torch.bfloat16) == "flash"
+    assert device_module.hf_attention_implementation(cuda, torch.bfloat16) == "flash_attention_2"
+    assert device_module.attention_backend(cuda, torch.float32) == "sdpa"  # flash-attn has no fp32 kernel
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert device_module.attention_backend(cuda, torch.float16) == "sdpa"  # pre-Ampere
+
+
+def test_hf_model_without_an_attention_choice_gets_the_devices(tmp_path):
+    from tests._parity import make_hf_checkpoint
+    from ultrascale.models.hf import HFCausalLM
+
+    path = make_hf_checkpoint(tmp_path, "llama", vocab_size=64)
+    assert HFCausalLM(path).attention_implementation() == "sdpa"  # CPU
+    assert HFCausalLM(path, attn_implementation="eager").attention_implementation() == "eager"
+    module = HFCausalLM(path)
+    module.configure_model()
+    assert module.model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.slow
+def test_loss_compare_four_layouts_of_world_8_give_one_curve():
+    """`benchmarks/loss_compare.py`: ZeRO-3, HSDP x TP, dp x cp x tp and pp x dp x tp at world 8, 5 steps."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "loss_compare.py"
+    spec = importlib.util.spec_from_file_location("loss_compare", path)
+    loss_compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loss_compare)
+    layouts = {name: loss_compare.LAYOUTS[name] for name in list(loss_compare.LAYOUTS)[:4]}
+    reference, curves, _ = loss_compare.compare(8, 5, layouts)
+    assert len(curves) == 4 and all(len(curve) == 5 for curve in curves.values())
+    for name, curve in curves.items():
+        assert max(abs(a - b) for a, b in zip(curve, reference)) < 1e-4, (name, curve, reference)

@@ -1,0 +1,85 @@
+"""An accelerate `ParallelismConfig` read as `UltraScaleStrategy` knobs, field by field.
+
+accelerate (>= 1.10) describes an N-D layout with `dp_replicate_size`, `dp_shard_size`,
+`tp_size`, `cp_size` (torch backend) and `sp_size` (DeepSpeed Ulysses); its mesh order
+(dp_replicate, dp_shard, cp, tp, innermost last) is ultrascale's without pp. Every field is
+either mapped or refused with the reason: a layout is never silently changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["ACCELERATE_FIELDS", "knobs_from_accelerate"]
+
+ACCELERATE_FIELDS: dict[str, str] = {
+    "dp_replicate_size": "data_parallel_replicate",
+    "dp_shard_size": "data_parallel_shard",
+    "tp_size": "tensor_parallel",
+    "cp_size": "context_parallel",
+    "cp_backend": "context_parallel (only 'torch': ultrascale's own ring / all-gather attention runs in its place)",
+    "cp_handler.cp_comm_strategy": "context_parallel_method ('allgather' -> 'allgather', 'alltoall' -> 'ring')",
+    "tp_handler.enable_async_tp": "refused when True (async TP is not implemented)",
+    "sp_size": "refused when > 1 (DeepSpeed Ulysses sequence parallel is not implemented)",
+    "sp_backend": "ignored unless sp_size > 1 (refused then)",
+}
+"""Every accelerate field and what it becomes (the README's table is this one)."""
+
+# torch's context parallel "alltoall" rotates the K/V shards around the cp ranks, as ultrascale's
+# ring does with P2P; "allgather" gathers the whole K/V once per layer in both.
+_CP_METHODS = {"allgather": "allgather", "alltoall": "ring"}
+
+
+def _field(config: Any, name: str, default: Any = None) -> Any:
+    if isinstance(config, Mapping):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def knobs_from_accelerate(config: Any, owner: str = "UltraScaleStrategy") -> dict[str, Any]:
+    """`UltraScaleStrategy` keyword arguments for an accelerate `ParallelismConfig` (or a mapping
+    with its field names). Unset sizes are 1, as accelerate reads them; ValueError /
+    NotImplementedError for what ultrascale does not run."""
+    if isinstance(config, Mapping):
+        unknown = sorted(set(config) - {name.split(".")[0] for name in ACCELERATE_FIELDS} - {"tp_handler", "cp_handler",
+                                                                                              "sp_handler"})
+        if unknown:
+            raise ValueError(f"{owner}.from_accelerate: unknown ParallelismConfig field(s) {unknown}; "
+                             f"known: {sorted(ACCELERATE_FIELDS)}")
+    sizes = {}
+    for field in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size"):
+        value = _field(config, field)
+        value = 1 if value is None else value
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{owner}.from_accelerate: `{field}={value!r}` must be a positive integer")
+        sizes[field] = value
+    if sizes["sp_size"] > 1:
+        raise NotImplementedError(
+            f"{owner}.from_accelerate: `sp_size={sizes['sp_size']}` (DeepSpeed Ulysses sequence parallel) is not "
+            "implemented; ultrascale splits long sequences with context parallel: use `cp_size` instead"
+        )
+    backend = _field(config, "cp_backend") or "torch"
+    if backend != "torch":
+        raise ValueError(f"{owner}.from_accelerate: `cp_backend={backend!r}`: only 'torch' is known")
+    tp_handler = _field(config, "tp_handler")
+    if tp_handler is not None and bool(_field(tp_handler, "enable_async_tp", False)):
+        raise NotImplementedError(
+            f"{owner}.from_accelerate: `tp_handler.enable_async_tp=True` (async tensor parallel, a torch.compile "
+            "micro-pipelining of the TP collectives) is not implemented; set it to False"
+        )
+    knobs: dict[str, Any] = {
+        "data_parallel_replicate": sizes["dp_replicate_size"],
+        "data_parallel_shard": sizes["dp_shard_size"],
+        "tensor_parallel": sizes["tp_size"],
+        "context_parallel": sizes["cp_size"],
+    }
+    cp_handler = _field(config, "cp_handler")
+    strategy = _field(cp_handler, "cp_comm_strategy") if cp_handler is not None else None
+    if sizes["cp_size"] > 1:
+        strategy = strategy or "allgather"  # accelerate's default when its handler is left out
+        if strategy not in _CP_METHODS:
+            raise ValueError(f"{owner}.from_accelerate: `cp_handler.cp_comm_strategy={strategy!r}`: choose one of "
+                             f"{sorted(_CP_METHODS)}")
+        knobs["context_parallel_method"] = _CP_METHODS[strategy]
+    return knobs
