@@ -170,6 +170,8 @@ MEASURED_LAYOUTS = (
     dict(dp_shard=4, tp=2, recompute="none"), dict(dp_shard=4, tp=2, recompute="full"),
     dict(dp_shard=4, cp=2, recompute="none"), dict(dp_replicate=2, dp_shard=4, recompute="full"),
     dict(dp_shard=8, zero_stage=1, recompute="full"), dict(dp_shard=8, zero_stage=2, recompute="full"),
+    dict(dp_shard=8, grad_accumulation=2, recompute="full"),
+    dict(pp=2, dp_shard=4, pipeline_microbatches=4, recompute="full"),
 )
 
 
@@ -180,22 +182,28 @@ def measured_table() -> list[str]:
     shape = model_shape("llama3_8b")
     lines = [
         "Llama-3 8B on 8 GPUs, seq 8192, micro-batch 1, bf16-mixed, ZeRO-3 unless named: the planner's peak per GPU "
-        "beside `ultrascale.measure` (FakeTensorMode + FSDPMemTracker, or MemTracker for ZeRO-1/2; rank 0).",
+        "beside `ultrascale.measure` (FakeTensorMode + FSDPMemTracker, or MemTracker for ZeRO-1/2; rank 0). "
+        "The measured breakdown uses the trackers' categories: *other* is the backward's temporaries and FSDP's "
+        "gathered parameters and collective buffers (the planner's *buffers* and part of its activations).",
         "",
-        "| layout | predicted GiB (params + grads + optimizer + activations + buffers) | measured GiB (same) | predicted / measured |",
-        "|---|---|---|---|",
+        "| layout | predicted GiB (params + grads + optimizer + activations + buffers) | measured GiB (params + grads + "
+        "optimizer + activations + other) | measured peak at | predicted / measured |",
+        "|---|---|---|---|---|",
     ]
     for layout in MEASURED_LAYOUTS:
-        lay = planner.Layout(**{"zero_stage": 3, **layout})
-        row = planner.evaluate(shape, lay, planner.Cluster(planner.GPU_SPECS["h100"], 8), planner.Workload(8192, lay.dp))
+        knobs = dict(layout)
+        microbatches = knobs.pop("pipeline_microbatches", None)
+        lay = planner.Layout(**{"zero_stage": 3, **knobs, **({"grad_accumulation": microbatches} if microbatches else {})})
+        row = planner.evaluate(shape, lay, planner.Cluster(planner.GPU_SPECS["h100"], 8),
+                               planner.Workload(8192, lay.dp * lay.micro_batch * lay.grad_accumulation))
         measured = measure_layout("llama3_8b", world=8, seq_len=8192, micro_batch=1, **layout)
         m, b = row.memory, measured["breakdown_gib"]
         name = ", ".join(f"{k}={v}" for k, v in layout.items())
         lines.append(
             f"| {name} | {m['total'] / GIB:.2f} ({m['params'] / GIB:.2f} + {m['grads'] / GIB:.2f} + {m['optimizer'] / GIB:.2f} + "
             f"{m['activations'] / GIB:.2f} + {m['buffers'] / GIB:.2f}) | {measured['peak_gib']:.2f} ({b['params']:.2f} + "
-            f"{b['grads']:.2f} + {b['optimizer']:.2f} + {b['activations']:.2f} + {b['buffers']:.2f}) "
-            f"| {m['total'] / GIB / measured['peak_gib']:.3f} |"
+            f"{b['grads']:.2f} + {b['optimizer']:.2f} + {b['activations']:.2f} + {b['other']:.2f}) "
+            f"| {measured['peak_phase']} | {m['total'] / GIB / measured['peak_gib']:.3f} |"
         )
     return lines
 

@@ -44,6 +44,8 @@ CASES = {
     "hsdp-2x2": (4, "ultrascale_hsdp", 1, None, (2, 2)),
     "zero3-w2-accum4-clip": (2, "ultrascale_zero3", 4, 0.05, (1, 2)),
     "hsdp-2x2-accum4-clip": (4, "ultrascale_hsdp", 4, 0.05, (2, 2)),
+    "zero3-w2-accum4-unsharded": (2, ("ultrascale_zero3", {"accumulate_unsharded_grads": True}), 4, None, (1, 2)),
+    "hsdp-2x2-accum4-unsharded": (4, ("ultrascale_hsdp", {"accumulate_unsharded_grads": True}), 4, 0.05, (2, 2)),
 }
 
 
@@ -56,12 +58,18 @@ def test_parity_with_single_process(case):
     if clip is not None:  # the test must exercise clipping, not pass through it
         norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in reference["grads"].values()]))
         assert norm > 2 * clip
+    unsharded = isinstance(strategy, tuple)
+    if unsharded:
+        name, knobs = strategy
+        strategy = {"ultrascale_zero3": ultrascale.ZeRO3Strategy, "ultrascale_hsdp": ultrascale.HSDPStrategy}[name](**knobs)
     results = run_ranks(_train, world_size, strategy, accumulate, clip)
     assert results[0]["mesh"] == mesh
     losses = step_losses(results)
     assert_parity(results[0], reference, losses)
-    # Gradient accumulation: one reduce-scatter per FSDP unit per optimizer step, not per micro-batch.
-    assert results[0]["reduce_scatters"] == results[0]["units"] * STEPS
+    # Gradient accumulation: by default every micro-batch reduce-scatters into the sharded gradients
+    # (ZeRO-3's memory); with `accumulate_unsharded_grads` once per FSDP unit per optimizer step.
+    per_step = 1 if unsharded else accumulate
+    assert results[0]["reduce_scatters"] == results[0]["units"] * STEPS * per_step
 
 
 def _strategy_object(rank, world_size):

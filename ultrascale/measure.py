@@ -24,8 +24,9 @@ The child process (the fake process group and the fake mode are process-wide) do
    foreach, not fused), so that the optimizer state exists as in every later step;
 6. runs the next step under `FSDPMemTracker` (ZeRO-3) or `MemTracker` (ZeRO-1/2) and reports its peak:
    the larger of the forward/backward peak and the optimizer step's own peak (both are returned).
-   With `grad_accumulation` > 1 a step is that many micro-batches, reduced only after the last, as
-   the strategy's `block_backward_sync` runs them.
+   With `grad_accumulation` > 1 a step is that many micro-batches, as the strategy's
+   `block_backward_sync` runs them: ZeRO-1/2 reduce after the last; FSDP reduce-scatters every
+   micro-batch unless `accumulate_unsharded_grads` (then it holds whole fp32 gradients until the last).
 
 Under pipeline parallel torch's `Schedule1F1B` cannot run on fake tensors (its P2P warm-up reads a
 received value), so its order on the first stage is replayed: min(pp, micro-batches) forwards in
@@ -102,6 +103,7 @@ def measure_layout(
     pipeline_microbatches: int | None = None,
     timeout_s: float = 900,
     grad_accumulation: int = 1,
+    accumulate_unsharded_grads: bool = False,
 ) -> dict[str, Any]:
     """Peak memory of rank 0 for one training step of this layout, measured on fake tensors.
 
@@ -119,9 +121,11 @@ def measure_layout(
         pipeline_microbatches: micro-batches per step under PP (default: pp); the 1F1B schedule's first
             stage holds min(pp, this) of them at its peak.
         timeout_s: the child process is killed after this many seconds (RuntimeError).
-        grad_accumulation: micro-batches per optimizer step without PP, as the strategy runs them: no
-            gradient reduction on all but the last (`block_backward_sync`: FSDP then accumulates unsharded
-            gradients in its reduce dtype, ZeRO-1/2 in their buckets). Under PP use `pipeline_microbatches`.
+        grad_accumulation: micro-batches per optimizer step without PP, as the strategy runs them
+            (`block_backward_sync`): ZeRO-1/2 accumulate in their buckets and reduce after the last; FSDP
+            reduce-scatters every micro-batch into its shards. Under PP use `pipeline_microbatches`.
+        accumulate_unsharded_grads: the strategy's knob of that name: FSDP skips the reduce-scatter on all
+            but the last micro-batch and so accumulates whole gradients in its reduce dtype.
 
     Returns:
         ``{"peak_gib": the peak of the step, "breakdown_gib": {"params", "grads", "optimizer", "activations",
@@ -148,7 +152,7 @@ def measure_layout(
         "model": str(model), "world": world, "pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp,
         "tp": tp, "ep": ep, "zero_stage": zero_stage, "precision": precision, "seq_len": seq_len,
         "micro_batch": micro_batch, "recompute": recompute, "pipeline_microbatches": pipeline_microbatches,
-        "grad_accumulation": grad_accumulation,
+        "grad_accumulation": grad_accumulation, "accumulate_unsharded_grads": accumulate_unsharded_grads,
     }
     _check_request(request)
     started = time.perf_counter()
@@ -262,7 +266,7 @@ def _build(model: str, seq_len: int, fake_mode: Any) -> tuple[Any, int, bool]:
     config = transformers.AutoConfig.from_pretrained(model, local_files_only=True)
     meta = not bool(getattr(config, "tie_word_embeddings", False))
     with torch.device("meta") if meta else fake_mode:
-        hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, attn_implementation="sdpa")
+        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     if hf_num_experts(config):  # as HFCausalLM.configure_model: ultrascale's routing (and its balance loss)
         from ultrascale.models.moe import attach_hf_routing
 
@@ -399,7 +403,7 @@ def _measure(r: dict[str, Any]) -> dict[str, Any]:
             for i in range(accumulation):  # the strategy's `block_backward_sync` on all but the last
                 sync = i == accumulation - 1
                 if fsdp:
-                    set_gradient_sync(module, sync)
+                    set_gradient_sync(module, sync or not r["accumulate_unsharded_grads"])
                 if engine is not None:
                     engine.require_backward_grad_sync = sync
                 if tracker is not None and i > 0:  # the trackers refuse a second root forward otherwise
@@ -585,7 +589,7 @@ def _main(argv: list[str]) -> int:
 
     defaults = {"pp": 1, "dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1, "ep": 1, "zero_stage": 3,
                 "precision": "bf16-mixed", "seq_len": 4096, "micro_batch": 1, "recompute": "none",
-                "pipeline_microbatches": None, "grad_accumulation": 1}
+                "pipeline_microbatches": None, "grad_accumulation": 1, "accumulate_unsharded_grads": False}
     request = {**defaults, **request}
 
     try:

@@ -475,11 +475,13 @@ def _step_time(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workload,
     hidden_comm = 0.0  # communication that overlaps compute (FSDP prefetch, ZeRO-2 buckets, CP ring)
     exposed = 0.0
     # ZeRO-3: all-gather forward and backward every micro-batch (reshard after forward; under PP
-    # once per step), reduce-scatter fp32 grads once per step (no sync while accumulating).
+    # once per step), reduce-scatter fp32 grads every micro-batch into the shards (the strategy's
+    # default: `accumulate_unsharded_grads=False` keeps ZeRO-3's gradient memory); under PP once per step.
     if lay.zero_stage == 3:
-        gathers = 2 * (1 if lay.pp > 1 else m)
-        fsdp = gathers * (_ring("all_gather", dense * c, n_shard, bw_fsdp) + _ring("all_gather", experts * c, n_expert_shard, bw_fsdp))
-        fsdp += _ring("reduce_scatter", dense * 4, n_shard, bw_fsdp) + _ring("reduce_scatter", experts * 4, n_expert_shard, bw_fsdp)
+        per_step = 1 if lay.pp > 1 else m
+        fsdp = 2 * per_step * (_ring("all_gather", dense * c, n_shard, bw_fsdp) + _ring("all_gather", experts * c, n_expert_shard, bw_fsdp))
+        fsdp += per_step * (_ring("reduce_scatter", dense * 4, n_shard, bw_fsdp)
+                            + _ring("reduce_scatter", experts * 4, n_expert_shard, bw_fsdp))
         hidden_comm += fsdp * (1 - 1 / max(layers, 1))
         exposed += fsdp / max(layers, 1)  # the first gather and the last reduce-scatter wait
     elif n_shard > 1:  # ZeRO-1/2: reduce-scatter grads, all-gather the updated params after the step
