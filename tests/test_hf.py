@@ -189,14 +189,19 @@ def test_finetune_recipe_end_to_end(tmp_path):
     fit = subprocess.run(
         [*command, "fit", "--config", str(recipe), "--model.pretrained_path", str(source), "--data.data_path", str(data),
          "--data.init_args.prompt_template", "{prompt}", "--data.init_args.seq_len", "32",
-         "--trainer.max_steps", "4", "--trainer.val_check_interval", "4", "--trainer.callbacks.init_args.every_n_train_steps", "4"],
+         # An epoch of this small file is fewer batches than the validation interval (which failed in
+         # Lightning's epoch-based counting): the recipe counts it in steps across epochs.
+         "--trainer.max_steps", "24", "--trainer.val_check_interval", "20", "--trainer.callbacks.init_args.every_n_train_steps", "12"],
         cwd=tmp_path, capture_output=True, text=True, timeout=240,
     )
     assert fit.returncode == 0, (fit.stdout + fit.stderr)[-3000:]
-    last = tmp_path / "runs" / "hf_finetune" / "version_0" / "checkpoints" / "last.ckpt"
-    export = subprocess.run([*command, "export-hf", "--checkpoint", str(last), "--out", str(tmp_path / "out")],
+    events = b"".join(f.read_bytes() for f in (tmp_path / "runs" / "hf_finetune" / "version_0").glob("events.out.tfevents*"))
+    assert b"val_loss" in events and b"throughput/tokens_per_sec" in events  # validated at step 20; tokens/s logged
+    # The run directory is enough: export-hf finds its newest complete checkpoint.
+    export = subprocess.run([*command, "export-hf", "--checkpoint", "runs/hf_finetune", "--out", str(tmp_path / "out")],
                             cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert export.returncode == 0, (export.stdout + export.stderr)[-3000:]
+    assert "last.ckpt" in export.stdout
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
     original = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True)
     assert not torch.equal(reloaded.model.layers[0].mlp.up_proj.weight, original.model.layers[0].mlp.up_proj.weight)
@@ -252,7 +257,7 @@ def _checksums(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def test_export_never_destroys_its_source_or_other_files(tmp_path):
+def test_export_never_destroys_its_source_or_other_files(tmp_path, capsys):
     from ultrascale.cli import main
 
     source = make_checkpoint(tmp_path / "source")
@@ -261,8 +266,9 @@ def test_export_never_destroys_its_source_or_other_files(tmp_path):
     checkpoint = str(tmp_path / "ckpts" / "last.ckpt")
     before = _checksums(source)
     for overwrite in ([], ["--overwrite"]):  # onto the source: refused, with or without --overwrite
-        with pytest.raises(ValueError, match="it is the model's source folder"):
+        with pytest.raises(SystemExit) as exited:
             main(["export-hf", "--checkpoint", checkpoint, "--out", str(source), *overwrite])
+        assert exited.value.code == 2 and "it is the model's source folder" in capsys.readouterr().err
     assert _checksums(source) == before  # every original file intact, nothing added
     with pytest.raises(ValueError, match="source folder"):  # and refused before training, not after it
         HFCausalLM(str(source), export_dir=str(source))
@@ -277,6 +283,12 @@ def test_export_never_destroys_its_source_or_other_files(tmp_path):
     assert (busy / "notes.txt").read_text() == "mine"
     main(["export-hf", "--checkpoint", checkpoint, "--out", str(busy), "--overwrite"])
     assert not (busy / "notes.txt").exists() and (busy / "config.json").is_file()
+    # A run directory: its newest complete checkpoint is found; a wrong path says what is there instead.
+    main(["export-hf", "--checkpoint", str(tmp_path / "ckpts"), "--out", str(tmp_path / "from_run_dir")])
+    assert f"exporting {checkpoint}" in capsys.readouterr().out and (tmp_path / "from_run_dir" / "config.json").is_file()
+    with pytest.raises(SystemExit):
+        main(["export-hf", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "nowhere")])
+    assert "ckpt does not exist" in (err := capsys.readouterr().err) and "ckpts/" in err
     assert transformers.AutoModelForCausalLM.from_pretrained(busy, local_files_only=True) is not None
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left behind
 

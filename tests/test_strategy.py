@@ -159,3 +159,55 @@ def test_shared_knobs_are_declared_once_and_strangers_refused(cls, knob):
     assert strategy.sync_module_states is False
     with pytest.raises(SystemExit):
         parser.parse_args(["--strategy.launcher=nonsense"])
+
+
+def test_model_errors_come_once_before_any_rank_starts(tmp_path, monkeypatch):
+    """Checks that need only the module's config run in the launching process: one error naming the
+    user's class, no rank forked, no process group."""
+    import os
+
+    # A one-process fit earlier in this pytest process leaves Lightning's rank variables set, which would
+    # make this Trainer believe an outer launcher started it (and wait for a second rank).
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+    import lightning as L
+    import torch.distributed as dist
+    import transformers
+
+    from tests._parity import make_hf_checkpoint
+    from ultrascale.models.hf import HFCausalLM
+    from ultrascale.models.lm import LlamaLM
+
+    forks = []
+    real_fork = os.fork
+
+    def counting_fork():
+        forks.append(1)
+        return real_fork()
+
+    def fit(strategy, module):
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        os.fork = counting_fork
+        try:
+            with pytest.raises(ValueError) as raised:
+                trainer.fit(module)
+        finally:
+            os.fork = real_fork
+        return str(raised.value)
+
+    from ultrascale.models.llama import LlamaConfig
+
+    message = fit(UltraScaleStrategy(tensor_parallel=2),
+                  LlamaLM(config=LlamaConfig(vocab_size=64, dim=48, n_layers=2, n_heads=3, n_kv_heads=3, ffn_hidden_dim=64)))
+    assert "`tensor_parallel=2` must divide attention heads=3, key/value heads=3 of LlamaLM (LlamaConfig)" in message
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)).save_pretrained(gpt2)
+    message = fit(UltraScaleStrategy(tensor_parallel=2), HFCausalLM(str(gpt2)))
+    assert "HFCausalLM is a Hugging Face GPT2LMHeadModel whose config ships no tensor-parallel plan" in message
+    assert "tp_plan=" in message
+    message = fit(UltraScaleStrategy(pipeline_parallel=2),
+                  LlamaLM(config=LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64)))
+    assert "2 stages, but the model has only 1 layers" in message
+    assert not forks and not dist.is_initialized()

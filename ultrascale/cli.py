@@ -4,6 +4,7 @@
     ultrascale fit --config recipes/tiny_cpu.yaml --trainer.devices 4 --trainer.strategy ultrascale_hsdp
     ultrascale export-hf --checkpoint runs/.../last.ckpt --out my_hf_model
     ultrascale plan --preset llama3_70b --gpus 256 --gpu h100 --seq-len 8192 --global-batch-tokens 4M
+    ultrascale plan --recipe recipes/llama3_70b.yaml      # check a recipe's layout on the meta device, price it
 
 Any LightningModule / LightningDataModule can be named with `class_path`; the recipes
 use `ultrascale.models.LlamaLM` and `ultrascale.data.CausalLMDataModule`.
@@ -12,7 +13,9 @@ use `ultrascale.models.LlamaLM` and `ultrascale.data.CausalLMDataModule`.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
@@ -44,10 +47,36 @@ class UltraScaleCLI(LightningCLI):
             **kwargs,
         )
 
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> L.Trainer:
+        """Every run logs tokens/s (and MFU where the model's FLOPs are known) and counts optimizer steps in
+        its progress bar, unless the recipe configures its own `MFUMonitor` / progress bar."""
+        from lightning.pytorch.callbacks import ProgressBar
+
+        from ultrascale.callbacks import MFUMonitor, StepProgressBar
+
+        given = [*(config.get("callbacks") or []), *callbacks]
+        defaults = []
+        if not any(isinstance(cb, MFUMonitor) for cb in given):
+            defaults.append(MFUMonitor(mfu=None))
+        if config.get("enable_progress_bar", True) is not False and not any(isinstance(cb, ProgressBar) for cb in given):
+            defaults.append(StepProgressBar())
+        return super()._instantiate_trainer(config, [*callbacks, *defaults])
+
     def before_fit(self) -> None:
         self._restore_interrupted_last()
+        self._resolve_auto_resume()
+        self._say_where_outputs_go()
 
     before_validate = before_test = before_predict = before_fit
+
+    def _say_where_outputs_go(self) -> None:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+        trainer = self.trainer
+        logs = trainer.log_dir if trainer.loggers else "nowhere (no logger)"
+        folders = [str(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+        saved = ", ".join(folders) or (f"{trainer.log_dir}/checkpoints" if trainer.checkpoint_callbacks else "none (no ModelCheckpoint)")
+        rank_zero_info(f"ultrascale: logs in {logs}; checkpoints in {saved}")
 
     def _restore_interrupted_last(self) -> None:
         """`--ckpt_path last`: Lightning looks for `last*.ckpt` by name before any strategy runs. A save
@@ -63,6 +92,36 @@ class UltraScaleCLI(LightningCLI):
                 for restored in restore_old_versions(callback.dirpath):
                     print(f"ultrascale: restored {restored} from the copy an interrupted save left behind")
 
+    def _resolve_auto_resume(self) -> None:
+        """`--ckpt_path auto`: the newest complete checkpoint where the run's ModelCheckpoint writes, or none
+        (fit starts at step 0; the other subcommands need one). Every rank process runs this CLI (the
+        subprocess launcher re-runs it, torchrun starts it per rank) and reads the same files, so every
+        rank resumes from the same checkpoint."""
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+        from ultrascale.strategies.autoresume import AUTO, checkpoint_folders, latest_checkpoint
+
+        config = self.config_init.get(self.subcommand, {})
+        if config.get("ckpt_path") != AUTO:
+            return
+        found = latest_checkpoint(self.trainer)
+        if found is None and self.subcommand != "fit":
+            folders = ", ".join(str(f) for f in checkpoint_folders(self.trainer)) or "(no folder yet)"
+            raise ValueError(f"`{self.subcommand} --ckpt_path auto`: no complete checkpoint in {folders}")
+        config["ckpt_path"] = found
+        if found is None:
+            folders = ", ".join(str(f) for f in checkpoint_folders(self.trainer)) or "(no folder yet)"
+            rank_zero_info(f"ultrascale: --ckpt_path auto: no complete checkpoint in {folders}; starting from step 0")
+        else:
+            import warnings
+
+            from ultrascale.parallel.checkpoint import check_checkpoint_dir, read_checkpoint_metadata
+
+            with warnings.catch_warnings():  # a `.old` fallback is announced once, when it is loaded
+                warnings.simplefilter("ignore")
+                step = read_checkpoint_metadata(check_checkpoint_dir(found)).get("global_step")
+            rank_zero_info(f"ultrascale: --ckpt_path auto: resuming from {found} (global step {step})")
+
 
 def export_hf_main(args: list[str]) -> None:
     import argparse
@@ -74,14 +133,46 @@ def export_hf_main(args: list[str]) -> None:
         description="Write an HFCausalLM training checkpoint (any layout) as a Hugging Face folder: "
         "sharded safetensors, config.json, generation config and the tokenizer files.",
     )
-    parser.add_argument("--checkpoint", required=True, help="ultrascale checkpoint directory (e.g. .../last.ckpt)")
+    parser.add_argument("--checkpoint", required=True,
+                        help="an ultrascale checkpoint directory (e.g. .../last.ckpt), or a run directory (runs/NAME, "
+                        "runs/NAME/version_N, or its checkpoints/ folder): its newest complete checkpoint is exported")
     parser.add_argument("--out", required=True, help="folder to write (loadable with from_pretrained)")
     parser.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (default 2GB)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a non-empty --out folder (never the model's source folder)")
     options = parser.parse_args(args)
-    out = export_hf_checkpoint(options.checkpoint, options.out, options.max_shard_size, overwrite=options.overwrite)
+    try:
+        checkpoint = resolve_checkpoint(options.checkpoint)
+        if str(checkpoint) != str(options.checkpoint):
+            print(f"exporting {checkpoint} (the newest complete checkpoint under {options.checkpoint})")
+        out = export_hf_checkpoint(checkpoint, options.out, options.max_shard_size, overwrite=options.overwrite)
+    except (FileNotFoundError, ValueError) as error:  # a wrong path or a checkpoint of another model: say so
+        print(f"ultrascale export-hf: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"wrote {out}")
+
+
+def resolve_checkpoint(path: str) -> str:
+    """`path` if it is a checkpoint directory, else the newest complete checkpoint of the run directory
+    `path` (itself, `checkpoints/`, `version_*/checkpoints/`); errors say what exists instead."""
+    from pathlib import Path
+
+    from ultrascale.parallel.checkpoint import DCP_METADATA_FILE, latest_checkpoint
+
+    given = Path(path)
+    if (given / DCP_METADATA_FILE).is_file() or (not given.exists() and given.name.endswith(".ckpt")):
+        return path  # a checkpoint (or a missing one, whose error check_checkpoint_dir words, `.old` fallback included)
+    if not given.is_dir():
+        parent = next((p for p in given.parents if p.is_dir()), Path("."))
+        entries = sorted(e.name + ("/" if e.is_dir() else "") for e in parent.iterdir())[:20]
+        raise FileNotFoundError(f"{given} does not exist; {parent}/ holds: {', '.join(entries) or '(nothing)'}")
+    folders = [given, given / "checkpoints", *sorted(given.glob("version_*/checkpoints")), *sorted(given.glob("*/checkpoints"))]
+    found = latest_checkpoint(folders)
+    if found is None:
+        entries = sorted(e.name + ("/" if e.is_dir() else "") for e in given.iterdir())[:20]
+        raise ValueError(f"no complete ultrascale checkpoint in {given} or its checkpoints folders; it holds: "
+                         f"{', '.join(entries) or '(nothing)'}")
+    return str(found)
 
 
 def _positive(kind: type) -> Any:
@@ -116,6 +207,11 @@ def _token_count(text: str) -> int:
     return value
 
 
+# `plan` options that a recipe fixes itself.
+_RECIPE_FIXES = ("seq_len", "global_batch_tokens", "global_batch", "precision", "layout", "why_not", "top", "emit_recipe",
+                 "measure", "dp_replicate", "tp", "zero_stage", "micro_batch", "recompute", "full_recompute")
+
+
 def plan_main(args: list[str]) -> str:
     """`ultrascale plan`: which layout for this model on these GPUs? Every layout ultrascale can run is
     costed (memory per GPU, step time, MFU) and ranked, before any GPU is used. Exits 1 when
@@ -133,9 +229,15 @@ def plan_main(args: list[str]) -> str:
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--preset", choices=sorted(LLAMA_PRESETS), help="built-in Llama preset")
     model.add_argument("--hf-config", help="Hugging Face checkpoint folder (only config.json is read)")
-    parser.add_argument("--gpus", "--world", dest="gpus", type=_positive(int), required=True, help="number of GPUs (ranks)")
+    model.add_argument("--recipe", metavar="YAML",
+                       help="check a LightningCLI recipe without running it (model on the meta device, the strategy's "
+                            "checks at its world size) and price its layout; LightningCLI overrides may follow, "
+                            "e.g. --model.pretrained_path DIR")
+    parser.add_argument("--gpus", "--world", dest="gpus", type=_positive(int), default=None,
+                        help="number of GPUs (ranks); with --recipe: trainer.num_nodes x trainer.devices")
     parser.add_argument("--gpu", default="h100", choices=sorted(planner.GPU_SPECS), help="GPU kind (default h100)")
-    parser.add_argument("--gpus-per-node", type=_positive(int), default=8)
+    parser.add_argument("--gpus-per-node", type=_positive(int), default=None,
+                        help="default 8; with --recipe: trainer.devices")
     parser.add_argument("--seq-len", type=_positive(int), default=4096)
     batch = parser.add_mutually_exclusive_group()
     batch.add_argument("--global-batch-tokens", type=_token_count, help="tokens per optimizer step, e.g. 4M (default: one sequence per GPU)")
@@ -165,7 +267,21 @@ def plan_main(args: list[str]) -> str:
                         help="GB/s per GPU between nodes (default: one 400 Gb/s NIC per GPU)")
     parser.add_argument("--efficiency", type=_positive(float), default=None,
                         help=f"fraction of the peak the matmuls reach (default {planner.Cluster.efficiency})")
-    options = parser.parse_args(args)
+    options, unknown = parser.parse_known_args(args)
+    if options.recipe:
+        # The recipe fixes the layout, batch and precision: a flag that would contradict it is refused.
+        # From the raw arguments, not the values: a flag given at its default value contradicts the recipe too.
+        fixed_by_recipe = [flag for action in parser._actions if action.dest in _RECIPE_FIXES
+                           for flag in action.option_strings if any(a == flag or a.startswith(flag + "=") for a in args)]
+        if fixed_by_recipe:
+            parser.error(f"{', '.join(fixed_by_recipe)}: with --recipe the layout, batch and precision come from the recipe; "
+                         "change it there or override its keys (e.g. --data.seq_len 4096, --trainer.strategy.init_args.tensor_parallel 4)")
+        return plan_recipe_main(options, unknown)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if options.gpus is None:
+        parser.error("--gpus is required with --preset / --hf-config")
+    options.gpus_per_node = options.gpus_per_node or 8
 
     fixed = planner.parse_layout(options.layout)
     for key, value in (("dp_replicate", options.dp_replicate), ("tp", options.tp), ("zero_stage", options.zero_stage),
@@ -268,8 +384,390 @@ def plan_main(args: list[str]) -> str:
     return text
 
 
+# --------------------------------------------------------------------------- plan --recipe
+
+# The recipe knob behind each mesh axis: ParallelDims speaks in axes, a recipe in strategy arguments.
+_AXIS_KNOBS = {"pp": "pipeline_parallel", "dp_replicate": "data_parallel_replicate", "dp_shard": "data_parallel_shard",
+               "cp": "context_parallel", "tp": "tensor_parallel", "ep": "expert_parallel"}
+_PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "None": "32-true"}
+
+
+class _RecipeCLI(UltraScaleCLI):
+    """Parses a recipe and instantiates its classes exactly as `ultrascale fit --config` does, but builds no
+    Trainer: a GPU recipe's Trainer would look for its GPUs, and the check runs on any laptop."""
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        return None
+
+
+@dataclass
+class RecipePlan:
+    """What `ultrascale plan --recipe` found: the recipe's objects, its layout resolved for the world size,
+    the checks it passed and the planner's price of that fixed layout."""
+
+    path: str
+    module: L.LightningModule
+    """The recipe's LightningModule with its network built on the meta device (no weights)."""
+    strategy: Any
+    dims: Any
+    """`ParallelDims` of the strategy at `world` ranks."""
+    world: int
+    shape: Any
+    """`ModelShape` priced by the planner."""
+    cluster: Any
+    work: Any
+    row: Any
+    """`planner.PlanRow` of the recipe's layout."""
+    checks: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.row.fits)
+
+
+def _parse_recipe(path: str, overrides: Sequence[str]) -> _RecipeCLI:
+    import logging
+    import warnings
+
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    level = seed_log.level
+    seed_log.setLevel(logging.WARNING)  # "Seed set to ..." is noise in a plan
+    try:
+        with warnings.catch_warnings():
+            # `args=` given while `ultrascale plan ...` is in sys.argv: intended here.
+            warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
+            return _RecipeCLI(args=["--config", str(path), *overrides], run=False)
+    finally:
+        seed_log.setLevel(level)
+
+
+def _parameters(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
+def _device_count(devices: Any, gpus_per_node: Optional[int]) -> int:
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    if isinstance(devices, str) and devices.strip().isdigit() and int(devices) > 0:
+        return int(devices)
+    if isinstance(devices, (list, tuple)) and devices:
+        return len(devices)
+    if gpus_per_node:
+        return gpus_per_node
+    raise ValueError(f"`trainer.devices={devices!r}` is not a device count: write the number of devices per node in the "
+                     "recipe, or pass --gpus-per-node")
+
+
+def _recipe_strategy(value: Any) -> Any:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from ultrascale.strategies import UltraScaleStrategy
+
+    name = value
+    if isinstance(value, str) and value in StrategyRegistry:
+        value = StrategyRegistry.get(value)
+    if not isinstance(value, UltraScaleStrategy):
+        shown = name if isinstance(name, str) else type(name).__name__
+        raise ValueError(f"`trainer.strategy={shown!r}`: `ultrascale plan --recipe` checks ultrascale strategies (a name "
+                         "such as `ultrascale_zero3`, or `class_path: ultrascale.UltraScaleStrategy` with its degrees)")
+    return value
+
+
+def _recompute_mode(callbacks: list[Any], notes: list[str]) -> str:
+    """The planner's recompute mode for the recipe's ActivationCheckpointing callback ("none" without one)."""
+    from ultrascale.callbacks import ActivationCheckpointing, Float8Training
+
+    modes = [cb for cb in callbacks if isinstance(cb, ActivationCheckpointing)]
+    if any(isinstance(cb, Float8Training) for cb in callbacks):
+        notes.append("Float8Training is not priced: memory and time are those of bf16 matmuls")
+    if not modes:
+        return "none"
+    callback = modes[-1]
+    if callback.mode in ("full", "selective") and type(callback.policy).__name__ in ("FullAC", "SelectiveAC"):
+        return callback.mode
+    notes.append(f"ActivationCheckpointing(mode={callback.mode!r}, policy {type(callback.policy).__name__}) is priced as "
+                 "no recomputation: an upper bound on the activations")
+    return "none"
+
+
+def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int] = None, gpu: str = "h100",
+                 gpus_per_node: Optional[int] = None, spec: Any = None, efficiency: Optional[float] = None,
+                 eager_attention: bool = False) -> RecipePlan:
+    """Check a recipe for its cluster without running it: parse it as `ultrascale fit --config` would (the
+    strategy's constructor validates its knobs), build the model's network on the meta device (no weight
+    is allocated), resolve the strategy's degrees for `gpus` ranks (default: trainer.num_nodes x
+    trainer.devices), run the model checks the strategy runs before any collective (TP/CP/EP/PP support
+    and divisibility, the pipeline's stages and micro-batches, sequence length, batch split), then price
+    that fixed layout with the planner. ValueError (the strategy's own messages) if the layout is invalid.
+
+    `overrides` are LightningCLI arguments applied over the recipe (e.g. `--model.pretrained_path DIR`)."""
+    import itertools
+
+    import torch
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from ultrascale import planner
+    from ultrascale.estimate import ModelShape
+    from ultrascale.models.adapters import get_adapter
+    from ultrascale.models.llama import LlamaConfig
+    from ultrascale.parallel.pipeline import PipelineLayout
+    from ultrascale.strategies.precision import SUPPORTED_PRECISION
+
+    cli = _parse_recipe(path, overrides)
+    trainer_args = cli.config_init["trainer"]
+    module, datamodule = cli.model, cli.datamodule
+    strategy = _recipe_strategy(trainer_args.get("strategy"))
+    checks: list[str] = []
+    notes: list[str] = []
+
+    nodes = int(trainer_args.get("num_nodes") or 1)
+    devices = _device_count(trainer_args.get("devices"), gpus_per_node)
+    per_node = gpus_per_node or devices
+    world = gpus or nodes * devices
+    # Degrees given as "auto" resolve from the devices of one node, as under a Trainer.
+    strategy.parallel_devices = [torch.device("cpu")] * per_node
+    strategy.num_nodes = max(world // per_node, 1)
+    try:
+        dims = strategy.resolve_dims(world)
+    except ValueError as error:
+        knobs = ", ".join(f"{axis} = {knob}" for axis, knob in _AXIS_KNOBS.items())
+        source = f"--gpus {world}" if gpus else f"trainer.num_nodes {nodes} x trainer.devices {devices}"
+        raise ValueError(f"{error} (world size {world} from {source}; strategy knobs: {knobs})") from None
+    checks.append(f"mesh {dims.describe()}")
+
+    precision = str(trainer_args.get("precision"))
+    precision = _PRECISION_ALIASES.get(precision, precision)
+    if precision not in SUPPORTED_PRECISION:
+        raise ValueError(f"`trainer.precision={trainer_args.get('precision')!r}`: ultrascale runs "
+                         f"{', '.join(SUPPORTED_PRECISION)}")
+
+    seq_len = getattr(datamodule, "seq_len", None)
+    global_batch = getattr(datamodule, "global_batch_size", None)
+    if not isinstance(seq_len, int) or not isinstance(global_batch, int):
+        raise ValueError(f"{type(datamodule).__name__} has no integer `seq_len` and `global_batch_size`: the plan needs "
+                         "both (ultrascale.data's data modules have them)")
+    accumulate = int(trainer_args.get("accumulate_grad_batches") or 1)
+
+    # The network on the meta device: shapes only. `configure_model` is where ultrascale's modules build it,
+    # as under `meta_init=True`; anything a module builds in its constructor is counted below.
+    with torch.device("meta"):
+        module.configure_model()
+    tensors = list(itertools.chain(module.parameters(), module.buffers()))
+    allocated = sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
+    num_params = sum(p.numel() for p in module.parameters())
+    checks.append(f"model built on the meta device: {_parameters(num_params)} parameters, "
+                  f"{allocated / 2**20:.1f} MiB of real tensors")
+
+    config = getattr(module, "config", None)
+    hf_config = None
+    if isinstance(config, LlamaConfig):
+        hparams = getattr(module, "hparams", {})
+        preset = hparams.get("preset") if hparams.get("config") is None else None
+        shape = ModelShape.from_llama_config(config, name=f"Llama {preset}" if preset else "Llama")
+        max_positions, vocab, tied = config.max_seq_len, config.vocab_size, config.tie_embeddings
+    elif config is not None and hasattr(config, "model_type"):
+        hf_config = getattr(config, "text_config", None) or config
+        shape = ModelShape.from_hf_config(hf_config)
+        max_positions, vocab = None, hf_config.vocab_size  # HF RoPE extends past max_position_embeddings
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    else:
+        raise ValueError(f"{type(module).__name__}: `ultrascale plan --recipe` prices the built-in Llama (LlamaLM) and "
+                         "Hugging Face models (HFCausalLM); this module has neither a LlamaConfig nor a Hugging Face "
+                         "`config`")
+
+    # The strategy's checks, in its own order (`UltraScaleStrategy._parallelize`), on the meta-built model.
+    adapter = get_adapter(module)
+    owner = type(strategy).__name__
+    if dims.cp_enabled:
+        adapter.check_context_parallel(dims.cp)
+        checks.append(f"context parallel cp={dims.cp}: {strategy.context_parallel_method} attention on {adapter.name}")
+    if dims.ep_enabled:
+        adapter.check_expert_parallel(dims.ep)
+        checks.append(f"expert parallel ep={dims.ep}: {adapter.num_experts // dims.ep} of {adapter.num_experts} experts "
+                      f"per rank, within dp_shard x cp = {dims.dp_shard * dims.cp}")
+    if dims.tp_enabled and adapter.num_experts:
+        raise ValueError(f"{owner}: tensor parallel on the Mixture-of-Experts model {adapter.name} is not implemented "
+                         "yet; set `tensor_parallel: 1` and use data, context, expert or pipeline parallel")
+    pipeline = None
+    if dims.pp_enabled:
+        own = getattr(module, "pipeline_parts", None)
+        parts = own() if callable(own) else (adapter.pipeline_parts() if adapter.pipeline_parts is not None else None)
+        if parts is None:
+            raise ValueError(f"{owner}(pipeline_parallel={dims.pp}): pipeline parallel has no stage split for {adapter.name}")
+        parts.check(adapter.name)
+        if tied:
+            raise ValueError(f"{owner}(pipeline_parallel={dims.pp}): {type(module).__name__} ties its input embedding to "
+                             "its output head, which live on the first and the last stage; untie them")
+        try:
+            pipeline = PipelineLayout.build(
+                n_layers=len(parts.layer_list()), pp=dims.pp, schedule=strategy.pipeline_schedule,
+                virtual_stages=strategy.pipeline_virtual_stages, microbatches=strategy.pipeline_microbatches,
+                layers_per_stage=strategy.pipeline_layers,
+            )
+        except ValueError as error:
+            raise ValueError(f"{owner}: {error}") from None
+        checks.append(f"pipeline {pipeline.describe()}")
+        if pipeline.schedule not in ("1F1B", "Interleaved1F1B"):
+            priced = "1F1B" if pipeline.virtual_stages == 1 else "Interleaved1F1B"
+            notes.append(f"{pipeline.schedule} is priced as {priced} (the planner's schedules); GPipe keeps all "
+                         "micro-batches' activations, more than priced")
+    sequence_parallel = False
+    if dims.tp_enabled:
+        if strategy.tp_plan is not None:
+            sequence_parallel = any(isinstance(style, SequenceParallel) for style in strategy.tp_plan.values())
+        else:
+            sequence_parallel = strategy.sequence_parallel
+            if sequence_parallel is None:
+                sequence_parallel = adapter.supports_sequence_parallel
+            adapter.check_tensor_parallel(dims.tp, sequence_parallel=sequence_parallel)
+        sizes = ", ".join(f"{name}={size}" for name, size in adapter.tp_sizes.items())
+        checks.append(f"tensor parallel tp={dims.tp} divides {sizes} (sequence parallel {'on' if sequence_parallel else 'off'})")
+    where = f"{type(datamodule).__name__}(seq_len={seq_len})"
+    dims.check_seq_len(seq_len, sequence_parallel=sequence_parallel, where=where)
+    if max_positions is not None and seq_len > max_positions:
+        raise ValueError(f"{where} is longer than the model's RoPE table (max_seq_len={max_positions}): set "
+                         f"`model.init_args.max_seq_len` to at least {seq_len}")
+    if global_batch % dims.dp:
+        raise ValueError(f"{type(datamodule).__name__}(global_batch_size={global_batch}) does not split over the "
+                         f"{dims.dp} data-parallel ranks (dp_replicate x dp_shard); use a multiple of {dims.dp}")
+    local = global_batch // dims.dp
+    if pipeline is not None and local % pipeline.microbatches:
+        raise ValueError(f"{owner}: {type(datamodule).__name__}(global_batch_size={global_batch}) gives each of the "
+                         f"{dims.dp} data-parallel ranks {local} sequences, which pipeline_microbatches="
+                         f"{pipeline.microbatches} does not divide; use a global_batch_size that is a multiple of "
+                         f"{pipeline.microbatches * dims.dp}")
+    splits = []
+    if dims.cp > 1:
+        splits.append(f"2*cp={2 * dims.cp} chunks")
+    if sequence_parallel and dims.tp > 1:
+        splits.append(f"tp={dims.tp} (sequence parallel)")
+    checks.append(f"seq_len {seq_len}{' splits into ' + ' x '.join(splits) if splits else ''}"
+                  f"{f', within max_seq_len {max_positions}' if max_positions else ''}; global_batch_size {global_batch} = "
+                  f"{local} per data-parallel rank per micro-step")
+    try:
+        data_vocab = datamodule.vocab_size
+    except (AttributeError, ValueError):  # a tokenizer that comes from the Trainer's module (InstructionDataModule)
+        data_vocab = None
+    if isinstance(data_vocab, int) and data_vocab > vocab:
+        raise ValueError(f"the tokenizer of {type(datamodule).__name__} has {data_vocab} ids but the model only {vocab} "
+                         "embeddings: set the model's `vocab_size` (or the data's `tokenizer_path`)")
+
+    recompute = _recompute_mode(trainer_args.get("callbacks") or [], notes)
+    if pipeline is not None:
+        micro_batch, grad_accumulation = local // pipeline.microbatches, pipeline.microbatches * accumulate
+        if accumulate > 1:
+            notes.append(f"accumulate_grad_batches={accumulate} under pipeline parallel is priced as {grad_accumulation} "
+                         "micro-batches in one schedule: the real run drains the pipeline once more per accumulation step")
+    else:
+        micro_batch, grad_accumulation = local, accumulate
+    layout = planner.Layout(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=dims.cp, tp=dims.tp,
+                            ep=dims.ep, zero_stage=strategy.zero_stage, micro_batch=micro_batch,
+                            grad_accumulation=grad_accumulation, recompute=recompute,
+                            virtual_stages=pipeline.virtual_stages if pipeline is not None else 1)
+    cluster = planner.Cluster(spec or planner.GPU_SPECS[gpu], world, per_node,
+                              **({"efficiency": efficiency} if efficiency else {}))
+    work = planner.Workload(seq_len, global_batch * accumulate, precision, attention_scores_saved=eager_attention)
+    row = planner.evaluate(shape, layout, cluster, work, hf_config)
+    if row.problems:  # the planner's copy of the strategy's remaining rules (TP inside a node, ZeRO-1/2 limits, ...)
+        raise ValueError(f"{owner} layout {layout.describe()}: " + "; ".join(row.problems))
+    if str(trainer_args.get("accelerator")) == "cpu":
+        notes.append(f"a CPU recipe: priced as if on {cluster.gpu.name}, for scale")
+    return RecipePlan(str(path), module, strategy, dims, world, shape, cluster, work, row, checks, notes)
+
+
+def format_recipe_plan(plan: RecipePlan) -> list[str]:
+    from ultrascale import planner
+
+    lay, work, cluster = plan.row.layout, plan.work, plan.cluster
+    lines = [
+        f"recipe     {plan.path}: {type(plan.module).__name__}, {type(plan.strategy).__name__} on {plan.world} ranks",
+        f"model      {plan.shape.name}: {_parameters(plan.shape.num_params)} parameters, "
+        f"{plan.shape.flops_per_token(work.seq_len) / 1e9:.1f} GFLOPs per token",
+        f"cluster    {cluster.gpus} x {cluster.gpu.name} ({cluster.gpus_per_node} per node), {cluster.gpu.memory_gib:g} GiB "
+        f"each ({cluster.memory_headroom:.0%} planned for)",
+        f"batch      {work.global_batch} sequences x {work.seq_len} tokens = {work.tokens:,} tokens per optimizer step "
+        f"({lay.dp} data-parallel ranks x micro-batch {lay.micro_batch} x {lay.grad_accumulation} "
+        f"{'pipeline micro-batches' if lay.pp > 1 else 'accumulation steps'}); {work.precision}",
+    ]
+    lines += [f"checked    {check}" for check in plan.checks]
+    lines += ["layout     " + lay.describe()]
+    lines += planner.explain(plan.row, cluster)
+    lines += [f"note       {note}" for note in plan.notes]
+    return lines
+
+
+def plan_recipe_main(options: Any, overrides: list[str]) -> str:
+    """`ultrascale plan --recipe PATH`: check a recipe and price its layout; exit 1 if it does not fit."""
+    import dataclasses
+    import json
+
+    from ultrascale import planner
+
+    spec = planner.GPU_SPECS[options.gpu]
+    hardware = {"memory_gib": options.device_memory_gib, "peak_tflops": options.peak_tflops,
+                "intra_node_gbps": options.intra_node_gbps, "inter_node_gbps": options.inter_node_gbps}
+    if any(hardware.values()):
+        spec = dataclasses.replace(spec, **{key: value for key, value in hardware.items() if value})
+    try:
+        plan = check_recipe(options.recipe, overrides, gpus=options.gpus, gpu=options.gpu,
+                            gpus_per_node=options.gpus_per_node, spec=spec, efficiency=options.efficiency,
+                            eager_attention=options.eager_attention)
+    except NotImplementedError as error:  # the strategy's "not implemented yet" combinations: invalid here
+        raise ValueError(str(error)) from None
+    if options.json:
+        text = json.dumps({"recipe": plan.path, "world": plan.world, **plan.row.to_json(), "checks": plan.checks,
+                           "notes": plan.notes}, indent=1)
+    else:
+        text = "\n".join(format_recipe_plan(plan))
+    print(text)
+    if not plan.fits:
+        raise SystemExit(1)
+    return text
+
+
+SUBCOMMANDS_HELP = """usage: ultrascale SUBCOMMAND [options]     (`ultrascale SUBCOMMAND --help` for its options)
+
+train and evaluate (LightningCLI, with ultrascale's strategies registered):
+  fit          train: ultrascale fit --config recipes/tiny_cpu.yaml [--ckpt_path auto|last|PATH]
+  validate     run the validation loop of a model and checkpoint
+  test         run the test loop
+  predict      run the predict loop
+
+ultrascale's own:
+  plan         rank the layouts for a model on a cluster, explain one, or check a recipe (--recipe)
+  export-hf    write an HFCausalLM training checkpoint as a Hugging Face folder (safetensors)
+"""
+
+
+def quiet_known_noise() -> None:
+    """Drop messages that say nothing about the user's run, on every rank (each runs this CLI):
+
+    - Lightning 2.6 calls torch's deprecated pytree `LeafSpec` on every step of every rank;
+    - torchao (imported by transformers and the FP8 callback) logs "Failed to load" for each of
+      its CUDA-only kernels on a machine without CUDA, and torch logs that its Enum registrations
+      are deprecated.
+    """
+    import logging
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    if not torch.cuda.is_available():
+        logging.getLogger("torchao").addFilter(lambda record: not record.getMessage().startswith("Failed to load"))
+    logging.getLogger("torch.utils._pytree").addFilter(
+        lambda record: "register_constant() on Enum subclasses is deprecated" not in record.getMessage()
+    )
+
+
 def main(args: list[str] | None = None) -> None:
+    quiet_known_noise()
+    given = args
     args = list(args if args is not None else sys.argv[1:])
+    if not args or args[0] in ("-h", "--help"):
+        print(SUBCOMMANDS_HELP)
+        return
     if args and args[0] == "export-hf":
         export_hf_main(args[1:])
         return
@@ -280,7 +778,8 @@ def main(args: list[str] | None = None) -> None:
             print(f"ultrascale plan: error: {error}", file=sys.stderr)
             raise SystemExit(2) from None
         return
-    UltraScaleCLI(args=args)
+    # LightningCLI reads sys.argv itself; handing it the same list as `args` makes it warn on every call.
+    UltraScaleCLI(args=given)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ class MFUMonitor(Callback):
         peak_dtype: Optional[PeakDtype] = None,
         input_key: str = "input_ids",
         prog_bar: bool = True,
+        mfu: Optional[bool] = True,
     ) -> None:
         """
         Args:
@@ -73,6 +74,9 @@ class MFUMonitor(Callback):
                 Float8Training, where `fp8` gives MFU against the fp8 peak instead.
             input_key: key of the token ids `(B, T)` in a dict batch (a tensor batch is used as is).
             prog_bar: also show tokens/s and MFU in the progress bar.
+            mfu: True: TFLOP/s, MFU and HFU too (an error for a model whose FLOPs per token are unknown);
+                None: those where the FLOPs are known, tokens/s alone (said once) where not, as the `ultrascale`
+                CLI adds it to every run; False: tokens/s and times only (no peak is measured).
         """
         super().__init__()
         if not isinstance(window_size, int) or window_size < 1:
@@ -90,6 +94,8 @@ class MFUMonitor(Callback):
         self.peak_dtype = peak_dtype
         self.input_key = input_key
         self.prog_bar = prog_bar
+        self.mfu = mfu
+        self._mfu_active = mfu is not False
         self.peak: Optional[float] = None
         """Peak TFLOP/s per device that MFU is relative to (resolved at fit start)."""
         self.peak_source = ""
@@ -162,8 +168,15 @@ class MFUMonitor(Callback):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         from ultrascale.callbacks.activation_checkpointing import ActivationCheckpointing
 
+        if not self._mfu_active:
+            return
         if self.flops_per_token is None:
             self._model = model_flops(pl_module)
+            if self._model is None and self.mfu is None:
+                rank_zero_info(f"MFUMonitor: FLOPs per token of {type(pl_module).__name__} are unknown; logging tokens/s "
+                               "only (set `flops_per_token=` for MFU)")
+                self._mfu_active = False
+                return
             if self._model is None:
                 raise ValueError(
                     f"MFUMonitor: cannot derive FLOPs per token for {type(pl_module).__name__} (neither the built-in "
@@ -212,21 +225,22 @@ class MFUMonitor(Callback):
         seconds = sum(s for _, s, _ in self._window)
         tokens_per_sec = tokens / seconds
         per_device = tokens_per_sec / trainer.world_size
-        model_fpt = self.flops_per_token if self.flops_per_token is not None else self._model.per_token(seq_len)
-        tflops = model_fpt * per_device / 1e12
         metrics = {
             "throughput/tokens_per_sec": tokens_per_sec,
             "throughput/tokens_per_sec_per_device": per_device,
             "throughput/tokens_seen": float(self.tokens_seen),
-            "throughput/tflops_per_device": tflops,
-            "throughput/mfu": tflops / self.peak,
             "time/step": step,
             "time/data": self._data_time,
         }
-        extra = self.recompute_flops_per_token(seq_len)
-        if extra is not None:
-            metrics["throughput/hfu"] = (model_fpt + extra) * per_device / 1e12 / self.peak
-        if metrics["throughput/mfu"] > 1.0:
+        if self._mfu_active:
+            model_fpt = self.flops_per_token if self.flops_per_token is not None else self._model.per_token(seq_len)
+            tflops = model_fpt * per_device / 1e12
+            metrics["throughput/tflops_per_device"] = tflops
+            metrics["throughput/mfu"] = tflops / self.peak
+            extra = self.recompute_flops_per_token(seq_len)
+            if extra is not None:
+                metrics["throughput/hfu"] = (model_fpt + extra) * per_device / 1e12 / self.peak
+        if self._mfu_active and metrics["throughput/mfu"] > 1.0:
             # More FLOP/s than the peak is impossible: the peak or the FLOP count is wrong. Report it
             # (once) instead of logging a figure nobody should read.
             if self.impossible_mfu_steps == 0:

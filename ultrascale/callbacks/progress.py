@@ -62,7 +62,11 @@ class StepProgressBar(TQDMProgressBar):
     def get_metrics(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, Union[int, str, float, dict[str, float]]]:
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)  # the logger's version is not a training metric
-        return {name: _short(value) for name, value in metrics.items()}
+        # The bar's width is the terminal's: "throughput/tokens_per_sec" shows as "tok/s" so that no name is cut.
+        return {_SHORT_NAMES.get(name, name.rsplit("/", 1)[-1]): _short(value) for name, value in metrics.items()}
+
+
+_SHORT_NAMES = {"throughput/tokens_per_sec": "tok/s", "throughput/tokens_per_sec_per_device": "tok/s/dev"}
 
 
 def _short(value: Any) -> Any:

@@ -132,8 +132,13 @@ class SubprocessScriptLauncher(_SubprocessScriptLauncher):
     exception goes on.
     """
 
+    before_launch: Optional[Callable[[], None]] = None
+    """Run in this process before any child starts (the strategy's checks of the model against the layout)."""
+
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        if self.before_launch is not None:
+            self.before_launch()
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except BaseException:
@@ -167,8 +172,13 @@ class ForkLauncher(_MultiProcessingLauncher):
         super().__init__(strategy, start_method="fork")
         self._fitted_once = False
 
+    before_launch: Optional[Callable[[], None]] = None
+    """Run in this process before any rank is forked (the strategy's checks of the model against the layout)."""
+
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        if self.before_launch is not None:
+            self.before_launch()
         if torch.cuda.is_initialized():
             raise RuntimeError(
                 "The fork launcher cannot start processes once CUDA is initialized in this process (a `torch.cuda.*` "

@@ -657,6 +657,46 @@ class UltraScaleStrategy(StrategyInternals):
                     f"{layout.microbatches * self.parallel_dims.dp}"
                 )
 
+    def check_before_launch(self) -> None:
+        """The model's config against the layout in the launching process, before any rank starts, so that
+        a wrong layout gives one error naming the user's class rather than one per rank (the launchers call
+        it; under torchrun / SLURM every rank runs it, before its process group). The data module is not
+        attached yet: what depends on it is checked on each rank in `setup_environment`."""
+        module = self.lightning_module
+        if module is None or self.auto_layout:  # the auto layout is chosen (and checked) on each rank
+            return
+        dims = self.parallel_dims
+        if dims.pp_enabled:
+            self._check_pipeline_early()
+        if dims.ep_enabled:
+            self._check_experts_early()
+        if dims.tp_enabled:
+            self._check_tensor_parallel_early(module)
+
+    def _check_tensor_parallel_early(self, module: "pl.LightningModule") -> None:
+        """Whole heads per rank, and a plan to split by, from what the module's config declares."""
+        config = getattr(module, "config", None)
+        if config is None:
+            return  # a module of its own: its plan and sizes are checked on the built model in `setup`
+        config = getattr(config, "text_config", None) or config
+        tp, name = self.parallel_dims.tp, _class_name(module)
+        heads = getattr(config, "n_heads", None) or getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "n_kv_heads", None) or getattr(config, "num_key_value_heads", None) or heads
+        if isinstance(heads, int) and isinstance(kv_heads, int):
+            from ultrascale.parallel.tensor import check_tp_divides
+
+            try:
+                check_tp_divides(tp, {"attention heads": heads, "key/value heads": kv_heads}, f"{name} ({type(config).__name__})")
+            except ValueError as error:
+                raise ValueError(f"{type(self).__name__}: {error}") from None
+        model_type = getattr(config, "model_type", None)
+        if model_type is not None and self.tp_plan is None and not getattr(config, "base_model_tp_plan", None):
+            architecture = (getattr(config, "architectures", None) or [model_type])[0]
+            raise ValueError(
+                f"{type(self).__name__}(tensor_parallel={tp}): {name} is a Hugging Face {architecture} whose config ships no "
+                "tensor-parallel plan (`base_model_tp_plan`); give one as `UltraScaleStrategy(tp_plan={module path: style})`"
+            )
+
     def _check_experts_early(self) -> None:
         """Expert parallel against what the module's config declares, before any process group."""
         module = self.lightning_module

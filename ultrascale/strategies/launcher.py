@@ -42,7 +42,11 @@ def make_launcher(
         single = num_processes * num_nodes == 1
         name = "fork" if (on_cpu and num_nodes == 1 and not single and in_interactive_or_pytest()) else "subprocess"
     if name == "fork":
-        return ForkLauncher(strategy)
-    if name == "subprocess":
-        return SubprocessScriptLauncher(strategy.cluster_environment, num_processes, num_nodes)
-    raise ValueError(f"unknown launcher={name!r}; choose 'auto', 'subprocess' or 'fork'")
+        launcher: SubprocessScriptLauncher | ForkLauncher = ForkLauncher(strategy)
+    elif name == "subprocess":
+        launcher = SubprocessScriptLauncher(strategy.cluster_environment, num_processes, num_nodes)
+    else:
+        raise ValueError(f"unknown launcher={name!r}; choose 'auto', 'subprocess' or 'fork'")
+    # Checks of the model against the layout run once here, before any rank process starts.
+    launcher.before_launch = getattr(strategy, "check_before_launch", None)
+    return launcher
