@@ -126,3 +126,32 @@ def test_moe_recipe_fit_and_resume_at_ep1(tmp_path):
     assert "ultrascale mesh: pp=1 x dp_replicate=1 x dp_shard=1 x cp=1 x tp=1 (world 1)" in out  # "auto": ep = devices
     assert "Restored all states from the checkpoint" in out
     assert "`Trainer.fit` stopped: `max_steps=8` reached." in out
+
+
+def test_known_noise_is_dropped_and_nothing_else():
+    import logging
+
+    from ultrascale.cli import quiet_known_noise
+
+    quiet_known_noise()
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    names = ("lightning.fabric.utilities.seed", "lightning.pytorch.utilities.rank_zero", "torch.utils._pytree", "torchao")
+    handler = Keep()
+    for name in names:
+        logging.getLogger(name).addHandler(handler)
+    try:
+        logging.getLogger(names[0]).warning("[rank: 1] Seed set to 1234")
+        logging.getLogger(names[0]).warning("Seed set to 1234")
+        logging.getLogger(names[1]).warning("💡 Tip: ... try installing [litlogger](https://pypi.org/project/litlogger/) ...")
+        logging.getLogger(names[1]).warning("`Trainer.fit` stopped: `max_steps=3` reached.")
+        logging.getLogger(names[2]).warning("<enum 'X'> ... Calling register_constant() on Enum subclasses is deprecated ...")
+        logging.getLogger(names[3]).warning("something torchao really means")
+    finally:
+        for name in names:
+            logging.getLogger(name).removeHandler(handler)
+    assert seen == ["Seed set to 1234", "`Trainer.fit` stopped: `max_steps=3` reached.", "something torchao really means"]

@@ -746,7 +746,9 @@ def quiet_known_noise() -> None:
     - Lightning 2.6 calls torch's deprecated pytree `LeafSpec` on every step of every rank;
     - torchao (imported by transformers and the FP8 callback) logs "Failed to load" for each of
       its CUDA-only kernels on a machine without CUDA, and torch logs that its Enum registrations
-      are deprecated.
+      are deprecated;
+    - every rank but 0 repeats rank 0's "Seed set to N" (as "[rank: r] Seed set to N"), and
+      Lightning advertises a cloud logger on every run.
     """
     import logging
     import warnings
@@ -759,6 +761,10 @@ def quiet_known_noise() -> None:
     logging.getLogger("torch.utils._pytree").addFilter(
         lambda record: "register_constant() on Enum subclasses is deprecated" not in record.getMessage()
     )
+    logging.getLogger("lightning.fabric.utilities.seed").addFilter(
+        lambda record: not record.getMessage().startswith("[rank: ")
+    )
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: "litlogger" not in record.getMessage())
 
 
 def main(args: list[str] | None = None) -> None:
