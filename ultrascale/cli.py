@@ -21,6 +21,7 @@ import lightning as L
 from lightning.pytorch.cli import LightningCLI
 
 import ultrascale  # noqa: F401  (registers the strategies by name)
+from ultrascale.strategies._lightning_compat import DefaultCallbacksCLI
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "logger": {
@@ -31,7 +32,7 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 }
 
 
-class UltraScaleCLI(LightningCLI):
+class UltraScaleCLI(DefaultCallbacksCLI):
     """LightningCLI with TensorBoard logging and a progress bar by default."""
 
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
@@ -47,20 +48,19 @@ class UltraScaleCLI(LightningCLI):
             **kwargs,
         )
 
-    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> L.Trainer:
+    def default_callbacks(self, given: list[Any], trainer_config: dict[str, Any]) -> list[Any]:
         """Every run logs tokens/s (and MFU where the model's FLOPs are known) and counts optimizer steps in
         its progress bar, unless the recipe configures its own `MFUMonitor` / progress bar."""
         from lightning.pytorch.callbacks import ProgressBar
 
         from ultrascale.callbacks import MFUMonitor, StepProgressBar
 
-        given = [*(config.get("callbacks") or []), *callbacks]
-        defaults = []
+        defaults: list[Any] = []
         if not any(isinstance(cb, MFUMonitor) for cb in given):
             defaults.append(MFUMonitor(mfu=None))
-        if config.get("enable_progress_bar", True) is not False and not any(isinstance(cb, ProgressBar) for cb in given):
+        if trainer_config.get("enable_progress_bar", True) is not False and not any(isinstance(cb, ProgressBar) for cb in given):
             defaults.append(StepProgressBar())
-        return super()._instantiate_trainer(config, [*callbacks, *defaults])
+        return defaults
 
     def before_fit(self) -> None:
         self._restore_interrupted_last()
@@ -740,6 +740,9 @@ ultrascale's own:
 """
 
 
+_quieted = False
+
+
 def quiet_known_noise() -> None:
     """Drop messages that say nothing about the user's run, on every rank (each runs this CLI):
 
@@ -750,6 +753,10 @@ def quiet_known_noise() -> None:
     - every rank but 0 repeats rank 0's "Seed set to N" (as "[rank: r] Seed set to N"), and
       Lightning advertises a cloud logger on every run.
     """
+    global _quieted
+    if _quieted:  # main() runs more than once in a process (tests): the filters are added once
+        return
+    _quieted = True
     import logging
     import warnings
 

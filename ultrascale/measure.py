@@ -228,20 +228,6 @@ def _check_request(r: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- child process
 
 
-class _Recompute:
-    """The `ModelTransform` of `ultrascale.callbacks.ActivationCheckpointing`, without the callback."""
-
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
-
-    def transform_model(self, module: Any, blocks: Any) -> None:
-        from ultrascale.callbacks.activation_checkpointing import apply_ac, make_policy
-
-        if not blocks:
-            raise ValueError("recompute needs the model's transformer blocks (a ModuleList of identical layers); none found")
-        apply_ac(module, blocks, make_policy(self.mode))
-
-
 def _build(model: str, seq_len: int, fake_mode: Any) -> tuple[Any, int, bool]:
     """(the model, its vocabulary size, whether it is on the meta device).
 
@@ -364,7 +350,9 @@ def _measure(r: dict[str, Any]) -> dict[str, Any]:
     context_parallel = ContextParallel(mesh["cp"], "ring", load_balance=True) if dims.cp_enabled else None
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16-mixed"
               else MixedPrecisionPolicy())  # UltraScalePrecision.mixed_precision_policy
-    transforms = [_Recompute(r["recompute"])] if r["recompute"] != "none" else []
+    from ultrascale.callbacks.activation_checkpointing import ActivationCheckpointing
+
+    transforms = [ActivationCheckpointing(mode=r["recompute"])] if r["recompute"] != "none" else []
     # Outside the fake mode (fake weights still compute as fake tensors): FSDP x TP builds a new
     # DeviceMesh, which reads its rank's coordinates from a real tensor.
     stages = parallelize(

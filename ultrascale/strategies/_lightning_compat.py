@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import lightning
 import lightning.pytorch as pl
+import lightning.pytorch.cli
 import torch
 import torch.multiprocessing
 from lightning.fabric.utilities import move_data_to_device
@@ -64,6 +65,9 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
      "optimizer-step hook that runs right after it"),
     ("lightning.pytorch.trainer.trainer:Trainer", "_results",
      "the running loop's logged values: refuses a user-logged `train_loss` beside the strategy's"),
+    ("lightning.pytorch.cli:LightningCLI", "_instantiate_trainer",
+     "the one LightningCLI hook that sees the recipe's callbacks: the `ultrascale` CLI adds its default "
+     "MFUMonitor / StepProgressBar only where the recipe has none of their kind (ultrascale/cli.py)"),
 )
 
 
@@ -307,3 +311,20 @@ def logging_as_hook(module: "pl.LightningModule", hook_name: str) -> Generator[N
         yield
     finally:
         module._current_fx_name = previous
+
+
+class DefaultCallbacksCLI(pl.cli.LightningCLI):
+    """LightningCLI that adds callbacks of its own only where the recipe has none of their kind.
+
+    LightningCLI's public `trainer_defaults["callbacks"]` are appended to the recipe's whatever they
+    are (a second progress bar, a second MFU monitor); the recipe's callbacks and the Trainer's
+    arguments meet only in the private `_instantiate_trainer`."""
+
+    def default_callbacks(self, given: list[Any], trainer_config: dict[str, Any]) -> list[Any]:
+        """The callbacks to add, given the recipe's (`given`) and the Trainer arguments."""
+        return []
+
+    @override
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> "pl.Trainer":
+        given = [*(config.get("callbacks") or []), *callbacks]
+        return super()._instantiate_trainer(config, [*callbacks, *self.default_callbacks(given, config)])

@@ -547,10 +547,11 @@ class UltraScaleStrategy(StrategyInternals):
             self.pipeline_virtual_stages = lay.virtual_stages
             if self.pipeline_microbatches is None:
                 self.pipeline_microbatches = lay.grad_accumulation
+        from ultrascale.callbacks.activation_checkpointing import ActivationCheckpointing
+
         if lay.recompute != "none" and not any(
-                getattr(callback, "mode", None) is not None and type(callback).__name__ == "ActivationCheckpointing"
-                for callback in (trainer.callbacks if trainer is not None else [])):
-            self._auto_transforms = [_PlannedRecompute(lay.recompute)]
+                isinstance(callback, ActivationCheckpointing) for callback in (trainer.callbacks if trainer is not None else [])):
+            self._auto_transforms = [ActivationCheckpointing(mode=lay.recompute)]  # its transform, not registered as a callback
         self.chosen_layout = row
         memory, step = row.memory, row.step_time
         rank_zero_info(
@@ -1397,19 +1398,6 @@ class UltraScaleStrategy(StrategyInternals):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
-
-
-class _PlannedRecompute:
-    """Activation checkpointing the auto layout chose (the `ActivationCheckpointing` callback's transform)."""
-
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
-
-    def transform_model(self, module: torch.nn.Module, blocks: Any) -> None:
-        from ultrascale.callbacks.activation_checkpointing import apply_ac, make_policy
-
-        if blocks:
-            apply_ac(module, blocks, make_policy(self.mode))
 
 
 def _destroy_process_group() -> None:
