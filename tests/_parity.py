@@ -231,7 +231,8 @@ def assert_parity(result: dict[str, Any], reference: dict[str, Any], losses: lis
 def make_hf_checkpoint(folder: Any, arch: str, *, vocab_size: int, hidden_size: int = 64, layers: int = 2,
                        **overrides: Any) -> str:
     """A tiny, untied Hugging Face checkpoint of `arch` ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2",
-    "gemma3" (text-only Gemma3ForCausalLM), and the MoE "mixtral", "qwen3_moe" with 4 experts, 2 per token) saved
+    "gemma3" (text-only Gemma3ForCausalLM), "granite_swa" (per-head attention sinks), and the MoE "mixtral", "qwen3_moe", "qwen2_moe" (with a gated shared
+    expert) with 4 experts, 2 per token) saved
     to `folder`, with weights perturbed away from their init (so every parameter matters).
     `overrides` are further config fields (e.g. `head_dim=16`)."""
     import transformers
@@ -240,12 +241,16 @@ def make_hf_checkpoint(folder: Any, arch: str, *, vocab_size: int, hidden_size: 
                     "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
                     "phi3": transformers.Phi3Config, "olmo2": transformers.Olmo2Config,
                     "gemma3": transformers.Gemma3TextConfig,
-                    "mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[arch]
+                    "mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
+                    "qwen2_moe": transformers.Qwen2MoeConfig, "granite_swa": transformers.GraniteSWAConfig}[arch]
     extra: dict[str, Any] = {"sliding_window": None} if arch in ("mistral", "mixtral") else {}
-    if arch in ("phi3", "olmo2", "gemma3"):  # their default special tokens lie outside a tiny vocabulary
+    if arch in ("phi3", "olmo2", "gemma3", "granite_swa"):  # their default special tokens lie outside a tiny vocabulary
         extra.update(pad_token_id=None, bos_token_id=1, eos_token_id=2)
     if arch == "mixtral":  # 4 experts, 2 per token
         extra.update(num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen2_moe":
+        extra.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size, norm_topk_prob=True,
+                     shared_expert_intermediate_size=hidden_size, decoder_sparse_step=1, mlp_only_layers=[])
     if arch == "qwen3_moe":
         extra.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size, norm_topk_prob=True,
                      decoder_sparse_step=1, mlp_only_layers=[])

@@ -345,7 +345,7 @@ def test_hf_moe_expert_parallel_parity_and_export(tmp_path, arch, world, kwargs)
 STOP, TOTAL = 4, 8
 
 
-def _fit(rank, world_size, ep, max_steps, ckpt_dir, resume_from):
+def _fit(rank, world_size, strategy_kwargs, max_steps, ckpt_dir, resume_from):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -356,7 +356,7 @@ def _fit(rank, world_size, ep, max_steps, ckpt_dir, resume_from):
     if ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=STOP, save_top_k=-1))
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=ultrascale.UltraScaleStrategy(expert_parallel=ep),
+        accelerator="cpu", devices=world_size, strategy=ultrascale.UltraScaleStrategy(**strategy_kwargs),
         max_steps=max_steps, logger=recorder.logger, log_every_n_steps=1, enable_progress_bar=False,
         enable_model_summary=False, callbacks=callbacks, enable_checkpointing=bool(ckpt_dir), limit_val_batches=0,
     )
@@ -372,9 +372,9 @@ def _fit(rank, world_size, ep, max_steps, ckpt_dir, resume_from):
 def test_checkpoint_from_ep2_resumes_at_ep1(tmp_path):
     """Expert weights keep their global shape and names (DTensor shards of the expert dim): an ep=2 checkpoint
     resumes on one process on the uninterrupted curve, selection bias included."""
-    run_ranks(_fit, 2, 2, STOP, str(tmp_path), None)
-    uninterrupted = run_ranks(_fit, 2, 2, TOTAL, None, None)
-    resumed = run_ranks(_fit, 1, 1, TOTAL, None, str(tmp_path / f"epoch=0-step={STOP}.ckpt"))[0]
+    run_ranks(_fit, 2, {"expert_parallel": 2}, STOP, str(tmp_path), None)
+    uninterrupted = run_ranks(_fit, 2, {"expert_parallel": 2}, TOTAL, None, None)
+    resumed = run_ranks(_fit, 1, {}, TOTAL, None, str(tmp_path / f"epoch=0-step={STOP}.ckpt"))[0]
     assert resumed["step"] == TOTAL
     assert_close(torch.tensor(resumed["losses"]), torch.tensor(step_losses(uninterrupted)[STOP:]), rtol=0, atol=1e-5)
     assert resumed["bias"].abs().sum() > 0

@@ -211,6 +211,10 @@ def test_constraints():
     lay = planner.Layout(dp_shard=6, ep=3)
     assert "ep=3 must divide the 8 experts" in " ".join(
         planner.layout_problems(lay, moe, planner.Cluster(planner.GPU_SPECS["h100"], 6), 256, 6))
+    four = planner.Cluster(planner.GPU_SPECS["h100"], 4)
+    assert planner.layout_problems(planner.Layout(dp_shard=2, tp=2), moe, four, 256, 2) == []  # expert tensor parallel
+    assert "expert parallel with tensor parallel is not implemented" in " ".join(
+        planner.layout_problems(planner.Layout(dp_shard=2, tp=2, ep=2), moe, four, 256, 2))
 
 
 def test_search_ranks_fitting_layouts_by_throughput():
@@ -300,6 +304,7 @@ LIVE_LAYOUTS = {
     "zero3-dp2-cp2": ("small", 4, dict(context_parallel=2), 3),
     "zero3-ep2": ("tiny_moe", 2, dict(expert_parallel=2), 3),
     "zero3-dp4-ep2": ("tiny_moe", 4, dict(expert_parallel=2), 3),
+    "zero3-dp2-tp2-moe": ("tiny_moe", 4, dict(tensor_parallel=2), 3),  # expert tensor parallel
 }
 
 
@@ -494,8 +499,10 @@ def test_hf_models_get_only_what_ultrascale_runs_for_them():
     assert problems == ""
     mixtral = T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
     problems = " ".join(planner.layout_problems(lay, ModelShape.from_hf_config(mixtral), cluster, 1024, 4, hf_config=mixtral))
-    assert "tensor parallel on a Mixture-of-Experts model is not implemented" in problems
-    assert "'packed_colwise' is not supported" in problems  # a known style, refused with its reason
+    assert problems == ""  # expert tensor parallel ('moe_tp_experts' / 'packed_colwise') runs
+    mixtral.base_model_tp_plan = {**mixtral.base_model_tp_plan, "layers.*.mlp.experts.zero": "moe_identity_expert"}
+    problems = " ".join(planner.layout_problems(lay, ModelShape.from_hf_config(mixtral), cluster, 1024, 4, hf_config=mixtral))
+    assert "'moe_identity_expert' is not supported" in problems  # a known style, refused with its reason
     llama = T.LlamaConfig(**common)
     assert planner.layout_problems(lay, ModelShape.from_hf_config(llama), cluster, 1024, 4, hf_config=llama) == []
     gemma = T.Gemma2Config(**common, head_dim=32)

@@ -175,8 +175,9 @@ def _fit_tied(rank, world_size, module, dataset):
 # Which styles each architecture's `base_model_tp_plan` exercises beyond 'colwise'/'rowwise':
 #   qwen3, gemma3: 'replicated_with_grad_allreduce' (per-head q_norm/k_norm on this rank's heads);
 #   phi3:          'colwise_gather_output' on the fused qkv_proj/gate_up_proj + 'rowwise_split_input';
-#   olmo2:         the same pair around attention, so q_norm/k_norm normalise over all heads, whole.
-HF_PLAN_ARCHS = ("qwen3", "phi3", "gemma3", "olmo2")
+#   olmo2:         the same pair around attention, so q_norm/k_norm normalise over all heads, whole;
+#   granite_swa:   'local_params' on attention, whose bare per-head `sinks` (n_heads,) split like its heads.
+HF_PLAN_ARCHS = ("qwen3", "phi3", "gemma3", "olmo2", "granite_swa")
 HF_PLAN_LAYOUTS = {"tp2": (2, {"tensor_parallel": 2, "data_parallel_shard": 1}),
                    "tp2xdp2": (4, {"tensor_parallel": 2, "data_parallel_shard": 2})}
 # Local (this rank's) shapes of layer 0 at tp=2: q/k norms stay whole everywhere (Qwen3/Gemma3 (head_dim,),
@@ -186,6 +187,7 @@ HF_PLAN_SHAPES = {
     "gemma3": {"self_attn.q_proj.weight": (32, 64), "self_attn.k_norm.weight": (16,), "mlp.down_proj.weight": (64, 64)},
     "phi3": {"self_attn.qkv_proj.weight": (64, 64), "self_attn.o_proj.weight": (64, 32), "mlp.gate_up_proj.weight": (128, 64)},
     "olmo2": {"self_attn.q_proj.weight": (32, 64), "self_attn.q_norm.weight": (64,), "self_attn.o_proj.weight": (64, 32)},
+    "granite_swa": {"self_attn.q_proj.weight": (32, 64), "self_attn.sinks": (2,), "self_attn.o_proj.weight": (64, 32)},
 }
 
 
@@ -235,16 +237,20 @@ def test_hf_plan_styles_parity(tmp_path, arch, layout):
 
 
 def test_hf_tp_refusals_name_the_architecture_and_the_knob():
-    """Checked per rank before any collective: no plan (GPT-2), or a plan entry ultrascale cannot run
-    (GraniteSWA shards its bare `sinks` parameter and runs attention on local parameters)."""
+    """Checked per rank before any collective: no plan (GPT-2), or a plan entry ultrascale cannot run (a bare
+    parameter, GraniteSWA's `sinks`, whose module has no 'local_params' entry to run on its shards)."""
     from ultrascale.models.adapters import get_adapter
 
     gpt2 = transformers.AutoModelForCausalLM.from_config(_gpt2_config())
     with pytest.raises(ValueError, match=r"no plan for GPT2LMHeadModel: .*`UltraScaleStrategy\(tp_plan="):
         get_adapter(gpt2).check_tensor_parallel(2, sequence_parallel=False)
-    granite = transformers.AutoModelForCausalLM.from_config(transformers.GraniteSWAConfig(
+    config = transformers.GraniteSWAConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=None))
-    with pytest.raises(ValueError, match=r"tensor parallel on GraniteSWAForCausalLM: .*'layers\.\*\.self_attn\.sinks'"
+        num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+    get_adapter(transformers.AutoModelForCausalLM.from_config(config)).check_tensor_parallel(2, sequence_parallel=False)
+    config.base_model_tp_plan = {k: v for k, v in config.base_model_tp_plan.items() if v != "local_params"}
+    granite = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"tensor parallel on GraniteSWAForCausalLM: .*layers\.\*\.self_attn\.sinks'"
+                                         r".*only under a 'moe_tp_experts' or 'local_params' entry"
                                          r".*`UltraScaleStrategy\(tp_plan=\.\.\.\)`"):
         get_adapter(granite).check_tensor_parallel(2, sequence_parallel=False)

@@ -13,7 +13,14 @@ from torch.distributed.tensor.parallel import RowwiseParallel
 from torch.testing import assert_close
 
 from tests._dist import run_ranks
-from ultrascale.parallel.tensor import REFUSED_STYLE_NAMES, STYLE_NAMES, apply_tp, resolve_plan, style_from_name
+from ultrascale.parallel.tensor import (
+    PARAMETER_STYLE_NAMES,
+    REFUSED_STYLE_NAMES,
+    STYLE_NAMES,
+    apply_tp,
+    resolve_plan,
+    style_from_name,
+)
 
 
 def test_every_transformers_style_is_run_or_refused():
@@ -23,16 +30,38 @@ def test_every_transformers_style_is_run_or_refused():
 
     registered = set(ALL_PARALLEL_STYLES.keys())
     assert registered, "transformers registered no tensor-parallel styles"
-    unknown = registered - set(STYLE_NAMES) - set(REFUSED_STYLE_NAMES)
+    runs = set(STYLE_NAMES) | set(PARAMETER_STYLE_NAMES)
+    unknown = registered - runs - set(REFUSED_STYLE_NAMES)
     assert not unknown, f"transformers styles ultrascale neither runs nor refuses: {sorted(unknown)}"
-    assert not set(STYLE_NAMES) & set(REFUSED_STYLE_NAMES)
+    assert not runs & set(REFUSED_STYLE_NAMES)
 
 
 def test_refused_style_says_why():
-    with pytest.raises(ValueError, match="tensor-parallel style 'packed_colwise' is not supported: .*expert_parallel="):
-        style_from_name("packed_colwise")
+    with pytest.raises(ValueError, match="tensor-parallel style 'moe_identity_expert' is not supported: .*LongCat"):
+        style_from_name("moe_identity_expert")
+    with pytest.raises(ValueError, match="'grouped_gemm' is not supported: .*expert_parallel="):
+        style_from_name("grouped_gemm")
     with pytest.raises(ValueError, match="unknown tensor-parallel style 'diagonal'"):
         style_from_name("diagonal")
+
+
+def test_bare_parameter_entries_need_their_modules_entry():
+    """An entry naming a parameter lays it out only under its module's 'moe_tp_experts' / 'local_params' entry;
+    a packed style on a module, or an entry naming nothing, is an error (never a silently whole weight)."""
+    from ultrascale.parallel.tensor import split_parameter_entries
+
+    model = Toy()
+    with pytest.raises(ValueError, match="lay out bare parameters, which ultrascale splits only under"):
+        split_parameter_entries(model, resolve_plan({"sinky.sinks": "colwise"}))
+    with pytest.raises(ValueError, match="match no submodule or parameter of Toy: \\['sinky.nothing'\\]"):
+        split_parameter_entries(model, resolve_plan({"sinky.nothing": "colwise", "sinky": "local_params"}))
+    with pytest.raises(ValueError, match="names a bare parameter; give its layout as one of"):
+        split_parameter_entries(model, {"sinky.sinks": RowwiseParallel(), "sinky": style_from_name("local_params")})
+    with pytest.raises(ValueError, match="'packed_colwise' lays out a fused weight parameter"):
+        style_from_name("packed_colwise")._apply(model.q, None)
+    experts = split_parameter_entries(model, resolve_plan(PLAN))["experts"]
+    assert {k: str(v) for k, v in experts.placements.items()} == {"gate_up_proj": "_S(1, 2)", "down_proj": "S(2)"} or \
+        {k: type(v).__name__ for k, v in experts.placements.items()} == {"gate_up_proj": "_StridedShard", "down_proj": "Shard"}
 
 
 def test_shipped_plans_of_tested_architectures_resolve():
@@ -63,8 +92,51 @@ class MLP(nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
+EXPERTS, TOP_K, WIDTH = 4, 2, 6
+
+
+class Experts(nn.Module):
+    """Fused SwiGLU experts as transformers 5 keeps them, computed its way (a loop over the experts hit):
+    ``gate_up_proj`` (E, 2I, D) = [gate; up] and ``down_proj`` (E, D, I); transposed (Llama4, Aria):
+    (E, D, 2I) and (E, I, D)."""
+
+    def __init__(self, transposed: bool) -> None:
+        super().__init__()
+        self.transposed = transposed
+        scale = DIM ** -0.5  # O(1) activations: the comparison's tolerance is for fp32 reduction order
+        self.gate_up_proj = nn.Parameter(scale * (torch.randn(EXPERTS, DIM, 2 * WIDTH) if transposed else torch.randn(EXPERTS, 2 * WIDTH, DIM)))
+        self.down_proj = nn.Parameter(scale * (torch.randn(EXPERTS, WIDTH, DIM) if transposed else torch.randn(EXPERTS, DIM, WIDTH)))
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for e in range(EXPERTS):
+            token, slot = torch.where(top_k_index == e)
+            gate_up, down = self.gate_up_proj[e], self.down_proj[e]
+            h = hidden[token] @ (gate_up if self.transposed else gate_up.t())  # (n, 2I / tp)
+            gate, up = h.chunk(2, dim=-1)
+            y = (torch.nn.functional.silu(gate) * up) @ (down if self.transposed else down.t())  # (n, D) partial
+            out = out.index_add(0, token, y * top_k_weights[token, slot, None])
+        return out
+
+
+class Sinky(nn.Module):
+    """An attention-like module with per-head sinks (n_heads,), a bare parameter beside its q/o linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(DIM, HEADS * HEAD_DIM)
+        self.sinks = nn.Parameter(torch.randn(HEADS))
+        self.o = nn.Linear(HEADS * HEAD_DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, -1, HEAD_DIM)  # (B, T, HEADS // tp, hd): the local heads
+        scale = torch.sigmoid(self.sinks)[None, None, :, None]  # the local heads' sinks
+        return self.o((q * scale).reshape(B, T, -1))
+
+
 class Toy(nn.Module):
-    """Every dense style of transformers' plans in one forward (module -> style in PLAN)."""
+    """Every style of transformers' plans in one forward (module -> style in PLAN)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -78,6 +150,10 @@ class Toy(nn.Module):
         self.full_norm = RMSNorm(2 * DIM)  # over every feature: needs them all (OLMo2's q_norm)
         self.split = nn.Linear(2 * DIM, DIM)
         self.mlp = MLP()
+        self.sinky = Sinky()
+        self.router = nn.Linear(DIM, EXPERTS)  # replicated: same tokens and weights on every tp rank
+        self.experts = Experts(transposed=False)
+        self.experts_t = Experts(transposed=True)
         self.head = nn.Linear(DIM, 8)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -91,6 +167,10 @@ class Toy(nn.Module):
         x = x + self.o(mixed.reshape(B, T, -1))  # row-parallel: (B, T, D)
         x = x + self.split(self.full_norm(self.gather(x)))  # gathered (B, T, 2D) -> split input
         x = x + self.mlp(x)
+        x = x + self.sinky(x)
+        flat = x.reshape(B * T, -1)
+        weights, chosen = self.router(flat).softmax(-1).topk(TOP_K, dim=-1)  # (B T, k) each
+        x = x + (self.experts(flat, chosen, weights) + self.experts_t(flat, chosen, weights)).view(B, T, -1)
         return self.head(x)
 
 
@@ -107,6 +187,16 @@ PLAN = {
     # A row-parallel layer that leaves its partial sums to its parent, which all-reduces them.
     "mlp.down": RowwiseParallel(output_layouts=Partial()),
     "mlp": "all_reduce",
+    "sinky.q": "colwise",
+    "sinky.o": "rowwise",
+    "sinky.sinks": "colwise",
+    "sinky": "local_params",
+    "experts.gate_up_proj": "packed_colwise",
+    "experts.down_proj": "rowwise",
+    "experts": "moe_tp_experts",
+    "experts_t.gate_up_proj": "packed_rowwise",
+    "experts_t.down_proj": "colwise",
+    "experts_t": "moe_tp_experts",
     "head": "replicate",
 }
 
@@ -145,6 +235,10 @@ def test_every_dense_style_matches_one_process():
         assert result["partial"] == []  # every tp sum done in backward, once: `.grad` has the parameter's layout
         assert result["local"]["emb.weight"] == (32, DIM // 2) and result["local"]["q.weight"] == (16, DIM)
         assert result["local"]["q_norm.weight"] == (HEAD_DIM,) and result["local"]["split.weight"] == (DIM, DIM)
+        assert result["local"]["sinky.sinks"] == (HEADS // 2,)
+        assert result["local"]["experts.gate_up_proj"] == (EXPERTS, WIDTH, DIM)
+        assert result["local"]["experts_t.gate_up_proj"] == (EXPERTS, DIM, WIDTH)
+        assert result["local"]["experts_t.down_proj"] == (EXPERTS, WIDTH // 2, DIM)
         assert_close(result["out"], out.detach(), rtol=1e-5, atol=1e-6)
         for name, grad in expected.items():
             assert_close(result["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"grad {name}: {m}")

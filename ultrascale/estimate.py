@@ -501,8 +501,9 @@ class ActivationModel:
             attention += 2 * c * sb * self.seq_len * sh.n_heads / t
         if moe:
             k = sh.top_k
-            mlp = c * sb * k * (2 * h + 4 * sh.expert_hidden) + 4 * sb * sh.n_experts
-            mlp += 4 * c * sb * sh.shared_expert_hidden
+            # token copies (replicated over tp), each expert's intermediate split over tp (expert tensor parallel)
+            mlp = c * sb * k * (2 * h + 4 * sh.expert_hidden / t) + 4 * sb * sh.n_experts
+            mlp += 4 * c * sb * sh.shared_expert_hidden / t
         else:
             mlp = (4 if sh.gated_mlp else 2) * c * sb * sh.ffn_hidden / t
         return norms + attention + mlp

@@ -202,12 +202,16 @@ def layout_problems(layout: Layout, shape: ModelShape, cluster: Cluster, seq_len
     if lay.tp > 1:
         if lay.tp > cluster.gpus_per_node:
             problems.append(f"tp={lay.tp} spans nodes ({cluster.gpus_per_node} GPUs per node): TP's per-layer collectives need NVLink")
-        sizes = {"n_heads": shape.n_heads, "n_kv_heads": shape.n_kv_heads, "ffn_hidden": shape.ffn_hidden, "vocab": shape.vocab}
+        sizes = {"n_heads": shape.n_heads, "n_kv_heads": shape.n_kv_heads, "vocab": shape.vocab}
+        if shape.n_experts:  # expert tensor parallel splits each expert's width
+            sizes["expert_hidden"] = shape.expert_hidden
+        if shape.moe_layers < shape.n_layers:
+            sizes["ffn_hidden"] = shape.ffn_hidden
         bad = [f"{name}={size}" for name, size in sizes.items() if size % lay.tp]
         if bad:
             problems.append(f"tp={lay.tp} must divide {', '.join(bad)}")
-        if shape.n_experts:
-            problems.append("tensor parallel on a Mixture-of-Experts model is not implemented yet")
+        if lay.ep > 1:
+            problems.append("expert parallel with tensor parallel is not implemented yet (tp alone splits every expert's width)")
         if lay.zero_stage != 3:
             problems.append(f"ZeRO-{lay.zero_stage} with tensor parallel is not implemented (use zero_stage=3)")
         hf_problem = _hf_tp_problem(shape, hf_config) if not shape.builtin else None
@@ -322,8 +326,9 @@ def _stage_params(shape: ModelShape, layout: Layout, layers: int, first: bool, l
     moe_fraction = shape.moe_layers / L
     dense += layers * (shape.attention_params / t + shape.norm_params)
     dense += layers * (1 - moe_fraction) * shape.dense_mlp_params / t
-    dense += layers * moe_fraction * shape.router_params
-    experts = layers * moe_fraction * shape.expert_params / layout.ep
+    shared = 3 * shape.hidden * shape.shared_expert_hidden  # split by tp like a dense MLP
+    dense += layers * moe_fraction * (shape.router_params - shared + shared / t)
+    experts = layers * moe_fraction * shape.expert_params / (layout.ep * t)  # ep or tp (expert tensor parallel)
     return dense, experts
 
 
@@ -409,7 +414,7 @@ def _peak_memory(shape: ModelShape, lay: Layout, work: Workload, acts: Activatio
     # Under PP nothing is resharded: the stage's whole gathered copy and its unsharded
     # gradients, reduce-scattered (fp32) one unit at a time. ZeRO-1/2: two buckets.
     layer_unit = (shape.attention_params / lay.tp + shape.norm_params + (1 - moe_fraction) * shape.dense_mlp_params / lay.tp
-                  + moe_fraction * (shape.router_params + shape.expert_params / lay.ep))
+                  + moe_fraction * (shape.router_params + shape.expert_params / (lay.ep * lay.tp)))
     counts = shape.param_counts()
     if lay.zero_stage == 3 and n_shard > 1 and lay.pp > 1:
         buffers = 2 * c * (dense + experts) + 4 * layer_unit

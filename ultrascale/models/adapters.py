@@ -160,11 +160,14 @@ def _llama_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> Mode
         tp_sizes={
             "n_heads": config.n_heads,
             "n_kv_heads": config.n_kv_heads,
-            "ffn_hidden_dim": config.resolved_ffn_hidden_dim,
+            # The feed-forward's width: each expert's under MoE (shared experts are multiples of it).
+            **({"moe_hidden_dim": config.resolved_moe_hidden_dim} if config.n_experts
+               else {"ffn_hidden_dim": config.resolved_ffn_hidden_dim}),
             "vocab_size": config.vocab_size,
         },
         tp_plan=lambda *, sequence_parallel, loss_parallel: llama_tp_plan(
-            sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, prefix=_prefix(path)
+            sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, prefix=_prefix(path),
+            experts=bool(config.n_experts), shared_experts=bool(config.n_experts and config.n_shared_experts),
         ),
         supports_sequence_parallel=True,
         enable_context_parallel=lambda cp: _llama_context_parallel(llama, cp),
@@ -231,6 +234,9 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
         "intermediate_size": getattr(config, "intermediate_size", None),
         "vocab_size": config.vocab_size,
     }
+    for experts in _hf_experts(hf)[:1]:  # fused experts (E, ...): tp splits each expert's intermediate width
+        down = experts.down_proj
+        sizes["the experts' intermediate width"] = down.shape[1] if getattr(experts, "is_transposed", False) else down.shape[-1]
     return ModelAdapter(
         **common,
         tp_sizes={name: size for name, size in sizes.items() if size},
@@ -251,26 +257,27 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
 
 def _hf_tp_refusal(hf: nn.Module, base_plan: Mapping[str, str], name: str) -> Optional[str]:
     """Why `base_plan` cannot run on `hf` (checked on every rank before any collective), or None."""
-    from ultrascale.parallel.tensor import style_from_name
+    from ultrascale.parallel.tensor import split_parameter_entries, style_from_name
 
-    modules = [n for n, _ in hf.named_modules()]
     base = _prefix(hf.base_model_prefix)
+    styles = {}
     for key, style in base_plan.items():
         try:
-            style_from_name(style)
+            styles[base + key] = style_from_name(style)
         except ValueError as error:
             return (
                 f"tensor parallel on {name}: its plan (config.base_model_tp_plan) entry {key!r}: {error}. "
                 "Pass your own plan with `UltraScaleStrategy(tp_plan=...)` to run tensor parallel without it."
             )
-        if not any(fnmatch(module, base + key) for module in modules):
-            # transformers also shards bare parameters by name (e.g. attention sinks); ultrascale's styles
-            # apply to modules, so a key naming none would leave that parameter silently whole.
-            return (
-                f"tensor parallel on {name}: its plan (config.base_model_tp_plan) entry {key!r} ({style!r}) names "
-                "no submodule (a bare parameter?), which ultrascale does not shard. Pass your own plan with "
-                "`UltraScaleStrategy(tp_plan=...)`."
-            )
+    try:
+        # Entries naming a bare parameter (fused expert weights, attention sinks) need their module's entry;
+        # one naming neither a module nor such a parameter would leave a weight silently whole.
+        split_parameter_entries(hf, styles, drop_unmatched=True)
+    except ValueError as error:
+        return (
+            f"tensor parallel on {name}: its plan (config.base_model_tp_plan): {error}. Pass your own plan with "
+            "`UltraScaleStrategy(tp_plan=...)`."
+        )
     return None
 
 
@@ -293,7 +300,13 @@ def hf_tp_plan(
             return MlaKvAProjParallel(rope_dim=getattr(hf.config, "qk_rope_head_dim", None))
         return style_from_name(name)
 
-    styles = {base + key: style(value) for key, value in base_plan.items()}
+    from ultrascale.parallel.tensor import split_parameter_entries
+
+    # Entries for layer kinds this config does not build (dense MLPs of an all-MoE Qwen2-MoE) are dropped;
+    # those naming bare parameters are folded into their module's entry.
+    inner = base[len(prefix):]  # the base model's path inside `hf`
+    styles = split_parameter_entries(hf, {inner + key: style(value) for key, value in base_plan.items()}, drop_unmatched=True)
+    styles = {prefix + key: value for key, value in styles.items()}
     paths = {id(module): name for name, module in hf.named_modules()}
     embedding, head = hf.get_input_embeddings(), hf.get_output_embeddings()
     embed_path = prefix + paths[id(embedding)] if embedding is not None and id(embedding) in paths else None

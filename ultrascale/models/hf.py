@@ -94,17 +94,14 @@ class _MixtralLayout:
     def fill(self, name: str, tensor: torch.Tensor, get: Any) -> None:
         """Write this rank's part of a fused expert tensor, reading one expert at a time."""
         prefix, kind = self.fused.fullmatch(name).groups()  # type: ignore[union-attr]
-        local, offset = _local_and_offset(tensor)
+        local, (experts_held, rows, cols) = _local_and_indices(tensor)
         experts = f"{prefix}.block_sparse_moe.experts"
-        rows = slice(offset[1], offset[1] + local.shape[1])
-        cols = slice(offset[2], offset[2] + local.shape[2])
-        for i in range(local.shape[0]):
-            e = offset[0] + i
+        for i, e in enumerate(experts_held.tolist()):
             if kind == "gate_up_proj":
                 full = torch.cat([get(f"{experts}.{e}.w1.weight"), get(f"{experts}.{e}.w3.weight")])  # (2F, H)
             else:
                 full = get(f"{experts}.{e}.w2.weight")  # (H, F)
-            local[i].copy_(full[rows, cols])
+            local[i].copy_(full[rows][:, cols])
 
 
 class _QwenMoeLayout(_MixtralLayout):
@@ -117,36 +114,43 @@ class _QwenMoeLayout(_MixtralLayout):
     @torch.no_grad()
     def fill(self, name: str, tensor: torch.Tensor, get: Any) -> None:
         prefix, kind = self.fused.fullmatch(name).groups()  # type: ignore[union-attr]
-        local, offset = _local_and_offset(tensor)
-        rows = slice(offset[1], offset[1] + local.shape[1])
-        cols = slice(offset[2], offset[2] + local.shape[2])
-        for i in range(local.shape[0]):
-            expert = f"{prefix}.mlp.experts.{offset[0] + i}"
+        local, (experts_held, rows, cols) = _local_and_indices(tensor)
+        for i, e in enumerate(experts_held.tolist()):
+            expert = f"{prefix}.mlp.experts.{e}"
             if kind == "gate_up_proj":
                 full = torch.cat([get(f"{expert}.gate_proj.weight"), get(f"{expert}.up_proj.weight")])  # (2F, H)
             else:
                 full = get(f"{expert}.down_proj.weight")  # (H, F)
-            local[i].copy_(full[rows, cols])
+            local[i].copy_(full[rows][:, cols])
 
 
 # Architectures whose checkpoint layout transformers converts while loading, and that the sharded loader knows.
 _CONVERTED_LAYOUTS: dict[str, Any] = {"mixtral": _MixtralLayout(), "qwen2_moe": _QwenMoeLayout(), "qwen3_moe": _QwenMoeLayout()}
 
 
-def _local_and_offset(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+def _local_and_indices(tensor: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """This rank's part of `tensor` and, per dim, the global indices it holds (in order)."""
     if not isinstance(tensor, DTensor):
-        return tensor, (0,) * tensor.dim()
+        return tensor, [torch.arange(n) for n in tensor.shape]
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    # Expert weights under expert parallel are FSDP shards (ep_shard) of ep shards, both on the expert dim:
-    # each rank's rows are one contiguous block, and torch computes its offset (checked: E = 2, 4, 8 over 2 x 2).
-    expert_sharded = "ep" in (tensor.device_mesh.mesh_dim_names or ()) and all(
-        getattr(p, "dim", None) == 0 for p in tensor.placements
-    )
-    if not expert_sharded and any(type(p).__name__ == "_StridedShard" for p in tensor.placements):
-        raise NotImplementedError("loading fused expert weights into strided (TP x FSDP) shards is not supported yet")
-    _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    return tensor.to_local(), tuple(offset)
+    placements = list(tensor.placements)
+    # A packed [gate; up] split over tp (a `_StridedShard` alone on its dim) holds two blocks of that dim;
+    # every other layout here holds one contiguous block per dim, whose offset torch computes (expert
+    # weights under expert parallel are FSDP shards of ep shards, both on the expert dim).
+    packed = {i: p for i, p in enumerate(placements) if isinstance(p, _StridedShard)
+              and not any(getattr(q, "dim", None) == p.dim for j, q in enumerate(placements) if j != i)}
+    for i in packed:
+        placements[i] = Replicate()
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)
+    indices = [torch.arange(start, start + size) for start, size in zip(offset, shape)]
+    for i, placement in packed.items():
+        ranks, rank = tensor.device_mesh.size(i), tensor.device_mesh.get_local_rank(i)
+        blocks = indices[placement.dim].chunk(placement.split_factor)  # e.g. [gate rows, up rows]
+        indices[placement.dim] = torch.cat([block.chunk(ranks)[rank] for block in blocks])
+    return tensor.to_local(), indices
 
 
 def check_sharded_loading_supported(config: Any) -> None:
@@ -193,7 +197,10 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
     )
     if missing:
         raise ValueError(f"{path} lacks weights for {len(missing)} parameter(s) of the model, e.g. {missing[:5]}")
-    dcp.load(wanted, storage_reader=HuggingFaceStorageReader(str(path)))
+    from ultrascale.parallel.checkpoint import dcp_storable
+
+    with dcp_storable(wanted, read_back=True):  # a packed [gate; up] tp split is not one box: DCP reads a plain one
+        dcp.load(wanted, storage_reader=HuggingFaceStorageReader(str(path)))
     if fused:
         files = {}
         for file in sorted(path.glob(f"*{WEIGHT_SUFFIX}")):
@@ -230,6 +237,18 @@ def recompute_nonpersistent_buffers(model: torch.nn.Module) -> None:
             fresh = type(module)(config=module.config)
         for name in names:
             getattr(module, name).copy_(getattr(fresh, name))
+
+
+def _supported_attention(config: Any) -> set[str]:
+    """The attention kernels the config's `*ForCausalLM` class declares (eager always)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:  # remote code or an unregistered config: transformers decides
+        return {"eager", "sdpa", "flash_attention_2"}
+    flags = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}
+    return {"eager", *(name for name, flag in flags.items() if getattr(model_class, flag, False))}
 
 
 class HFCausalLM(CausalLMModule):
@@ -322,7 +341,17 @@ class HFCausalLM(CausalLMModule):
         device = getattr(strategy, "root_device", None) or torch.device("cpu")
         precision = str(getattr(getattr(strategy, "precision_plugin", None), "precision", ""))
         compute = torch.bfloat16 if "bf16" in precision or self.hparams.dtype == "bfloat16" else torch.float32
-        return hf_attention_implementation(device, compute)
+        choice = hf_attention_implementation(device, compute)
+        supported = _supported_attention(self.config)
+        if choice not in supported:
+            # e.g. GraniteSWA (attention sinks) has no SDPA path: the architecture's own kernel, eager
+            from lightning.pytorch.utilities import rank_zero_info
+
+            fallback = next(k for k in ("sdpa", "eager") if k in supported)
+            rank_zero_info(f"{type(self).__name__}: {type(self.config).__name__} does not support '{choice}' attention; "
+                           f"using '{fallback}' (pass `attn_implementation=` to choose)")
+            choice = fallback
+        return choice
 
     def configure_model(self) -> None:
         if self.model is not None:

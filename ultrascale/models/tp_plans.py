@@ -12,15 +12,22 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
 
+from ultrascale.parallel.tensor import ExpertTensorParallel
 
-def llama_tp_plan(*, sequence_parallel: bool, loss_parallel: bool, prefix: str = "") -> dict[str, ParallelStyle]:
+
+def llama_tp_plan(
+    *, sequence_parallel: bool, loss_parallel: bool, prefix: str = "", experts: bool = False, shared_experts: bool = False
+) -> dict[str, ParallelStyle]:
     """The built-in Llama's plan, one block's layout readable in one place.
 
     `prefix` is the Llama module's path inside the module being parallelised (e.g. "model.").
+    `experts`: the blocks' feed-forward is the Mixture-of-Experts `MoE` (router replicated, every
+    expert split on its intermediate width: `ExpertTensorParallel`), with `shared_experts` beside it.
     """
     seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream between blocks
     plan: dict[str, ParallelStyle] = {
@@ -45,6 +52,21 @@ def llama_tp_plan(*, sequence_parallel: bool, loss_parallel: bool, prefix: str =
         "layers.*.feed_forward.w3": ColwiseParallel(),
         "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
     }
+    if experts:
+        # The router runs whole on every tp rank (same tokens, same weights): plain local tensors in and
+        # out of the MoE block; its output is replicated (each expert part all-reduced) and, under SP,
+        # each rank keeps its slice of the sequence (no communication; all-gathered in backward).
+        for path in ("layers.*.feed_forward.w1", "layers.*.feed_forward.w3", "layers.*.feed_forward.w2"):
+            del plan[path]
+        plan["layers.*.feed_forward"] = PrepareModuleInputOutput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True,
+        )
+        plan["layers.*.feed_forward.experts"] = ExpertTensorParallel()
+        if shared_experts:
+            plan["layers.*.feed_forward.shared_experts.w1"] = ColwiseParallel()
+            plan["layers.*.feed_forward.shared_experts.w3"] = ColwiseParallel()
+            plan["layers.*.feed_forward.shared_experts.w2"] = RowwiseParallel()
     if sequence_parallel:
         # RMSNorm weights become Replicate DTensors: their per-rank gradients (from 1/tp of
         # the tokens each) are summed across TP ranks by DTensor's backward.

@@ -43,12 +43,15 @@ import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Iterable
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ultrascale.parallel.safe_load import UnsafeCheckpointError, load_dcp, read_torch_file
 
@@ -76,7 +79,8 @@ def save_sharded_checkpoint(state: dict[str, Any], metadata: dict[str, Any], pat
     # it fsyncs every shard file and `.metadata` (written as `.metadata.tmp`, renamed) itself
     # (torch/distributed/checkpoint/filesystem.py, `_write_files_from_queue` and `finish`). It
     # never fsyncs the directory holding them: `_fsync_dir(tmp)` in `_complete_save` does.
-    dcp.save(state, checkpoint_id=str(tmp))
+    with dcp_storable(state):
+        dcp.save(state, checkpoint_id=str(tmp))
     _complete_save(tmp, path, nonce, _serialized(metadata) if _rank() == 0 else b"")
     return path
 
@@ -139,7 +143,8 @@ def async_save_sharded_checkpoint(
     """
     path = Path(path)
     tmp, nonce = _begin_save(path)
-    future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group)
+    with dcp_storable(state):  # async_save has staged (copied) the tensors when it returns
+        future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group)
     return PendingSave(future, tmp, path, nonce, _serialized(metadata) if _rank() == 0 else b"", group)
 
 
@@ -211,7 +216,8 @@ def load_sharded_checkpoint(path: str | Path, state: dict[str, Any]) -> dict[str
         remove_leftovers(path.parent)
     metadata = read_checkpoint_metadata(path)  # first: a planted payload is refused before any DCP read
     try:
-        load_dcp(state, path)
+        with dcp_storable(state, read_back=True):
+            load_dcp(state, path)
     except UnsafeCheckpointError:
         raise
     except (Exception, CheckpointException) as error:  # CheckpointException derives from BaseException
@@ -219,6 +225,57 @@ def load_sharded_checkpoint(path: str | Path, state: dict[str, Any]) -> dict[str
             raise UnsafeCheckpointError(f"{path}: {error}") from error
         raise RuntimeError(f"could not read the sharded checkpoint at {path}: {error}") from error
     return metadata
+
+
+@contextmanager
+def dcp_storable(state: Any, *, read_back: bool = False) -> Iterator[None]:
+    """Inside, each DTensor of `state` (any nesting, swapped in place) whose local shard is not one box of
+    the global tensor is replaced by a copy laid out so that it is; on exit the originals are put back,
+    with the values DCP read into the copies first if `read_back`.
+
+    DCP writes each rank's shard as one (offsets, sizes) box. A packed [gate; up] weight split over tp
+    (`ultrascale.parallel.tensor.packed_shard`, a `_StridedShard` not nested in a plain shard of the
+    same dim, as FSDP's own is) holds two boxes, which DCP refuses as overlapping. Its copy shards that
+    dim plainly: the same global values, so the file reads back into any layout. The copy costs one
+    more shard of each such tensor while it lives (an all-to-all over tp per tensor). Containers are
+    changed in place, not rebuilt: DCP writes loaded non-tensor values (param groups) into them."""
+    swapped: list[tuple[Any, Any, DTensor, DTensor]] = []
+
+    def visit(container: Any, key: Any, value: Any) -> None:
+        if isinstance(value, DTensor):
+            placements = _box_placements(value.placements)
+            if placements != tuple(value.placements):
+                with torch.no_grad():
+                    boxed = value.detach().redistribute(value.device_mesh, placements)
+                container[key] = boxed
+                swapped.append((container, key, value, boxed))
+        elif isinstance(value, dict):
+            for k, item in list(value.items()):
+                visit(value, k, item)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                visit(value, i, item)
+
+    visit({"": state}, "", state)
+    try:
+        yield
+    finally:
+        for container, key, original, boxed in swapped:
+            if read_back:
+                with torch.no_grad():
+                    original.to_local().copy_(boxed.redistribute(original.device_mesh, original.placements).to_local())
+            container[key] = original
+
+
+def _box_placements(placements: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A `_StridedShard(d)` on a mesh dim with no plain `Shard(d)` on a later mesh dim becomes `Shard(d)`."""
+    result = list(placements)
+    for i, placement in enumerate(placements):
+        if isinstance(placement, _StridedShard):
+            nested = any(type(later) is Shard and later.dim == placement.dim for later in placements[i + 1:])
+            if not nested:
+                result[i] = Shard(placement.dim)
+    return tuple(result)
 
 
 def read_checkpoint_metadata(path: str | Path) -> dict[str, Any]:

@@ -328,11 +328,12 @@ def set_sequence_group(module: nn.Module, group: Optional[dist.ProcessGroup]) ->
 
 def step_expert_load(
     loads: list[RouterLoad], n_layers: int, n_experts: int, device: torch.device,
-    group: Optional[dist.ProcessGroup] = None,
+    group: Optional[dist.ProcessGroup] = None, copies: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The step's token counts per (MoE layer, expert) over all ranks of `group` (all data ranks and
     pipeline stages; one all-reduce), the summed balance terms and dropped copies; the loads reset.
     `loads` may be empty (a pipeline stage without MoE layers); the shape is the whole model's.
+    `copies`: how many ranks of `group` routed each token (tensor parallel: all tp ranks do).
 
     Returns ``counts`` (n_layers, n_experts), ``aux`` (scalar sum), ``dropped`` (scalar)."""
     table = torch.zeros(n_layers, n_experts + 2, device=device, dtype=torch.float64)
@@ -346,6 +347,7 @@ def step_expert_load(
         load.reset()
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(table, group=group)
+        table /= copies  # exact: float64 sums of integers (and of the same aux) each counted `copies` times
     return table[:, :n_experts], table[:, -2].sum(), table[:, -1].sum()
 
 

@@ -17,6 +17,7 @@ linear; with SP the communicated volume is the same but activations between bloc
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -26,7 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+# torch's (private) name for a shard of interleaved blocks; transformers lays out packed weights with it too.
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -139,6 +142,157 @@ class MlaKvAProjParallel(ParallelStyle):
         return module
 
 
+class _AllReduceForward(torch.autograd.Function):
+    """All-reduce (sum) over tp in forward, identity in backward: `g` of Megatron-LM, for partial sums
+    whose every consumer is replicated."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        x = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def packed_shard(dim: int) -> Placement:
+    """The layout of a fused [gate; up] weight split over tp on `dim` (of size 2I): rank r holds
+    ``[gate[r I/tp : (r+1) I/tp]; up[r I/tp : (r+1) I/tp]]``, so its gate and up rows pair up
+    locally for SwiGLU (a plain ``Shard(dim)`` would give one rank all of gate, the other all of up)."""
+    return _StridedShard(dim, split_factor=2)
+
+
+EXPERT_WEIGHT_PLACEMENTS: dict[str, Placement] = {"gate_up_proj": packed_shard(1), "down_proj": Shard(2)}
+"""Fused SwiGLU experts as transformers 5 and the built-in MoE store them: ``gate_up_proj`` (E, 2I, H)
+split on its packed 2I rows, ``down_proj`` (E, H, I) on I (Megatron's expert tensor parallel)."""
+
+
+class OwnParamsParallel(ParallelStyle):
+    """A module that computes with bare parameters of its own (no Linear to hook), split over tp as
+    `placements` says: they become DTensors (global shapes, stable names), and the module's forward
+    runs on their local shards, whose gradients keep the parameter's layout. transformers'
+    'local_params' (e.g. per-head attention sinks (n_heads,) beside column-parallel q/k/v: the local
+    heads and the local sinks line up). The placements come from the plan's entries that name the
+    parameters (`apply_tp`)."""
+
+    def __init__(self, placements: Optional[Mapping[str, Placement]] = None) -> None:
+        self.placements = dict(placements or {})
+
+    def with_placements(self, placements: Mapping[str, Placement]) -> "OwnParamsParallel":
+        styled = copy.copy(self)
+        styled.placements = {**self.placements, **placements}
+        return styled
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        own = dict(module.named_parameters(recurse=False))
+        what = f"{type(self).__name__} on {type(module).__name__}"
+        if not self.placements:
+            raise ValueError(f"{what}: the plan names none of its parameters ({sorted(own)}) with a layout")
+        for name, placement in self.placements.items():
+            param = own.get(name)
+            if param is None:
+                raise ValueError(f"{what}: it has no parameter {name!r} (it has {sorted(own)})")
+            if not isinstance(placement, (Shard, _StridedShard)):
+                # A replicated parameter seen by 1/tp of the computation would need its gradient summed.
+                raise ValueError(f"{what}: {name} gets {placement}; only split (Shard) layouts are supported here")
+            if isinstance(param, DTensor):
+                raise ValueError(f"{what}: {name} is split already ({param.placements})")
+            check_split(f"{type(module).__name__}.{name}", tuple(param.shape), placement, device_mesh.size())
+            # Every rank holds the same weights here (broadcast, or a meta build): each keeps its part, no communication.
+            sharded = distribute_tensor(param.data, device_mesh, [placement], src_data_rank=None)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.register_forward_pre_hook(_swap_in_own_shards)
+        module.register_forward_hook(_swap_back_params, always_call=True)
+        return module
+
+
+class ExpertTensorParallel(OwnParamsParallel):
+    """Tensor parallel inside an experts module: every tp rank runs every expert on every token it
+    routes, with 1/tp of each expert's intermediate width (transformers' 'moe_tp_experts' with the
+    'packed_colwise' / 'rowwise' weights of its plans; Megatron's expert tensor parallel). Routing is
+    replicated over tp (the router sees the same tokens and weights on every tp rank), so no token
+    moves; per layer
+
+        forward:  y_r = sum_k w_k down_r(silu(gate_r x) * up_r x)     partial over the tp ranks
+                  y = all-reduce(y_r)                                 (`reduce_output`; else the caller sums)
+        backward: dL/dx and dL/dw_k are partial per rank: all-reduced at the module's input
+
+    Every parameter of the module needs a split layout (default: `EXPERT_WEIGHT_PLACEMENTS`): a
+    replicated one (an expert bias) inside the partial sums would count tp times. The module's forward
+    runs unchanged on local shards, whichever experts implementation it dispatches to.
+    """
+
+    def __init__(self, placements: Optional[Mapping[str, Placement]] = None, *, reduce_output: bool = True) -> None:
+        super().__init__(placements or EXPERT_WEIGHT_PLACEMENTS)
+        self.reduce_output = reduce_output
+
+    def with_placements(self, placements: Mapping[str, Placement]) -> "OwnParamsParallel":
+        styled = copy.copy(self)
+        styled.placements = dict(placements)  # the plan's entries replace the default layout
+        return styled
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        unplaced = sorted(set(dict(module.named_parameters(recurse=False))) - set(self.placements))
+        if unplaced:
+            raise ValueError(
+                f"expert tensor parallel on {type(module).__name__}: its parameters {unplaced} have no tensor-parallel "
+                f"layout (only {sorted(self.placements)} do); a replicated weight inside the experts' partial sums would "
+                "count tp times. Give each a split layout, or train this model without tensor parallel."
+            )
+        if getattr(module, "is_concatenated", True) is False and any(
+            isinstance(p, _StridedShard) for p in self.placements.values()
+        ):
+            raise ValueError(
+                f"expert tensor parallel on {type(module).__name__}: its gate and up rows are interleaved "
+                "(is_concatenated=False), so a packed [gate; up] split would pair the wrong rows"
+            )
+        group = device_mesh.get_group()
+        module.register_forward_pre_hook(lambda mod, args, kwargs: _expert_inputs(args, kwargs, group), with_kwargs=True)
+        super()._apply(module, device_mesh)  # its hook swaps the local shards in after the one above
+        if self.reduce_output:
+            module.register_forward_hook(lambda mod, args, output: _AllReduceForward.apply(output, group))
+        return module
+
+
+def check_split(name: str, shape: tuple[int, ...], placement: Placement, tp: int) -> None:
+    """ValueError (before any collective) if `tp` does not split `shape` as `placement` says."""
+    if not isinstance(placement, (Shard, _StridedShard)):
+        return
+    dim = placement.dim % len(shape)
+    factor = placement.split_factor if isinstance(placement, _StridedShard) else 1
+    if shape[dim] % (tp * factor):
+        width = shape[dim] // factor
+        raise ValueError(
+            f"`tensor_parallel={tp}` must divide {width}, the width {name} (shape {shape}) splits on dim {dim}"
+            f"{' per packed half' if factor > 1 else ''}; degrees that fit: {[d for d in range(1, width + 1) if width % d == 0]}"
+        )
+
+
+def _swap_in_own_shards(module: nn.Module, args: object) -> None:
+    # Read the parameters at call time: under FSDP they are its unsharded (tp-only) DTensors. The local
+    # views keep the parameter's layout for their gradient (to_local's default).
+    originals = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+    setattr(module, _SWAPPED, originals)
+    for name, param in originals.items():
+        module._parameters[name] = param.to_local()
+
+
+_EXPERT_INPUTS = {0: "hidden_states", 2: "top_k_weights"}
+"""transformers' experts forward(hidden_states, top_k_index, top_k_weights): the inputs whose gradient is partial."""
+
+
+def _expert_inputs(args: tuple, kwargs: dict, group: dist.ProcessGroup) -> tuple[tuple, dict]:
+    args, kwargs = list(args), dict(kwargs)
+    for position, name in _EXPERT_INPUTS.items():
+        if len(args) > position:
+            args[position] = _AllReduceBackward.apply(args[position], group)
+        elif name in kwargs:
+            kwargs[name] = _AllReduceBackward.apply(kwargs[name], group)
+    return tuple(args), kwargs
+
+
 # String names accepted in user plans (YAML / CLI) and in Hugging Face `base_model_tp_plan`s: every
 # dense style of `transformers.distributed.tensor_parallel.ALL_PARALLEL_STYLES`, with the same maths
 # (the layouts are torch's: 'sequence_parallel' is torch's SequenceParallel, whose output stays a DTensor).
@@ -168,29 +322,64 @@ STYLE_NAMES: dict[str, Callable[[], ParallelStyle]] = {
     "mla_kv_a_proj": MlaKvAProjParallel,
 }
 
+# Mixture-of-Experts: the experts module computes with its fused weights (no Linear to hook).
+STYLE_NAMES["moe_tp_experts"] = ExpertTensorParallel
+# A module computing with bare parameters of its own (attention sinks): its local shards in forward.
+STYLE_NAMES["local_params"] = OwnParamsParallel
+
+PARAMETER_STYLE_NAMES: dict[str, Callable[[int], Placement]] = {
+    # Entries naming a bare parameter (`<module path>.<parameter>`), e.g. an experts module's fused
+    # weights or attention sinks: its tp layout, by its number of dims, as transformers shards them.
+    # Their module needs an owning entry ('moe_tp_experts' / 'local_params') in the same plan.
+    "colwise": lambda ndim: Shard((ndim - 2) % ndim),  # the output-features dim: (E, out, in) -> 1, (n_heads,) -> 0
+    "rowwise": lambda ndim: Shard(ndim - 1),  # the input-features dim
+    "packed_colwise": lambda ndim: packed_shard(ndim - 2),  # fused [gate; up] output rows
+    "packed_rowwise": lambda ndim: packed_shard(ndim - 1),  # fused [gate, up] columns (Llama4's (E, H, 2I))
+}
+_PARAMETER_ONLY = {"packed_colwise", "packed_rowwise"}
+
 REFUSED_STYLE_NAMES: dict[str, str] = {
-    name: "it splits the fused experts of a Mixture-of-Experts layer, and ultrascale does not implement tensor "
-    "parallel of experts: split them with `expert_parallel=` instead"
-    for name in ("packed_colwise", "packed_rowwise", "moe_tp_experts", "moe_identity_expert")
+    "moe_identity_expert": (
+        "it scales the identity ('zero') experts of LongCat-Flash inside a tensor-parallel experts module, which "
+        "ultrascale does not implement"
+    ),
 }
 for name in ("grouped_gemm", "ep_dispatch_experts"):  # styles of transformers' `base_model_ep_plan`s
     REFUSED_STYLE_NAMES[name] = (
         "it belongs to transformers' expert-parallel plan; ultrascale splits experts with `expert_parallel=` "
         "and its own token dispatch"
     )
-REFUSED_STYLE_NAMES["local_params"] = (
-    "it runs a module on shards of its own bare parameters (attention sinks), which ultrascale does not implement"
-)
 """transformers style names that ultrascale knows but does not run, and why (named in the error)."""
+
+STYLE_NAME_ATTRIBUTE = "_ultrascale_style_name"
+"""Set on a style made from a name: an entry naming a bare parameter reads its layout from the name."""
+
+
+class ParameterOnlyStyle(ParallelStyle):
+    """A style name that only lays out a bare parameter ('packed_colwise', 'packed_rowwise')."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        raise ValueError(
+            f"tensor-parallel style {self.name!r} lays out a fused weight parameter (`<experts path>.gate_up_proj`), "
+            f"not a module ({type(module).__name__}); its module needs a 'moe_tp_experts' entry"
+        )
 
 
 def style_from_name(name: str) -> ParallelStyle:
     if name in REFUSED_STYLE_NAMES:
         raise ValueError(f"tensor-parallel style {name!r} is not supported: {REFUSED_STYLE_NAMES[name]}")
-    try:
-        return STYLE_NAMES[name]()
-    except KeyError:
-        raise ValueError(f"unknown tensor-parallel style {name!r}; known: {', '.join(STYLE_NAMES)}") from None
+    if name in _PARAMETER_ONLY:
+        style: ParallelStyle = ParameterOnlyStyle(name)
+    elif name in STYLE_NAMES:
+        style = STYLE_NAMES[name]()
+    else:
+        known = sorted({*STYLE_NAMES, *_PARAMETER_ONLY})
+        raise ValueError(f"unknown tensor-parallel style {name!r}; known: {', '.join(known)}")
+    setattr(style, STYLE_NAME_ATTRIBUTE, name)
+    return style
 
 
 def resolve_plan(plan: Mapping[str, Union[str, ParallelStyle]]) -> dict[str, ParallelStyle]:
@@ -198,21 +387,63 @@ def resolve_plan(plan: Mapping[str, Union[str, ParallelStyle]]) -> dict[str, Par
     return {path: style_from_name(style) if isinstance(style, str) else style for path, style in plan.items()}
 
 
-def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
-    """Shard `module`'s linears/embeddings over `tp_mesh` as `plan` says.
+def split_parameter_entries(module: nn.Module, plan: TPPlan, *, drop_unmatched: bool = False) -> dict[str, ParallelStyle]:
+    """`plan` with its entries that name bare parameters folded into their module's entry.
 
-    Every key must match at least one submodule: a plan written for another model must
-    fail here, not silently leave layers replicated.
-    """
-    names = [name for name, _ in module.named_modules()]
+    An entry `<path>.<parameter>` naming no submodule but a parameter of the modules at `<path>` gives
+    that parameter's layout (by its style name, `PARAMETER_STYLE_NAMES`) to the `OwnParamsParallel`
+    entry at `<path>` ('moe_tp_experts', 'local_params'). Any other entry naming no submodule is a
+    ValueError (a plan written for another model must fail, not leave layers replicated), unless
+    `drop_unmatched`: a model's own shipped plan also covers layer kinds a given config may not build
+    (Qwen2-MoE's dense MLP entries when every layer is MoE)."""
     from fnmatch import fnmatch
 
-    unmatched = [path for path in plan if not any(fnmatch(name, path) for name in names)]
-    if unmatched:
+    modules = dict(module.named_modules())
+    owned: dict[str, dict[str, Placement]] = {}
+    result: dict[str, ParallelStyle] = {}
+    unmatched = []
+    for path, style in plan.items():
+        if any(fnmatch(name, path) for name in modules):
+            result[path] = style
+            continue
+        owner, _, attribute = path.rpartition(".")
+        holders = [m for name, m in modules.items() if fnmatch(name, owner) and attribute in m._parameters]
+        if not holders:
+            unmatched.append(path)
+            continue
+        style_name = getattr(style, STYLE_NAME_ATTRIBUTE, None)
+        if style_name not in PARAMETER_STYLE_NAMES:
+            raise ValueError(
+                f"tensor-parallel plan entry {path!r} names a bare parameter; give its layout as one of "
+                f"{sorted(PARAMETER_STYLE_NAMES)} (got {style_name or type(style).__name__})"
+            )
+        owned.setdefault(owner, {})[attribute] = PARAMETER_STYLE_NAMES[style_name](holders[0]._parameters[attribute].dim())
+    if unmatched and not drop_unmatched:
+        names = list(modules)
         raise ValueError(
-            f"tensor-parallel plan entries match no submodule of {type(module).__name__}: {unmatched}. "
+            f"tensor-parallel plan entries match no submodule or parameter of {type(module).__name__}: {unmatched}. "
             f"Module paths look like: {', '.join(n for n in names[1:6])}, ..."
         )
+    for owner, placements in owned.items():
+        style = result.get(owner)
+        if not isinstance(style, OwnParamsParallel):
+            raise ValueError(
+                f"tensor-parallel plan entries {[f'{owner}.{a}' for a in placements]} lay out bare parameters, which "
+                f"ultrascale splits only under a 'moe_tp_experts' or 'local_params' entry for {owner!r} (it has "
+                f"{getattr(style, STYLE_NAME_ATTRIBUTE, None) or type(style).__name__ if style is not None else 'none'})"
+            )
+        result[owner] = style.with_placements(placements)
+    return result
+
+
+def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
+    """Shard `module`'s linears/embeddings (and bare parameters of 'moe_tp_experts' / 'local_params'
+    modules) over `tp_mesh` as `plan` says.
+
+    Every key must match at least one submodule or parameter: a plan written for another model must
+    fail here, not silently leave layers replicated.
+    """
+    plan = split_parameter_entries(module, plan)
     tied = _tied_parameters(module)
     parallelize_module(module, tp_mesh, dict(plan))
     _retie(module, tied)

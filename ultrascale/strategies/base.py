@@ -142,8 +142,10 @@ class UltraScaleStrategy(StrategyInternals):
             so every rank does the same causal attention work. False: contiguous chunks (the
             last rank then computes about 2cp-1 times the attention of the first).
         tensor_parallel: tensor-parallel degree (Megatron column/row splits on DTensor); 1 means off.
-            The model needs a TP plan: the built-in Llama and Hugging Face Llama/Mistral/Qwen2
-            have one, any other model passes `tp_plan`.
+            The model needs a TP plan: the built-in Llama has one, a Hugging Face model runs the
+            `base_model_tp_plan` its config ships, any other model passes `tp_plan`. On a
+            Mixture-of-Experts model every expert is split on its intermediate width (expert tensor
+            parallel: the router and the tokens stay whole on every tp rank).
         pipeline_parallel: pipeline ranks; 1 means off. The model is split by layers (the
             built-in Llama and Hugging Face Llama/Mistral/Qwen2/Qwen3 know how; a module of your
             own returns `ultrascale.parallel.pipeline.PipelineParts` from a `pipeline_parts()`
@@ -160,7 +162,8 @@ class UltraScaleStrategy(StrategyInternals):
         expert_parallel: ranks that split the experts of a Mixture-of-Experts model (the built-in Llama
             with `n_experts`, Hugging Face Mixtral/Qwen2-MoE/Qwen3-MoE); 1 means off. Borrows its
             ranks from dp_shard x cp (must divide it, and the experts per layer): tokens travel to
-            their experts' ranks by all-to-all. Needs zero_stage=3; not with tensor_parallel yet.
+            their experts' ranks by all-to-all. Needs zero_stage=3; not with tensor_parallel yet
+            (which on its own splits every expert's width instead).
         sequence_parallel: shard norms and the residual stream on the sequence dim between
             TP regions (activations 1/tp, same communication volume). None: on where the
             model's plan supports it (built-in Llama), off otherwise.
@@ -283,8 +286,8 @@ class UltraScaleStrategy(StrategyInternals):
         if expert_parallel != 1 and tensor_parallel != 1:
             raise NotImplementedError(
                 f"{type(self).__name__}(`expert_parallel={expert_parallel}`, `tensor_parallel={tensor_parallel}`): expert "
-                "parallel with tensor parallel is not implemented yet; use expert_parallel with data, context or "
-                "pipeline parallel"
+                "parallel with tensor parallel is not implemented yet: choose one (tensor_parallel alone splits every "
+                "expert's intermediate width over the tp ranks, expert_parallel splits the experts over data ranks)"
             )
         if context_parallel_method not in CONTEXT_PARALLEL_METHODS:
             raise ValueError(
@@ -753,11 +756,6 @@ class UltraScaleStrategy(StrategyInternals):
             adapter.check_context_parallel(dims.cp)
         if dims.ep_enabled:
             adapter.check_expert_parallel(dims.ep)
-        if dims.tp_enabled and adapter.num_experts:
-            raise NotImplementedError(
-                f"{type(self).__name__}: tensor parallel on the Mixture-of-Experts model {adapter.name} is not implemented "
-                "yet; use data, context, expert or pipeline parallel"
-            )
         pipeline = None
         if dims.pp_enabled:
             parts = self._pipeline_parts(module, adapter)
@@ -1121,7 +1119,7 @@ class UltraScaleStrategy(StrategyInternals):
         assert self._moe_shape is not None
         counts, aux, dropped = step_expert_load(
             [getattr(r, ROUTER_LOAD_ATTRIBUTE) for r in self._routers], *self._moe_shape, self.root_device,
-            group=dist.group.WORLD,
+            group=dist.group.WORLD, copies=self.parallel_dims.tp,  # tp ranks route the same tokens: counted tp times
         )
         update_router_bias(self._routers, counts)
         moe_layers = counts[counts.sum(-1) > 0]
