@@ -24,9 +24,9 @@ VOCAB, SEQ, GLOBAL_BATCH, STEPS = 128, 16, 8, 4
 class LoraLM(CausalLMModule):
     """A Hugging Face Llama from a local folder wrapped in LoRA on q_proj and v_proj, as a PEFT user writes it."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, targets: tuple[str, ...] = ("q_proj", "v_proj"), dropout: float = 0.0) -> None:
         super().__init__()
-        self.path = path
+        self.path, self.targets, self.dropout = path, targets, dropout
         self.model = None
 
     def configure_model(self) -> None:
@@ -34,7 +34,7 @@ class LoraLM(CausalLMModule):
             return
         base = transformers.AutoModelForCausalLM.from_pretrained(self.path, local_files_only=True)
         torch.manual_seed(0)  # the same LoRA init on every rank and in the reference
-        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=self.dropout, target_modules=list(self.targets))
         self.model = peft.get_peft_model(base, config)
 
     def forward(self, input_ids, position_ids=None):
@@ -177,3 +177,56 @@ def test_errors(tmp_path, checkpoint, monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
     with pytest.raises(ImportError, match=r'pip install "ultrascale\[peft\]"'):
         save_peft_adapter(module, tmp_path / "c")
+
+
+# --------------------------------------------------------------------------- tensor parallel
+
+TP_TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")  # column-parallel and row-parallel base layers
+
+
+def _train_tp(rank, world_size, path, adapter_dir):
+    recorder = Recorder()
+    strategy = ultrascale.UltraScaleStrategy(tensor_parallel=2)
+    trainer = parity_trainer(world_size, strategy, recorder, STEPS)
+    module = LoraLM(path, targets=TP_TARGETS)
+    trainer.fit(module, ParityData(dataset(), GLOBAL_BATCH))
+    save_peft_adapter(trainer, adapter_dir)
+    attention = find_peft_model(module).base_model.model.model.layers[0].self_attn
+    with torch.no_grad():
+        logits = module(probe())
+    local = {name: tuple(getattr(attention, proj).lora_A["default"].weight.to_local().shape)
+             if isinstance(getattr(attention, proj).lora_A["default"].weight, torch.distributed.tensor.DTensor)
+             else tuple(getattr(attention, proj).lora_A["default"].weight.shape) for name, proj in (("q", "q_proj"), ("o", "o_proj"))}
+    base = tuple(attention.q_proj.base_layer.weight.to_local().shape)
+    return {"logits": full(logits), "lora": lora_weights(module), "losses": recorder.losses, "lora_A": local, "q_base": base}
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["tp2", "tp2xdp2"])
+def test_lora_under_tensor_parallel(tmp_path, checkpoint, world):
+    """LoRA on column-parallel (q, v) and row-parallel (o, down) layers of a tp=2 model (x dp_shard=2) equals one
+    process; the saved adapter reloads with peft and gives the trained logits."""
+    adapter_dir = tmp_path / "adapter"
+    results = run_ranks(_train_tp, world, checkpoint, str(adapter_dir))
+    reference = reference_run(LoraLM(checkpoint, targets=TP_TARGETS), dataset(), global_batch=GLOBAL_BATCH, steps=STEPS)
+    assert_close(results[0]["losses"], reference["losses"], rtol=0, atol=1e-5)
+    trained = results[0]["lora"]
+    assert len(trained) == 2 * 2 * len(TP_TARGETS)  # A and B of 4 targets in 2 layers
+    for name, value in trained.items():
+        assert_close(value, reference["final_params"][f"model.{name}"], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    # The base q_proj is column-split (64 -> 32 rows per rank; FSDP halves it again at dp2); q's A (r=4, 64) stays
+    # whole (or FSDP-sharded by rows), o's A (4, 64) is split on its input (4, 32).
+    assert results[0]["q_base"][0] == 64 // world
+    assert results[0]["lora_A"]["o"][1] == 32
+    base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True)
+    reloaded = peft.PeftModel.from_pretrained(base, adapter_dir)
+    with torch.no_grad():
+        assert_close(reloaded(input_ids=probe()).logits, results[0]["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_lora_dropout_under_tensor_parallel_is_refused(checkpoint):
+    from ultrascale.models.adapters import get_adapter
+
+    module = LoraLM(checkpoint, targets=("q_proj",), dropout=0.1)
+    module.configure_model()
+    with pytest.raises(ValueError, match=r"lora_dropout=0.1 is not supported under tensor parallel"):
+        get_adapter(module).check_tensor_parallel(2, sequence_parallel=False)

@@ -257,7 +257,7 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
 
 def _hf_tp_refusal(hf: nn.Module, base_plan: Mapping[str, str], name: str) -> Optional[str]:
     """Why `base_plan` cannot run on `hf` (checked on every rank before any collective), or None."""
-    from ultrascale.parallel.tensor import split_parameter_entries, style_from_name
+    from ultrascale.parallel.tensor import lora_entries, split_parameter_entries, style_from_name
 
     base = _prefix(hf.base_model_prefix)
     styles = {}
@@ -272,7 +272,7 @@ def _hf_tp_refusal(hf: nn.Module, base_plan: Mapping[str, str], name: str) -> Op
     try:
         # Entries naming a bare parameter (fused expert weights, attention sinks) need their module's entry;
         # one naming neither a module nor such a parameter would leave a weight silently whole.
-        split_parameter_entries(hf, styles, drop_unmatched=True)
+        lora_entries(hf, split_parameter_entries(hf, styles, drop_unmatched=True))  # PEFT-wrapped layers, if any
     except ValueError as error:
         return (
             f"tensor parallel on {name}: its plan (config.base_model_tp_plan): {error}. Pass your own plan with "

@@ -19,9 +19,9 @@ a non-empty target without `overwrite=True`, a failed write) are raised on every
 beside the target and renamed into place when complete, so a failed save leaves no half-written folder.
 
 Works the same with no process group (one process), under ZeRO-1/2 (replicated plain tensors) and ZeRO-3 /
-HSDP (FSDP2 DTensor shards); any DTensor is gathered with `full_tensor`, whatever its placements (tensor
-parallel itself does not apply to PEFT-wrapped layers yet: the TP plan meets LoRA's wrapper, not an
-`nn.Linear`). Pipeline parallel is refused (each rank holds only its stages).
+HSDP (FSDP2 DTensor shards) and tensor parallel (LoRA adapters split to follow their base layer's split,
+`ultrascale.parallel.tensor.lora_entries`); any DTensor is gathered with `full_tensor`, whatever its
+placements. Pipeline parallel is refused (each rank holds only its stages).
 Requires `pip install "ultrascale[peft]"`.
 """
 

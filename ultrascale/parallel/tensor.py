@@ -443,10 +443,72 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
     Every key must match at least one submodule or parameter: a plan written for another model must
     fail here, not silently leave layers replicated.
     """
-    plan = split_parameter_entries(module, plan)
+    plan = lora_entries(module, split_parameter_entries(module, plan))
     tied = _tied_parameters(module)
     parallelize_module(module, tp_mesh, dict(plan))
     _retie(module, tied)
+
+
+def _is_lora_layer(module: nn.Module) -> bool:
+    """A PEFT LoRA layer: `base_layer` wrapped, each adapter's `lora_A` / `lora_B` beside it (peft's LoraLayer,
+    recognised by its parts so that `parallel/` needs no peft import)."""
+    return all(isinstance(getattr(module, name, None), nn.Module) for name in ("base_layer", "lora_A", "lora_B"))
+
+
+def lora_entries(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """`plan` with each entry that lands on PEFT LoRA layers (the plan names q_proj; PEFT wrapped it)
+    moved to the wrapped `base_layer`, and the adapters split to match, so that LoRA's
+    ``base(x) + B(A(x)) * scaling`` keeps the base layer's layout (r: the LoRA rank):
+
+        column-parallel base (out split):  A (r, in) whole on every rank;  B (out, r) split on out
+        row-parallel base (in split):      A (r, in) split on in, its (.., r) partial sums all-reduced;
+                                           B (out, r) whole
+
+    Either way the adapters' gradients come out whole (A's input gradient is all-reduced by B's
+    column split; B's by A's row split) or in their split layout. Refused: LoRA dropout (a
+    column-parallel base's whole input would need the same dropout mask on every tp rank), DoRA,
+    and other styles on a LoRA layer."""
+    from fnmatch import fnmatch
+
+    names = dict(module.named_modules())
+    result: dict[str, ParallelStyle] = {}
+    for path, style in plan.items():
+        matched = [m for name, m in names.items() if fnmatch(name, path)]
+        lora = [m for m in matched if _is_lora_layer(m)]
+        if not lora:
+            result[path] = style
+            continue
+        where = f"tensor parallel on the LoRA layer(s) at {path!r}"
+        if len(lora) != len(matched):
+            raise ValueError(f"{where}: the entry also matches layers PEFT did not wrap; name them separately")
+        for layer in lora:
+            dropouts = [d for d in getattr(layer, "lora_dropout", {}).values() if isinstance(d, nn.Dropout) and d.p > 0]
+            if dropouts:
+                raise ValueError(
+                    f"{where}: lora_dropout={dropouts[0].p} is not supported under tensor parallel (every tp rank "
+                    "would drop different entries of the same input); use lora_dropout=0"
+                )
+            if any(getattr(layer, "use_dora", {}).values()):
+                raise ValueError(f"{where}: DoRA is not supported under tensor parallel")
+        result[f"{path}.base_layer"] = style
+        if type(style) is ColwiseParallel:
+            result[f"{path}.lora_B.*"] = ColwiseParallel(
+                input_layouts=Replicate(), output_layouts=style.output_layouts[0], use_local_output=style.use_local_output
+            )
+            if style.input_layouts[0] != Replicate():
+                raise ValueError(f"{where}: its base layer's input arrives as {style.input_layouts[0]} (sequence parallel); "
+                                 "LoRA's A needs the whole input: train LoRA with sequence_parallel=False")
+        elif type(style) is RowwiseParallel:
+            if style.output_layouts[0] != Replicate():
+                raise ValueError(f"{where}: its base layer's output leaves as {style.output_layouts[0]} (sequence parallel); "
+                                 "train LoRA with sequence_parallel=False")
+            result[f"{path}.lora_A.*"] = RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=Replicate())
+        else:
+            raise ValueError(
+                f"{where}: style {getattr(style, STYLE_NAME_ATTRIBUTE, None) or type(style).__name__} on a LoRA layer is not "
+                "supported (column- and row-parallel are)"
+            )
+    return result
 
 
 def _tied_parameters(module: nn.Module) -> list[list[tuple[str, str]]]:
