@@ -213,3 +213,21 @@ def test_mixtral_preset_is_mistrals_size():
     assert ModelShape.from_llama_config(config).num_params == 93_405_585_408 // 2
     with torch.device("meta"):
         assert sum(p.numel() for p in Llama(config).parameters()) == 93_405_585_408 // 2
+
+
+def test_plan_recipe_runs_the_strategys_own_model_checks(tmp_path):
+    """`plan --recipe` runs `UltraScaleStrategy.check_model`, what `setup` runs: tensor parallel on the MoE recipe
+    (expert tensor parallel) passes, and a degree the model does not divide fails with the strategy's message."""
+    recipe = ROOT / "recipes" / "tiny_cpu_moe.yaml"
+    config = yaml.safe_load(recipe.read_text())
+    config["trainer"]["strategy"] = {"class_path": "ultrascale.UltraScaleStrategy", "init_args": {"tensor_parallel": 2}}
+    moe_tp = tmp_path / "moe_tp.yaml"
+    moe_tp.write_text(yaml.safe_dump(config))
+    plan = check_recipe(str(moe_tp), _command_line_args(recipe, tmp_path))
+    assert plan.dims.tp == 2
+    assert any("each of the 8 experts split on its width" in check for check in plan.checks), plan.checks
+    config["trainer"]["devices"] = 4
+    config["trainer"]["strategy"]["init_args"]["tensor_parallel"] = 4  # tiny_moe has 2 KV heads
+    moe_tp.write_text(yaml.safe_dump(config))
+    with pytest.raises(ValueError, match=r"`tensor_parallel=4` must divide n_kv_heads=2"):
+        check_recipe(str(moe_tp), _command_line_args(recipe, tmp_path))

@@ -505,13 +505,10 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
     import itertools
 
     import torch
-    from torch.distributed.tensor.parallel import SequenceParallel
 
     from ultrascale import planner
     from ultrascale.estimate import ModelShape
-    from ultrascale.models.adapters import get_adapter
     from ultrascale.models.llama import LlamaConfig
-    from ultrascale.parallel.pipeline import PipelineLayout
     from ultrascale.strategies.precision import SUPPORTED_PRECISION
 
     cli = _parse_recipe(path, overrides)
@@ -534,6 +531,7 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
         knobs = ", ".join(f"{axis} = {knob}" for axis, knob in _AXIS_KNOBS.items())
         source = f"--gpus {world}" if gpus else f"trainer.num_nodes {nodes} x trainer.devices {devices}"
         raise ValueError(f"{error} (world size {world} from {source}; strategy knobs: {knobs})") from None
+    strategy._parallel_dims = dims  # what `check_model` reads: the degrees for this world, not the Trainer's
     checks.append(f"mesh {dims.describe()}")
 
     precision = str(trainer_args.get("precision"))
@@ -576,53 +574,30 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
                          "Hugging Face models (HFCausalLM); this module has neither a LlamaConfig nor a Hugging Face "
                          "`config`")
 
-    # The strategy's checks, in its own order (`UltraScaleStrategy._parallelize`), on the meta-built model.
-    adapter = get_adapter(module)
+    # The strategy's own checks (`UltraScaleStrategy.check_model`, what `setup` runs), on the meta-built model.
     owner = type(strategy).__name__
+    if dims.pp_enabled and tied:
+        raise ValueError(f"{owner}(pipeline_parallel={dims.pp}): {type(module).__name__} ties its input embedding to "
+                         "its output head, which live on the first and the last stage; untie them")
+    checked = strategy.check_model(module)
+    adapter, sequence_parallel = checked.adapter, checked.sequence_parallel
+    pipeline = checked.pipeline[1] if checked.pipeline is not None else None
     if dims.cp_enabled:
-        adapter.check_context_parallel(dims.cp)
         checks.append(f"context parallel cp={dims.cp}: {strategy.context_parallel_method} attention on {adapter.name}")
     if dims.ep_enabled:
-        adapter.check_expert_parallel(dims.ep)
         checks.append(f"expert parallel ep={dims.ep}: {adapter.num_experts // dims.ep} of {adapter.num_experts} experts "
                       f"per rank, within dp_shard x cp = {dims.dp_shard * dims.cp}")
-    if dims.tp_enabled and adapter.num_experts:
-        raise ValueError(f"{owner}: tensor parallel on the Mixture-of-Experts model {adapter.name} is not implemented "
-                         "yet; set `tensor_parallel: 1` and use data, context, expert or pipeline parallel")
-    pipeline = None
-    if dims.pp_enabled:
-        own = getattr(module, "pipeline_parts", None)
-        parts = own() if callable(own) else (adapter.pipeline_parts() if adapter.pipeline_parts is not None else None)
-        if parts is None:
-            raise ValueError(f"{owner}(pipeline_parallel={dims.pp}): pipeline parallel has no stage split for {adapter.name}")
-        parts.check(adapter.name)
-        if tied:
-            raise ValueError(f"{owner}(pipeline_parallel={dims.pp}): {type(module).__name__} ties its input embedding to "
-                             "its output head, which live on the first and the last stage; untie them")
-        try:
-            pipeline = PipelineLayout.build(
-                n_layers=len(parts.layer_list()), pp=dims.pp, schedule=strategy.pipeline_schedule,
-                virtual_stages=strategy.pipeline_virtual_stages, microbatches=strategy.pipeline_microbatches,
-                layers_per_stage=strategy.pipeline_layers,
-            )
-        except ValueError as error:
-            raise ValueError(f"{owner}: {error}") from None
+    if pipeline is not None:
         checks.append(f"pipeline {pipeline.describe()}")
         if pipeline.schedule not in ("1F1B", "Interleaved1F1B"):
             priced = "1F1B" if pipeline.virtual_stages == 1 else "Interleaved1F1B"
             notes.append(f"{pipeline.schedule} is priced as {priced} (the planner's schedules); GPipe keeps all "
                          "micro-batches' activations, more than priced")
-    sequence_parallel = False
     if dims.tp_enabled:
-        if strategy.tp_plan is not None:
-            sequence_parallel = any(isinstance(style, SequenceParallel) for style in strategy.tp_plan.values())
-        else:
-            sequence_parallel = strategy.sequence_parallel
-            if sequence_parallel is None:
-                sequence_parallel = adapter.supports_sequence_parallel
-            adapter.check_tensor_parallel(dims.tp, sequence_parallel=sequence_parallel)
         sizes = ", ".join(f"{name}={size}" for name, size in adapter.tp_sizes.items())
-        checks.append(f"tensor parallel tp={dims.tp} divides {sizes} (sequence parallel {'on' if sequence_parallel else 'off'})")
+        experts = f"; each of the {adapter.num_experts} experts split on its width" if adapter.num_experts else ""
+        checks.append(f"tensor parallel tp={dims.tp} divides {sizes} (sequence parallel {'on' if sequence_parallel else 'off'}"
+                      f"{experts})")
     where = f"{type(datamodule).__name__}(seq_len={seq_len})"
     dims.check_seq_len(seq_len, sequence_parallel=sequence_parallel, where=where)
     if max_positions is not None and seq_len > max_positions:

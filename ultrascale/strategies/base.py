@@ -11,6 +11,7 @@ import os
 import warnings
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, TypedDict, Union
@@ -733,8 +734,27 @@ class UltraScaleStrategy(StrategyInternals):
             raise ValueError(f"{type(self).__name__}: {error}") from None
         return self._pipeline_layout
 
+    def check_model(self, module: torch.nn.Module) -> "ModelChecks":
+        """What `setup` checks on the built model (real or meta) before any weight is communicated, for the
+        resolved degrees: context / expert / pipeline / tensor parallel support and sizes, the pipeline's
+        stages and schedule, the TP plan (and so sequence and loss parallel). `ultrascale plan --recipe`
+        runs the same on a meta-built model. ValueError naming the knob and the model on the first problem."""
+        adapter = get_adapter(module)
+        dims = self.parallel_dims
+        if dims.cp_enabled:
+            adapter.check_context_parallel(dims.cp)
+        if dims.ep_enabled:
+            adapter.check_expert_parallel(dims.ep)
+        pipeline = None
+        if dims.pp_enabled:
+            parts = self._pipeline_parts(module, adapter)
+            pipeline = (parts, self._build_pipeline_layout(len(parts.layer_list())))
+        tp_plan = self._tensor_parallel_plan(module, adapter) if dims.tp_enabled else None
+        sequence_parallel = tp_plan is not None and any(isinstance(style, SequenceParallel) for style in tp_plan.values())
+        return ModelChecks(adapter, pipeline, tp_plan, sequence_parallel)
+
     def _pipeline_parts(self, module: torch.nn.Module, adapter: ModelAdapter) -> PipelineParts:
-        own = getattr(self.lightning_module, "pipeline_parts", None)
+        own = getattr(module, "pipeline_parts", None)
         parts = own() if callable(own) else (adapter.pipeline_parts() if adapter.pipeline_parts is not None else None)
         if parts is None:
             raise ValueError(
@@ -748,22 +768,12 @@ class UltraScaleStrategy(StrategyInternals):
         return parts
 
     def _parallelize(self, module: torch.nn.Module) -> None:
-        adapter = get_adapter(module)
         dims = self.parallel_dims
         loads = router_loads(module)  # before any pipeline split: the whole model's routers
         self._moe_shape = (1 + max(load.layer for load in loads), max(load.n_experts for load in loads)) if loads else None
-        if dims.cp_enabled:
-            adapter.check_context_parallel(dims.cp)
-        if dims.ep_enabled:
-            adapter.check_expert_parallel(dims.ep)
-        pipeline = None
-        if dims.pp_enabled:
-            parts = self._pipeline_parts(module, adapter)
-            pipeline = (parts, self._build_pipeline_layout(len(parts.layer_list())))
-        tp_plan = self._tensor_parallel_plan(module, adapter) if dims.tp_enabled else None
-        self._sequence_parallel_active = tp_plan is not None and any(
-            isinstance(style, SequenceParallel) for style in tp_plan.values()
-        )
+        checked = self.check_model(module)
+        adapter, pipeline, tp_plan = checked.adapter, checked.pipeline, checked.tp_plan
+        self._sequence_parallel_active = checked.sequence_parallel
         self._check_datamodule_seq_len(sequence_parallel=self._sequence_parallel_active)  # before any weight moves
         if not adapter.blocks:
             rank_zero_info(
@@ -1412,6 +1422,17 @@ def _declared_layers(module: Optional["pl.LightningModule"]) -> Optional[int]:
         if isinstance(value, int):
             return value
     return None
+
+
+@dataclass(frozen=True)
+class ModelChecks:
+    """What `UltraScaleStrategy.check_model` found: the model's adapter, the pipeline split (parts and
+    layout) under pp, the TP plan under tp, and whether that plan shards the sequence."""
+
+    adapter: ModelAdapter
+    pipeline: Optional[tuple[PipelineParts, PipelineLayout]]
+    tp_plan: Optional[dict[str, Any]]
+    sequence_parallel: bool
 
 
 def _declared_experts(config: Any) -> Optional[int]:
