@@ -251,6 +251,31 @@ def test_hf_tp_refusals_name_the_architecture_and_the_knob():
     config.base_model_tp_plan = {k: v for k, v in config.base_model_tp_plan.items() if v != "local_params"}
     granite = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match=r"tensor parallel on GraniteSWAForCausalLM: .*layers\.\*\.self_attn\.sinks'"
-                                         r".*only under a 'moe_tp_experts' or 'local_params' entry"
+                                         r".*only under a 'moe_tp_experts', 'local_params' or 'all_reduce' entry"
                                          r".*`UltraScaleStrategy\(tp_plan=\.\.\.\)`"):
         get_adapter(granite).check_tensor_parallel(2, sequence_parallel=False)
+
+
+def _longcat_config():
+    """A tiny LongCat-Flash: MLA attention ('mla_kv_a_proj'), 4 routed experts ('packed_colwise' / 'rowwise' under
+    'moe_tp_experts') and 2 identity ('zero') experts ('moe_identity_expert'), 2 per token."""
+    return transformers.LongcatFlashConfig(
+        vocab_size=VOCAB, hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=64, ffn_hidden_size=128, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, head_dim=8, v_head_dim=16, qk_head_dim=16, moe_topk=2, n_routed_experts=4,
+        zero_expert_num=2, expert_ffn_hidden_size=32, routed_scaling_factor=1.0, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("world, kwargs", [(2, {"tensor_parallel": 2}), (4, {"tensor_parallel": 2, "data_parallel_shard": 2})],
+                         ids=["tp2", "tp2xdp2"])
+def test_longcat_flash_plan_parity(world, kwargs):
+    """Every style of LongCat-Flash's shipped plan at once, against one plain-torch process: identity experts
+    inside the tensor-parallel experts module count once, not tp times."""
+    module = HFCausalLMModule(_longcat_config())
+    dataset = TokenDataset(STEPS * BATCH, SEQ, VOCAB, seed=5, masked=True)
+    reference = reference_run(module, dataset, global_batch=BATCH, steps=STEPS)
+    results = run_ranks(_fit, world, module, kwargs, dataset, BATCH)
+    shapes = results[0]["local_shapes"]
+    gate_up = shapes["model.model.layers.0.mlp.experts.gate_up_proj"]
+    assert gate_up[1:] == (32, 64), gate_up  # (experts / dp, 2 x 32 / tp, H): each rank holds half of gate and of up
+    assert_parity(results[0], reference, step_losses(results), param_atol=3e-5)

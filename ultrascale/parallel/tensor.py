@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Optional, Union
@@ -248,6 +249,19 @@ class ExpertTensorParallel(OwnParamsParallel):
                 f"expert tensor parallel on {type(module).__name__}: its gate and up rows are interleaved "
                 "(is_concatenated=False), so a packed [gate; up] split would pair the wrong rows"
             )
+        packed_dim = 2 if getattr(module, "is_transposed", False) else 1  # the 2I dim of gate_up_proj
+        placement = self.placements.get("gate_up_proj")
+        if (getattr(module, "is_concatenated", True) and getattr(module, "has_gate", True)
+                and type(placement) is Shard and placement.dim % 3 == packed_dim):
+            # A plain split of a concatenated [gate; up] would give one rank gate rows whose up rows live on
+            # another (Inkling's shipped plan says 'colwise' here): split it packed, and say so.
+            warnings.warn(
+                f"{type(module).__name__}.gate_up_proj holds [gate; up] concatenated, and the plan splits it plainly "
+                f"({placement}), which would pair each rank's gate rows with another rank's up rows; ultrascale "
+                "splits it packed ('packed_colwise') instead",
+                stacklevel=2,
+            )
+            self.placements["gate_up_proj"] = packed_shard(packed_dim)
         group = device_mesh.get_group()
         module.register_forward_pre_hook(lambda mod, args, kwargs: _expert_inputs(args, kwargs, group), with_kwargs=True)
         super()._apply(module, device_mesh)  # its hook swaps the local shards in after the one above
@@ -279,18 +293,28 @@ def _swap_in_own_shards(module: nn.Module, args: object) -> None:
         module._parameters[name] = param.to_local()
 
 
-_EXPERT_INPUTS = {0: "hidden_states", 2: "top_k_weights"}
-"""transformers' experts forward(hidden_states, top_k_index, top_k_weights): the inputs whose gradient is partial."""
-
-
 def _expert_inputs(args: tuple, kwargs: dict, group: dist.ProcessGroup) -> tuple[tuple, dict]:
-    args, kwargs = list(args), dict(kwargs)
-    for position, name in _EXPERT_INPUTS.items():
-        if len(args) > position:
-            args[position] = _AllReduceBackward.apply(args[position], group)
-        elif name in kwargs:
-            kwargs[name] = _AllReduceBackward.apply(kwargs[name], group)
-    return tuple(args), kwargs
+    # The module's output is a sum over the tp ranks of local contributions, so the gradient of each of
+    # its differentiable inputs (the tokens, the routing weights, Inkling's shared-expert gammas) is that
+    # sum's too: all-reduced in backward. Integer inputs (the chosen experts) carry no gradient.
+    def wrap(value: object) -> object:
+        if isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point():
+            return _AllReduceBackward.apply(value, group)
+        return value
+
+    return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
+
+
+class ScaledIdentityParallel(ParallelStyle):
+    """An identity ('zero') expert inside a tensor-parallel experts module (LongCat-Flash): every tp rank
+    adds the same ``w x`` to the partial sums that the module all-reduces, which would count it tp times,
+    so its input is divided by tp first (transformers' 'moe_identity_expert'). Its input gradient, 1/tp
+    per rank, is summed back to whole by the module's input all-reduce."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        module.register_forward_pre_hook(lambda mod, args: (args[0] / tp, *args[1:]))
+        return module
 
 
 # String names accepted in user plans (YAML / CLI) and in Hugging Face `base_model_tp_plan`s: every
@@ -320,6 +344,7 @@ STYLE_NAMES: dict[str, Callable[[], ParallelStyle]] = {
     "all_reduce": lambda: PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
     "replicate": KeepReplicated,
     "mla_kv_a_proj": MlaKvAProjParallel,
+    "moe_identity_expert": ScaledIdentityParallel,
 }
 
 # Mixture-of-Experts: the experts module computes with its fused weights (no Linear to hook).
@@ -338,12 +363,7 @@ PARAMETER_STYLE_NAMES: dict[str, Callable[[int], Placement]] = {
 }
 _PARAMETER_ONLY = {"packed_colwise", "packed_rowwise"}
 
-REFUSED_STYLE_NAMES: dict[str, str] = {
-    "moe_identity_expert": (
-        "it scales the identity ('zero') experts of LongCat-Flash inside a tensor-parallel experts module, which "
-        "ultrascale does not implement"
-    ),
-}
+REFUSED_STYLE_NAMES: dict[str, str] = {}
 for name in ("grouped_gemm", "ep_dispatch_experts"):  # styles of transformers' `base_model_ep_plan`s
     REFUSED_STYLE_NAMES[name] = (
         "it belongs to transformers' expert-parallel plan; ultrascale splits experts with `expert_parallel=` "
@@ -426,10 +446,14 @@ def split_parameter_entries(module: nn.Module, plan: TPPlan, *, drop_unmatched: 
         )
     for owner, placements in owned.items():
         style = result.get(owner)
+        if getattr(style, STYLE_NAME_ATTRIBUTE, None) == "all_reduce":
+            # A module computing a partial sum with bare weights of its own (Inkling's shared experts (n, I, H)):
+            # run on their local shards, inputs' gradients and the output all-reduced, as an experts module.
+            style = ExpertTensorParallel(placements)
         if not isinstance(style, OwnParamsParallel):
             raise ValueError(
                 f"tensor-parallel plan entries {[f'{owner}.{a}' for a in placements]} lay out bare parameters, which "
-                f"ultrascale splits only under a 'moe_tp_experts' or 'local_params' entry for {owner!r} (it has "
+                f"ultrascale splits only under a 'moe_tp_experts', 'local_params' or 'all_reduce' entry for {owner!r} (it has "
                 f"{getattr(style, STYLE_NAME_ATTRIBUTE, None) or type(style).__name__ if style is not None else 'none'})"
             )
         result[owner] = style.with_placements(placements)
