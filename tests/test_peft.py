@@ -230,3 +230,72 @@ def test_lora_dropout_under_tensor_parallel_is_refused(checkpoint):
     module.configure_model()
     with pytest.raises(ValueError, match=r"lora_dropout=0.1 is not supported under tensor parallel"):
         get_adapter(module).check_tensor_parallel(2, sequence_parallel=False)
+
+
+# --------------------------------------------------------------------------- HFCausalLM(lora=...)
+
+LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}
+HP = dict(learning_rate=3e-3, warmup_steps=1, max_steps=1000, min_lr_ratio=1.0, eps=1e-6)  # as tests._parity.make_hf
+
+
+def _train_hf_lora(rank, world_size, path, strategy_kwargs, adapter_dir, merged_dir):
+    import lightning as L
+
+    from ultrascale.models.hf import HFCausalLM
+
+    class Snapshot(L.Callback):  # the adapters as training starts, gathered
+        def on_train_start(self, trainer, pl_module):
+            self.initial = lora_weights(pl_module)
+
+    recorder, snapshot = Recorder(), Snapshot()
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**strategy_kwargs), recorder, STEPS,
+                             callbacks=[snapshot])
+    module = HFCausalLM(path, lora=LORA, lora_dir=adapter_dir, export_dir=merged_dir, **HP)
+    trainer.fit(module, ParityData(dataset(), GLOBAL_BATCH))
+    base = find_peft_model(module).base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    with torch.no_grad():
+        logits = module(probe())
+    return {"losses": recorder.losses, "lora": lora_weights(module), "initial": snapshot.initial, "logits": full(logits),
+            "base_is_meta_built": base.device.type != "meta" and isinstance(base, torch.distributed.tensor.DTensor),
+            "base_requires_grad": base.requires_grad}
+
+
+@pytest.mark.parametrize("world, kwargs", [(2, {}), (2, {"tensor_parallel": 2})], ids=["zero3", "tp2"])
+def test_hfcausallm_lora_loads_after_sharding_and_exports(tmp_path, checkpoint, world, kwargs):
+    """`HFCausalLM(lora=...)`: the base model is built on the meta device and each rank loads its shards (no rank
+    reads the whole model), the adapters start the same under any layout (zero B: the base model's output), train
+    like one process, and the adapter and merged folders reload with the trained logits."""
+    from ultrascale.models.hf import HFCausalLM
+
+    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
+    results = run_ranks(_train_hf_lora, world, checkpoint, kwargs, str(adapter_dir), str(merged_dir))
+    result = results[0]
+    assert result["base_is_meta_built"] and result["base_requires_grad"] is False
+    alone = HFCausalLM(checkpoint, lora=LORA, **HP)
+    alone.configure_model()  # one process, from_pretrained: the same initial adapters
+    initial = lora_weights(alone)
+    assert set(initial) == set(result["initial"]) and len(initial) == 2 * 2 * 4
+    for name, value in initial.items():
+        assert torch.equal(result["initial"][name], value), name
+        assert (value == 0).all() if "lora_B" in name else value.abs().max() > 0
+    reference = reference_run(alone, dataset(), global_batch=GLOBAL_BATCH, steps=STEPS)
+    assert_close(result["losses"], reference["losses"], rtol=0, atol=1e-5)
+    for name, value in result["lora"].items():
+        assert_close(value, reference["final_params"][f"model.{name}"], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True)
+    reloaded = peft.PeftModel.from_pretrained(base, adapter_dir)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, local_files_only=True)
+    with torch.no_grad():
+        assert_close(reloaded(input_ids=probe()).logits, result["logits"], rtol=1e-5, atol=1e-5)
+        assert_close(merged(input_ids=probe()).logits, result["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_hfcausallm_lora_errors(tmp_path, checkpoint):
+    from ultrascale.models.hf import HFCausalLM
+
+    with pytest.raises(NotImplementedError, match="init_lora_weights='pissa'.*not supported"):
+        HFCausalLM(checkpoint, lora={**LORA, "init_lora_weights": "pissa"})
+    with pytest.raises(TypeError, match="not_a_field"):
+        HFCausalLM(checkpoint, lora={**LORA, "not_a_field": 1})
+    with pytest.raises(ValueError, match="set `lora` too"):
+        HFCausalLM(checkpoint, lora_dir=str(tmp_path / "adapter"))

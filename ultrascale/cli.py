@@ -557,6 +557,9 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
     checks.append(f"model built on the meta device: {_parameters(num_params)} parameters, "
                   f"{allocated / 2**20:.1f} MiB of real tensors")
 
+    if (getattr(module, "hparams", None) or {}).get("lora") is not None:
+        notes.append("LoRA: only the adapters train, but the layout is priced as full fine-tuning (the frozen base's "
+                     "gradients and optimizer state are counted, so memory is over-estimated)")
     config = getattr(module, "config", None)
     hf_config = None
     if isinstance(config, LlamaConfig):

@@ -182,18 +182,23 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
     if config is not None:
         check_sharded_loading_supported(config)
     available = safetensors_keys(path)
-    state = model.state_dict()
+    # A PEFT-wrapped model (the transformers model inside a PeftModel): a wrapped layer keeps its weights under
+    # `<layer>.base_layer.`, and the adapters (`.lora_A.` ...) are not in the checkpoint (initialised instead).
+    state = {k: v for k, v in model.state_dict().items() if ".lora_" not in k}
     tied = bool(getattr(config, "tie_word_embeddings", False))
     fused = {k: v for k, v in state.items() if layout is not None and layout.is_fused(k)}
+
+    def on_disk(key: str) -> str:
+        key = key.replace(".base_layer.", ".")
+        return layout.disk_name(key) if layout is not None else key
+
     wanted = {}
     for key, value in state.items():
-        disk = layout.disk_name(key) if layout is not None else key
-        if key not in fused and disk in available:
-            wanted[disk] = value
+        if key not in fused and on_disk(key) in available:
+            wanted[on_disk(key)] = value
     missing = sorted(
         k for k in state
-        if k not in fused and (layout.disk_name(k) if layout else k) not in available
-        and not (tied and k.endswith("lm_head.weight"))
+        if k not in fused and on_disk(k) not in available and not (tied and k.endswith("lm_head.weight"))
     )
     if missing:
         raise ValueError(f"{path} lacks weights for {len(missing)} parameter(s) of the model, e.g. {missing[:5]}")
@@ -277,6 +282,9 @@ class HFCausalLM(CausalLMModule):
         trust_remote_code: bool = False,
         router_aux_loss_coef: Optional[float] = None,
         router_z_loss_coef: float = 0.0,
+        lora: Optional[Dict[str, Any]] = None,
+        lora_dir: Optional[str] = None,
+        lora_seed: int = 0,
     ) -> None:
         """
         Args:
@@ -302,6 +310,13 @@ class HFCausalLM(CausalLMModule):
                 any layout: `ultrascale.parallel.expert`). None: the config's `router_aux_loss_coef` if its
                 `output_router_logits` is on (transformers adds its own aux loss only then), else 0.
             router_z_loss_coef: MoE models: weight of the router z-loss; 0 = off.
+            lora: LoRA fine-tuning: the fields of `peft.LoraConfig` (e.g. `{"r": 16, "lora_alpha": 32,
+                "target_modules": ["q_proj", "v_proj"]}`). The base weights are frozen and only the adapters train.
+                Under ultrascale strategies the base model is built on the meta device and each rank loads only
+                its shards (as without LoRA). `export_dir` then receives the merged model.
+            lora_dir: with `lora`, the trained adapter is written there (PEFT's format) when fit ends.
+            lora_seed: seed of the adapters' initial weights (A: Kaiming-uniform as PEFT draws it, from a
+                generator seeded by `lora_seed` and the parameter's name, so any layout starts equal; B: zeros).
         """
         super().__init__()
         self.save_hyperparameters()
@@ -312,6 +327,12 @@ class HFCausalLM(CausalLMModule):
         self.pretrained_path = str(check_hf_folder(pretrained_path))
         if export_dir is not None:  # refused now, not after the training it would have exported
             check_export_target(export_dir, self.pretrained_path, export_overwrite)
+        if lora is not None:
+            lora_config(lora)  # a wrong field or an unsupported init is refused now, with peft's message
+            if lora_dir is not None:
+                check_export_target(lora_dir, self.pretrained_path, export_overwrite)
+        elif lora_dir is not None:
+            raise ValueError("HFCausalLM: `lora_dir` is where the trained LoRA adapter goes; set `lora` too")
         self.config = AutoConfig.from_pretrained(
             self.pretrained_path, local_files_only=True, trust_remote_code=trust_remote_code
         )
@@ -375,6 +396,13 @@ class HFCausalLM(CausalLMModule):
                 attn_implementation=attention, trust_remote_code=self.hparams.trust_remote_code,
             )
             self._weights_pending = False
+        if self.hparams.get("lora") is not None:
+            from ultrascale.models.peft import require_peft
+
+            # PEFT builds the adapters beside the base layers (on the meta device when the base model is).
+            self.model = require_peft().get_peft_model(self.model, lora_config(self.hparams.lora))
+            if not self._weights_pending:
+                init_lora_weights(self.model, self.hparams.lora_seed)
         from ultrascale.models.adapters import hf_num_experts
 
         if hf_num_experts(self.config):
@@ -398,7 +426,9 @@ class HFCausalLM(CausalLMModule):
         """Called by ultrascale strategies after sharding: each rank reads its slices of the weights."""
         assert self.model is not None
         recompute_nonpersistent_buffers(self.model)
-        load_hf_weights(self.model, self.pretrained_path)
+        load_hf_weights(hf_inner_model(self.model), self.pretrained_path)
+        if self.hparams.get("lora") is not None:
+            init_lora_weights(self.model, self.hparams.lora_seed)
         self._weights_pending = False
 
     def on_fit_start(self) -> None:
@@ -421,8 +451,57 @@ class HFCausalLM(CausalLMModule):
         checkpoint["hf_config"] = self.config.to_dict()
 
     def on_fit_end(self) -> None:
+        if self.hparams.get("lora") is not None:
+            from ultrascale.models.peft import export_merged_hf, save_peft_adapter
+
+            overwrite = bool(self.hparams.export_overwrite)
+            if self.hparams.lora_dir:
+                save_peft_adapter(self, self.hparams.lora_dir, overwrite=overwrite)
+            if self.hparams.export_dir:
+                export_merged_hf(self, self.hparams.export_dir, overwrite=overwrite)
+            return
         if self.hparams.export_dir:
             export_hf_from_module(self, self.hparams.export_dir)
+
+
+def hf_inner_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model itself: `model`, or the one a PEFT `PeftModel` wraps."""
+    base = getattr(model, "base_model", None)
+    inner = getattr(base, "model", None)
+    return inner if type(model).__module__.startswith("peft") and isinstance(inner, torch.nn.Module) else model
+
+
+def lora_config(fields: Dict[str, Any]) -> Any:
+    """`peft.LoraConfig(**fields)`, for the initialisations ultrascale reproduces under any layout."""
+    from ultrascale.models.peft import require_peft
+
+    config = require_peft().LoraConfig(**fields)
+    if config.init_lora_weights is not True or config.use_dora:
+        raise NotImplementedError(
+            f"HFCausalLM(lora=...): init_lora_weights={config.init_lora_weights!r}, use_dora={config.use_dora!r}: "
+            "ultrascale initialises the adapters itself after sharding (PEFT's default: Kaiming-uniform A, zero B); "
+            "data-dependent inits (PiSSA, OLoRA, ...) and DoRA are not supported"
+        )
+    return config
+
+
+@torch.no_grad()
+def init_lora_weights(model: torch.nn.Module, seed: int) -> None:
+    """Every LoRA adapter's initial weights, the same under any layout: `lora_A` Kaiming-uniform
+    (a = sqrt(5), PEFT's default draw) from a generator seeded by `seed` and the parameter's name (its full
+    tensor is drawn, r x in_features, small, and this rank keeps its shard), `lora_B` zeros, so the model
+    starts as the base model."""
+    import math
+    import zlib
+
+    for name, param in model.named_parameters():
+        if ".lora_A." in f".{name}":
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = torch.nn.init.kaiming_uniform_(torch.empty(param.shape), a=math.sqrt(5), generator=generator)
+            local, indices = _local_and_indices(param)
+            local.copy_(full[torch.meshgrid(*indices, indexing="ij")].to(local.dtype))
+        elif ".lora_B." in f".{name}":
+            (param.to_local() if isinstance(param, DTensor) else param).zero_()
 
 
 def _hf_state_dict_from_module(module: HFCausalLM) -> Optional[dict[str, torch.Tensor]]:
@@ -518,6 +597,12 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path, max_shard_
     meta = read_checkpoint_metadata(path)  # data, not code: a planted payload is refused, never run
     tensors = read_dcp_metadata(path).state_dict_metadata
     hparams = meta.get("hyper_parameters", {})
+    if hparams.get("lora") is not None:
+        raise NotImplementedError(
+            f"{path} is a checkpoint of a LoRA run (HFCausalLM(lora=...)); `export-hf` writes plain models. Export "
+            "the adapter with `lora_dir=` / the merged model with `export_dir=` when fit ends, or resume it and call "
+            "`ultrascale.models.peft.save_peft_adapter` / `export_merged_hf`"
+        )
     source = hparams.get("pretrained_path")
     source = source if source and Path(source).is_dir() else None
     check_export_target(out_dir, source, overwrite)  # before reading any tensor
