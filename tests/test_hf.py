@@ -172,11 +172,8 @@ def test_tp_not_dividing_vocab(tmp_path):
         assert "`tensor_parallel=4` must divide vocab_size=102 of LlamaForCausalLM" in message
 
 
-def test_finetune_recipe_end_to_end(tmp_path):
-    """The README's two commands: `ultrascale fit --config recipes/hf_finetune.yaml ...` then `export-hf`."""
-    import subprocess
-    import sys
-
+def _checkpoint_and_instructions(tmp_path: Path) -> tuple[Path, Path]:
+    """A tiny HF checkpoint with a tokenizer, and 200 prompt/response rows of its words as JSONL."""
     source = make_checkpoint(tmp_path / "source")
     make_tokenizer(source)
     data = tmp_path / "train.jsonl"
@@ -184,6 +181,15 @@ def test_finetune_recipe_end_to_end(tmp_path):
     with data.open("w") as f:
         for i in range(200):
             f.write(json.dumps({"prompt": " ".join(words[i % 50: i % 50 + 5]), "response": " ".join(words[i % 40: i % 40 + 8])}) + "\n")
+    return source, data
+
+
+def test_finetune_recipe_end_to_end(tmp_path):
+    """The README's two commands: `ultrascale fit --config recipes/hf_finetune.yaml ...` then `export-hf`."""
+    import subprocess
+    import sys
+
+    source, data = _checkpoint_and_instructions(tmp_path)
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "hf_finetune.yaml"
     command = [sys.executable, "-m", "ultrascale.cli"]
     fit = subprocess.run(
@@ -216,13 +222,7 @@ def test_lora_recipe_end_to_end(tmp_path):
 
     import peft
 
-    source = make_checkpoint(tmp_path / "source")
-    make_tokenizer(source)
-    data = tmp_path / "train.jsonl"
-    words = [f"t{i}" for i in range(VOCAB - 2)]
-    with data.open("w") as f:
-        for i in range(200):
-            f.write(json.dumps({"prompt": " ".join(words[i % 50: i % 50 + 5]), "response": " ".join(words[i % 40: i % 40 + 8])}) + "\n")
+    source, data = _checkpoint_and_instructions(tmp_path)
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "hf_lora.yaml"
     fit = subprocess.run(
         [sys.executable, "-m", "ultrascale.cli", "fit", "--config", str(recipe), "--model.pretrained_path", str(source),
