@@ -57,21 +57,30 @@ def _train(rank, world_size, strategy_kwargs, overrides, accumulate):
     # bias, a router z-loss and a shared expert
     (4, {"tensor_parallel": 2, "data_parallel_shard": 2},
      {"moe_load_balance": "aux_free", "moe_bias_update_rate": 0.05, "moe_z_loss_coef": 1e-3, "n_shared_experts": 1}, 2),
-], ids=["tp2-sp", "tp2-shared", "tp2xdp2-accumulate"])
+    # with the other dimensions: the row's expert counts summed over cp, experts FSDP-sharded over dp_shard x cp
+    (4, {"tensor_parallel": 2, "context_parallel": 2, "data_parallel_shard": 1}, {}, 1),
+    pytest.param(4, {"tensor_parallel": 2, "pipeline_parallel": 2, "pipeline_microbatches": 2}, {}, 1, marks=pytest.mark.slow),
+    pytest.param(4, {"tensor_parallel": 2, "data_parallel_replicate": 2, "data_parallel_shard": 1}, {}, 1,
+                 marks=pytest.mark.slow),
+], ids=["tp2-sp", "tp2-shared", "tp2xdp2-accumulate", "tp2xcp2", "pp2xtp2", "hsdp2xtp2"])
 def test_moe_llama_expert_tensor_parallel_parity(world, kwargs, overrides, accumulate):
     reference = reference_moe_run(make_moe(**overrides), masked_data(), global_batch=BATCH * accumulate, steps=STEPS)
     results = run_ranks(_train, world, kwargs, overrides, accumulate)
     losses = step_losses(results)
     assert all(math.isfinite(v) for v in losses)
-    assert_parity(results[0], reference, losses)
+    merged = {"grads": {}, "params": {}, "layouts": {}}
+    for result in results:  # pipeline stages each record their own parameters
+        for key in merged:
+            merged[key].update(result[key])
+    assert_parity(merged, reference, losses)
     # The balance terms and token counts are logged once, not once per tp rank.
     assert_close(torch.tensor(results[0]["aux"]), torch.tensor(reference["aux"]), rtol=1e-5, atol=1e-6)
-    layouts = results[0]["layouts"]
+    layouts = merged["layouts"]
     gate_up = next(v for k, v in layouts.items() if k.endswith("experts.gate_up_proj"))
     down = next(v for k, v in layouts.items() if k.endswith("experts.down_proj"))
     # 8 experts, I = 32: each tp rank holds [gate; up] rows 2 * 32 / 2 = 32 and down's I / 2 = 16 columns
     # (and 8 / dp_shard experts under FSDP).
-    experts = 8 // kwargs.get("data_parallel_shard", 1)
+    experts = 8 // (kwargs.get("data_parallel_shard", 1) * kwargs.get("context_parallel", 1))
     assert gate_up[0] == (experts, 32, 32) and "_StridedShard(dim=1, sf=2)" in gate_up[1], gate_up
     assert down[0] == (experts, 32, 16), down
 
