@@ -367,7 +367,8 @@ def test_plan_json_rows_have_the_documented_keys(capsys):
 def test_plan_explains_a_layout_and_keeps_the_old_options(capsys):
     shape = model_shape("llama3_8b")
     code, out = _plan(capsys, "--preset", "llama3_8b", "--world", "8", "--zero-stage", "3", "--full-recompute",
-                      "--device-memory-gib", "80", "--micro-batch", "1", "--global-batch", "16")  # accumulation 2
+                      "--device-memory-gib", "80", "--micro-batch", "1", "--global-batch", "16",  # accumulation 2
+                      "--layout", "accumulate_unsharded_grads=false")  # else the faster whole-gradient accumulation wins
     assert code == 0
     assert f"parameters {4 * shape.num_params / 8 / GIB:.2f} + gradients {4 * shape.num_params / 8 / GIB:.2f}" in out.out
     assert "recompute=full" in out.out and "zero_stage=3" in out.out
@@ -500,9 +501,9 @@ def test_hf_models_get_only_what_ultrascale_runs_for_them():
     mixtral = T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
     problems = " ".join(planner.layout_problems(lay, ModelShape.from_hf_config(mixtral), cluster, 1024, 4, hf_config=mixtral))
     assert problems == ""  # expert tensor parallel ('moe_tp_experts' / 'packed_colwise') runs
-    mixtral.base_model_tp_plan = {**mixtral.base_model_tp_plan, "layers.*.mlp.experts.zero": "moe_identity_expert"}
+    mixtral.base_model_tp_plan = {**mixtral.base_model_tp_plan, "layers.*.mlp.experts": "ep_dispatch_experts"}
     problems = " ".join(planner.layout_problems(lay, ModelShape.from_hf_config(mixtral), cluster, 1024, 4, hf_config=mixtral))
-    assert "'moe_identity_expert' is not supported" in problems  # a known style, refused with its reason
+    assert "'ep_dispatch_experts' is not supported" in problems  # a known style, refused with its reason
     llama = T.LlamaConfig(**common)
     assert planner.layout_problems(lay, ModelShape.from_hf_config(llama), cluster, 1024, 4, hf_config=llama) == []
     gemma = T.Gemma2Config(**common, head_dim=32)
@@ -512,3 +513,30 @@ def test_hf_models_get_only_what_ultrascale_runs_for_them():
     # HF models run TP without sequence parallel: the norms' activations are not divided by tp.
     rows = planner.search(ModelShape.from_hf_config(llama), cluster, planner.Workload(1024, 8), {"tp": 2}, hf_config=llama)
     assert rows and all(row.layout.tp == 2 for row in rows)
+
+
+@pytest.mark.slow
+def test_unsharded_accumulation_priced_as_measured_and_searched():
+    """`accumulate_unsharded_grads`: whole fp32 gradients held through the accumulation (measured by replaying the
+    step on fake tensors), one reduce-scatter per step instead of one per micro-batch; the search tries both."""
+    from ultrascale.measure import measure_layout
+
+    shape = model_shape("small")
+    cluster = planner.Cluster(planner.GPU_SPECS["h100"], 2)
+    work = planner.Workload(256, 4)
+    rows = {}
+    for whole in (False, True):
+        measured = measure_layout("small", world=2, seq_len=256, grad_accumulation=2, accumulate_unsharded_grads=whole)
+        lay = planner.Layout(dp_shard=2, micro_batch=1, grad_accumulation=2, unsharded_accumulation=whole)
+        rows[whole] = planner.evaluate(shape, lay, cluster, work)
+        predicted = rows[whole].memory["total"] / GIB
+        assert abs(predicted - measured["peak_gib"]) / measured["peak_gib"] < 0.10, (whole, predicted, measured)
+    assert rows[True].memory["grads"] == pytest.approx(2 * rows[False].memory["grads"])  # whole (fp32) vs 1/2 shards
+    assert rows[True].step_time["total"] < rows[False].step_time["total"]  # one reduce-scatter per step instead of two
+    assert rows[True].tokens_per_s_per_gpu > rows[False].tokens_per_s_per_gpu
+    searched = planner.search(shape, cluster, work, {"micro_batch": 1, "recompute": "none", "zero_stage": 3})
+    assert {row.layout.unsharded_accumulation for row in searched} == {False, True}
+    assert "accumulate_unsharded_grads: True" in planner.recipe_yaml(rows[True], "small", shape, cluster, work)
+    assert "unsharded" in " ".join(planner.layout_problems(
+        planner.Layout(dp_shard=2, zero_stage=2, micro_batch=1, grad_accumulation=2, unsharded_accumulation=True),
+        shape, cluster, 256, 4))

@@ -360,6 +360,9 @@ def plan_main(args: list[str]) -> str:
                 tp=lay.tp, ep=lay.ep, zero_stage=lay.zero_stage, precision=options.precision, seq_len=options.seq_len,
                 micro_batch=lay.micro_batch, recompute=lay.recompute,
                 pipeline_microbatches=lay.grad_accumulation if lay.pp > 1 else None,
+                # The accumulation's peak is reached by its second micro-batch (gradients from the first held).
+                grad_accumulation=min(lay.grad_accumulation, 2) if lay.pp == 1 else 1,
+                accumulate_unsharded_grads=lay.unsharded_accumulation,
             )
         except NotImplementedError as error:
             lines.append(f"measured   not measured: {error}")
@@ -642,6 +645,8 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
     layout = planner.Layout(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=dims.cp, tp=dims.tp,
                             ep=dims.ep, zero_stage=strategy.zero_stage, micro_batch=micro_batch,
                             grad_accumulation=grad_accumulation, recompute=recompute,
+                            unsharded_accumulation=bool(strategy.accumulate_unsharded_grads and strategy.zero_stage == 3
+                                                        and pipeline is None and grad_accumulation > 1),
                             virtual_stages=pipeline.virtual_stages if pipeline is not None else 1)
     cluster = planner.Cluster(spec or planner.GPU_SPECS[gpu], world, per_node,
                               **({"efficiency": efficiency} if efficiency else {}))

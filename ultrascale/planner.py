@@ -101,6 +101,9 @@ class Layout:
     recompute: str = "none"
     virtual_stages: int = 1
     """Pipeline stages per rank (1: 1F1B; 2 or more: Interleaved1F1B)."""
+    unsharded_accumulation: bool = False
+    """ZeRO-3 accumulation without PP: whole fp32 gradients accumulate over the micro-batches and are
+    reduce-scattered once per step (the strategy's `accumulate_unsharded_grads=True`), not every one."""
 
     @property
     def world(self) -> int:
@@ -122,18 +125,21 @@ class Layout:
                  f"grad_accumulation={self.grad_accumulation}", f"recompute={self.recompute}"]
         if self.pp > 1:
             parts.append(f"schedule={self.schedule}" + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else ""))
+        if self.unsharded_accumulation:
+            parts.append("accumulate_unsharded_grads=True")
         return ", ".join(parts)
 
 
 LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero_stage", "micro_batch", "grad_accumulation",
-               "recompute", "virtual_stages")
+               "recompute", "virtual_stages", "unsharded_accumulation")
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def parse_layout(text: str) -> dict[str, Any]:
     """`"pp=4,dp_shard=8,tp=8,zero_stage=1"` -> {"pp": 4, ...}; unknown keys and bad values are errors."""
     fixed: dict[str, Any] = {}
-    aliases = {"dp": "dp_shard", "zero": "zero_stage", "mbs": "micro_batch", "acc": "grad_accumulation", "v": "virtual_stages"}
+    aliases = {"dp": "dp_shard", "zero": "zero_stage", "mbs": "micro_batch", "acc": "grad_accumulation", "v": "virtual_stages",
+               "accumulate_unsharded_grads": "unsharded_accumulation"}
     for item in filter(None, (part.strip() for part in text.replace(" ", ",").split(","))):
         if "=" not in item:
             raise ValueError(f"layout item {item!r} is not key=value; keys: {', '.join(LAYOUT_KEYS)}")
@@ -141,6 +147,11 @@ def parse_layout(text: str) -> dict[str, Any]:
         key = aliases.get(key, key)
         if key not in LAYOUT_KEYS:
             raise ValueError(f"unknown layout key {key!r}; keys: {', '.join(LAYOUT_KEYS)}")
+        if key == "unsharded_accumulation":
+            if value.lower() not in ("0", "1", "true", "false"):
+                raise ValueError(f"{key}={value!r}: give 0/1 or true/false")
+            fixed[key] = value.lower() in ("1", "true")
+            continue
         if key == "recompute":
             if value not in RECOMPUTE_MODES:
                 raise ValueError(f"recompute={value!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
@@ -197,6 +208,8 @@ def layout_problems(layout: Layout, shape: ModelShape, cluster: Cluster, seq_len
         problems.append(f"pp*dp_replicate*dp_shard*cp*tp = {lay.world}, not the {cluster.gpus} GPUs")
     if lay.zero_stage not in (1, 2, 3):
         problems.append(f"zero_stage={lay.zero_stage}: ultrascale runs ZeRO-1, 2 or 3 (no plain replicated data parallel)")
+    if lay.unsharded_accumulation and not (lay.zero_stage == 3 and lay.pp == 1 and lay.grad_accumulation > 1):
+        problems.append("accumulate_unsharded_grads applies to ZeRO-3 gradient accumulation without pipeline parallel")
     if lay.recompute not in RECOMPUTE_MODES:
         problems.append(f"recompute={lay.recompute!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
     if lay.tp > 1:
@@ -431,6 +444,10 @@ def _peak_memory(shape: ModelShape, lay: Layout, work: Workload, acts: Activatio
     # (measured with torch's MemTracker on CPU: states 8 + temporary 4 bytes per parameter).
     accumulating = m > 1 or lay.pp > 1 or lay.zero_stage in (1, 2)
     grads_in_forward = grads if accumulating else 0.0
+    if lay.unsharded_accumulation and m > 1:
+        # FSDP keeps each parameter's whole (tp-local) fp32 gradient from the first micro-batch to the last one's
+        # reduce-scatter; the sharded gradients appear only then (measured: `measure_layout`, small, dp_shard 2).
+        grads_in_forward = (dense + experts) * 4
     optimizer_bytes = STATE_BYTES[(work.precision, "fsdp" if lay.zero_stage == 3 else "zero12")][2]
     step_temporary = optimizer * 4 / optimizer_bytes
     if activations + grads_in_forward >= grads + step_temporary:
@@ -484,9 +501,10 @@ def _step_time(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workload,
     # default: `accumulate_unsharded_grads=False` keeps ZeRO-3's gradient memory); under PP once per step.
     if lay.zero_stage == 3:
         per_step = 1 if lay.pp > 1 else m
+        reductions = 1 if lay.pp > 1 or lay.unsharded_accumulation else m
         fsdp = 2 * per_step * (_ring("all_gather", dense * c, n_shard, bw_fsdp) + _ring("all_gather", experts * c, n_expert_shard, bw_fsdp))
-        fsdp += per_step * (_ring("reduce_scatter", dense * 4, n_shard, bw_fsdp)
-                            + _ring("reduce_scatter", experts * 4, n_expert_shard, bw_fsdp))
+        fsdp += reductions * (_ring("reduce_scatter", dense * 4, n_shard, bw_fsdp)
+                              + _ring("reduce_scatter", experts * 4, n_expert_shard, bw_fsdp))
         hidden_comm += fsdp * (1 - 1 / max(layers, 1))
         exposed += fsdp / max(layers, 1)  # the first gather and the last reduce-scatter wait
     elif n_shard > 1:  # ZeRO-1/2: reduce-scatter grads, all-gather the updated params after the step
@@ -562,9 +580,12 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, work: Workload, fixed
                 if "grad_accumulation" in fixed and fixed["grad_accumulation"] != acc:
                     continue
                 vs = [fixed["virtual_stages"]] if "virtual_stages" in fixed else ([1, 2] if pp > 1 else [1])
-                for v in vs:
+                unsharded = ([fixed["unsharded_accumulation"]] if "unsharded_accumulation" in fixed
+                             else [False, True] if zero == 3 and pp == 1 and acc > 1 else [False])
+                for v, whole in itertools.product(vs, unsharded):
                     yield Layout(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, ep=ep, zero_stage=zero,
-                                 micro_batch=mbs, grad_accumulation=acc, recompute=recompute, virtual_stages=v)
+                                 micro_batch=mbs, grad_accumulation=acc, recompute=recompute, virtual_stages=v,
+                                 unsharded_accumulation=whole)
 
 
 def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[dict[str, Any]] = None,
@@ -605,9 +626,10 @@ def format_table(rows: list[PlanRow], top: int) -> str:
     for i, row in enumerate(rows[:top], 1):
         lay, mem, t = row.layout, {k: v / GIB for k, v in row.memory.items()}, row.step_time
         recompute = lay.recompute + (f"/v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+        accumulation = f"{lay.grad_accumulation}{'w' if lay.unsharded_accumulation else ''}"  # w: whole gradients
         lines.append(
             f"{i:>3} {lay.pp:>3} {lay.dp_replicate:>4} {lay.dp_shard:>4} {lay.cp:>3} {lay.tp:>3} {lay.ep:>3} {lay.zero_stage:>4} "
-            f"{recompute:>9} {lay.micro_batch:>3} {lay.grad_accumulation:>4} | {mem['params']:>7.2f} {mem['grads']:>6.2f} "
+            f"{recompute:>9} {lay.micro_batch:>3} {accumulation:>4} | {mem['params']:>7.2f} {mem['grads']:>6.2f} "
             f"{mem['optimizer']:>6.2f} {mem['activations']:>6.2f} {mem['buffers']:>5.2f} {mem['total']:>6.2f} "
             f"{'yes' if row.fits else 'NO':>4} | {t['compute']:>7.3f} {t['communication']:>7.3f} {t['bubble']:>7.3f} "
             f"{t['total']:>7.3f} | {row.tokens_per_s_per_gpu:>9,.0f} {row.mfu:>5.1%}"
@@ -619,7 +641,8 @@ def format_table(rows: list[PlanRow], top: int) -> str:
 def describe_search(shape: ModelShape, fixed: dict[str, Any]) -> str:
     """One line: the dimensions searched, what was fixed, and what was left out."""
     dims = "pp x dp_replicate x dp_shard x cp x tp" + (" x ep" if shape.n_experts else "")
-    text = (f"{dims}; ZeRO-1/2/3; recompute none/selective/full; micro-batch 1-8; pipeline 1F1B and Interleaved1F1B (v=2)")
+    text = (f"{dims}; ZeRO-1/2/3; recompute none/selective/full; micro-batch 1-8; pipeline 1F1B and Interleaved1F1B (v=2); "
+            "ZeRO-3 accumulation with sharded or whole gradients (acc 'w')")
     if fixed:
         text += "; fixed " + ", ".join(f"{key}={value}" for key, value in fixed.items())
     left_out = ["ZeRO-0 (ultrascale has no plain replicated data parallel)", "GPipe and zero-bubble schedules", "Float8"]
@@ -676,6 +699,8 @@ def recipe_yaml(row: PlanRow, model: str, shape: ModelShape, cluster: Cluster, w
         init.update(pipeline_schedule=lay.schedule, pipeline_microbatches=lay.grad_accumulation)
         if lay.virtual_stages > 1:
             init["pipeline_virtual_stages"] = lay.virtual_stages
+    if lay.unsharded_accumulation:
+        init["accumulate_unsharded_grads"] = True
     strategy = "\n".join(f"      {key}: {value}" for key, value in init.items())
     callbacks = ""
     if lay.recompute != "none":

@@ -366,7 +366,7 @@ class UltraScaleStrategy(StrategyInternals):
                 ("dp_replicate", data_parallel_replicate, 1), ("dp_shard", data_parallel_shard, -1),
                 ("cp", context_parallel, 1), ("tp", tensor_parallel, 1), ("pp", pipeline_parallel, 1),
                 ("ep", expert_parallel, 1), ("zero_stage", zero_stage, 3),
-                ("virtual_stages", pipeline_virtual_stages, None),
+                ("virtual_stages", pipeline_virtual_stages, None), ("unsharded_accumulation", accumulate_unsharded_grads, False),
             ) if value != default
         }
         self._auto_transforms: list[ModelTransform] = []
@@ -546,6 +546,7 @@ class UltraScaleStrategy(StrategyInternals):
         self._degrees = {"dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "cp": lay.cp, "tp": lay.tp,
                          "pp": lay.pp, "ep": lay.ep}
         self.zero_stage = lay.zero_stage
+        self.accumulate_unsharded_grads = lay.unsharded_accumulation
         if lay.pp > 1:
             self.pipeline_schedule = lay.schedule or self.pipeline_schedule
             self.pipeline_virtual_stages = lay.virtual_stages
