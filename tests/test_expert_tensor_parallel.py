@@ -138,3 +138,24 @@ def test_hf_moe_tensor_parallel_parity_and_export(tmp_path, arch, world, kwargs)
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
     for (name, got), (_, want) in zip(exported.state_dict().items(), reference_model.state_dict().items()):
         assert_close(got, want, rtol=0, atol=5e-5, msg=lambda m: f"{name}: {m}")
+
+
+def _train_recomputed(rank, world_size):
+    from ultrascale.callbacks import ActivationCheckpointing
+
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(tensor_parallel=2), recorder, STEPS,
+                             callbacks=[ActivationCheckpointing()])
+    trainer.fit(make_moe(), ParityData(masked_data(), BATCH))
+    return recorder.result()
+
+
+def test_expert_tensor_parallel_under_activation_checkpointing():
+    """The recomputed forward runs the experts' hooks again (local shards, the input all-reduce in backward):
+    still one all-reduce per gradient, the same numbers as one process."""
+    reference = reference_moe_run(make_moe(), masked_data(), global_batch=BATCH, steps=STEPS)
+    results = run_ranks(_train_recomputed, 2)
+    # named_parameters shows the checkpoint wrapper; the reference has none
+    unwrapped = {key: {name.replace("_checkpoint_wrapped_module.", ""): value for name, value in results[0][key].items()}
+                 for key in ("grads", "params")}
+    assert_parity(unwrapped, reference, step_losses(results))
