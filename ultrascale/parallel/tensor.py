@@ -217,7 +217,7 @@ class ExpertTensorParallel(OwnParamsParallel):
     moves; per layer
 
         forward:  y_r = sum_k w_k down_r(silu(gate_r x) * up_r x)     partial over the tp ranks
-                  y = all-reduce(y_r)                                 (`reduce_output`; else the caller sums)
+                  y = all-reduce(y_r)
         backward: dL/dx and dL/dw_k are partial per rank: all-reduced at the module's input
 
     Every parameter of the module needs a split layout (default: `EXPERT_WEIGHT_PLACEMENTS`): a
@@ -225,9 +225,8 @@ class ExpertTensorParallel(OwnParamsParallel):
     runs unchanged on local shards, whichever experts implementation it dispatches to.
     """
 
-    def __init__(self, placements: Optional[Mapping[str, Placement]] = None, *, reduce_output: bool = True) -> None:
+    def __init__(self, placements: Optional[Mapping[str, Placement]] = None) -> None:
         super().__init__(placements or EXPERT_WEIGHT_PLACEMENTS)
-        self.reduce_output = reduce_output
 
     def with_placements(self, placements: Mapping[str, Placement]) -> "OwnParamsParallel":
         styled = copy.copy(self)
@@ -265,8 +264,7 @@ class ExpertTensorParallel(OwnParamsParallel):
         group = device_mesh.get_group()
         module.register_forward_pre_hook(lambda mod, args, kwargs: _expert_inputs(args, kwargs, group), with_kwargs=True)
         super()._apply(module, device_mesh)  # its hook swaps the local shards in after the one above
-        if self.reduce_output:
-            module.register_forward_hook(lambda mod, args, output: _AllReduceForward.apply(output, group))
+        module.register_forward_hook(lambda mod, args, output: _AllReduceForward.apply(output, group))
         return module
 
 
