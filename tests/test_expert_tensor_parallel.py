@@ -120,6 +120,7 @@ def _train_hf(rank, world_size, path, strategy_kwargs, export_dir):
 @pytest.mark.parametrize("arch, world, kwargs", [
     ("mixtral", 2, {"tensor_parallel": 2}),
     ("qwen2_moe", 4, {"tensor_parallel": 2, "data_parallel_shard": 2}),  # a gated shared expert beside the routed ones
+    ("qwen3_moe", 2, {"tensor_parallel": 2}),  # per-head q/k norms ('replicated_with_grad_allreduce') beside the experts
 ])
 def test_hf_moe_tensor_parallel_parity_and_export(tmp_path, arch, world, kwargs):
     """The plan the checkpoint's config ships ('moe_tp_experts' with 'packed_colwise' / 'rowwise' expert weights)
