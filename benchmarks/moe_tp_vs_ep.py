@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import Undisturbed, load_average, machine as machine_line, write_results  # noqa: E402
@@ -82,7 +83,7 @@ def _run(rank: int, world_size: int, way: str, args) -> dict:
             expert.shard_experts(layer, expert.ExpertParallel(mesh))
             hidden, index, weights, grad_out = _tokens(1000 * k + rank, k, args)  # each rank its own tokens
         else:
-            ExpertTensorParallel()._apply(layer, mesh)
+            parallelize_module(layer, mesh, ExpertTensorParallel())
             hidden, index, weights, grad_out = _tokens(1000 * k, k, args)  # the same tokens on both ranks
 
         def step(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

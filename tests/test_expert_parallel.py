@@ -303,23 +303,29 @@ def reference_hf_moe_run(path, dataset, *, global_batch, steps, aux_coef):
     return out, model
 
 
+def expert_layouts(module) -> dict[str, tuple]:
+    """Layer 0's expert weights held as DTensors: (local shape, placements, global shape) by name."""
+    from torch.distributed.tensor import DTensor
+
+    return {name: (tuple(p.to_local().shape), str(p.placements), tuple(p.shape)) for name, p in module.named_parameters()
+            if "layers.0." in name and "experts" in name and isinstance(p, DTensor)}
+
+
 def _train_hf(rank, world_size, path, strategy_kwargs, export_dir):
     from tests._parity import make_hf
 
     recorder = Recorder()
     trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**strategy_kwargs), recorder, STEPS)
-    trainer.fit(make_hf(path, export_dir=export_dir, router_aux_loss_coef=AUX), ParityData(masked_data(), BATCH))
+    module = make_hf(path, export_dir=export_dir, router_aux_loss_coef=AUX)
+    trainer.fit(module, ParityData(masked_data(), BATCH))
     aux = [m["moe/aux_loss"] for _, m in sorted(recorder.logger.steps.items()) if "moe/aux_loss" in m]
-    return {**recorder.result(), "aux": aux}
+    return {**recorder.result(), "aux": aux, "layouts": expert_layouts(module)}
 
 
-@pytest.mark.parametrize("arch, world, kwargs", [
-    ("mixtral", 2, {"expert_parallel": 2}),
-    ("qwen3_moe", 4, {"expert_parallel": 2}),  # ep2 x ep_shard2
-])
-def test_hf_moe_expert_parallel_parity_and_export(tmp_path, arch, world, kwargs):
-    """Fine-tuning an HF MoE checkpoint under ep equals transformers' own model on one process, and the
-    exported folder (back in the checkpoint's per-expert layout) holds the one-process weights."""
+def check_hf_moe_parity_and_export(tmp_path, arch: str, world: int, strategy_kwargs: dict) -> list[dict]:
+    """Fine-tuning an HF MoE checkpoint of `arch` under `strategy_kwargs` equals transformers' own model on one
+    process (masked data, balance terms included), and the exported folder, back in the checkpoint's per-expert
+    layout, holds the one-process weights. Returns the ranks' results."""
     import transformers
     from safetensors.torch import load_file
 
@@ -327,7 +333,7 @@ def test_hf_moe_expert_parallel_parity_and_export(tmp_path, arch, world, kwargs)
 
     path = make_hf_checkpoint(tmp_path / "source", arch, vocab_size=VOCAB, hidden_size=32)
     reference, reference_model = reference_hf_moe_run(path, masked_data(), global_batch=BATCH, steps=STEPS, aux_coef=AUX)
-    results = run_ranks(_train_hf, world, path, kwargs, str(tmp_path / "export"))
+    results = run_ranks(_train_hf, world, path, strategy_kwargs, str(tmp_path / "export"))
     losses = step_losses(results)
     # Weights after step 1 within 3e-5, as in the other HF tests: Adam's first step amplifies reduction-order noise.
     assert_parity(results[0], reference, losses, param_atol=3e-5)
@@ -337,6 +343,18 @@ def test_hf_moe_expert_parallel_parity_and_export(tmp_path, arch, world, kwargs)
         assert_close(got, want, rtol=0, atol=5e-5, msg=lambda m: f"{name}: {m}")
     on_disk = {k for f in (tmp_path / "export").glob("*.safetensors") for k in load_file(f)}
     assert any(".experts.0." in k for k in on_disk), "the export keeps the checkpoint's per-expert layout"
+    return results
+
+
+@pytest.mark.parametrize("arch, world, kwargs", [
+    ("mixtral", 2, {"expert_parallel": 2}),
+    ("qwen3_moe", 4, {"expert_parallel": 2}),  # ep2 x ep_shard2
+])
+def test_hf_moe_expert_parallel_parity_and_export(tmp_path, arch, world, kwargs):
+    """Under ep: each rank holds its experts whole (E / ep of them, FSDP-sharded over the ranks holding the same)."""
+    results = check_hf_moe_parity_and_export(tmp_path, arch, world, kwargs)
+    gate_up = next(v for k, v in results[0]["layouts"].items() if k.endswith("experts.gate_up_proj"))
+    assert gate_up[0][0] * world == gate_up[2][0] and gate_up[0][1:] == gate_up[2][1:], gate_up
 
 
 # --------------------------------------------------------------------------- resume and balance

@@ -16,27 +16,19 @@ from torch.testing import assert_close
 
 import ultrascale
 from tests._dist import run_ranks
-from tests._parity import ParityData, Recorder, assert_parity, make_hf_checkpoint, parity_trainer, step_losses
+from tests._parity import ParityData, Recorder, assert_parity, parity_trainer, step_losses
 from tests.test_expert_parallel import (
-    AUX,
     BATCH,
     STEPS,
     STOP,
     TOTAL,
-    VOCAB,
     _fit,
+    check_hf_moe_parity_and_export,
+    expert_layouts,
     make_moe,
     masked_data,
-    reference_hf_moe_run,
     reference_moe_run,
 )
-
-
-def _expert_layouts(module) -> dict[str, tuple]:
-    from torch.distributed.tensor import DTensor
-
-    return {name: (tuple(p.to_local().shape), str(p.placements), tuple(p.shape)) for name, p in module.named_parameters()
-            if "layers.0." in name and "experts" in name and isinstance(p, DTensor)}
 
 
 def _train(rank, world_size, strategy_kwargs, overrides, accumulate):
@@ -47,7 +39,7 @@ def _train(rank, world_size, strategy_kwargs, overrides, accumulate):
     trainer.fit(module, ParityData(masked_data(), BATCH))
     aux = [m["moe/aux_loss"] for _, m in sorted(recorder.logger.steps.items()) if "moe/aux_loss" in m]
     tokens = [m["moe/expert_tokens/0"] for _, m in sorted(recorder.logger.steps.items()) if "moe/expert_tokens/0" in m]
-    return {**recorder.result(), "aux": aux, "tokens": tokens, "layouts": _expert_layouts(module)}
+    return {**recorder.result(), "aux": aux, "tokens": tokens, "layouts": expert_layouts(module)}
 
 
 @pytest.mark.parametrize("world, kwargs, overrides, accumulate", [
@@ -106,17 +98,6 @@ def test_tp2_checkpoint_resumes_at_tp2_and_on_one_process(tmp_path):
 # --------------------------------------------------------------------------- Hugging Face MoE checkpoints
 
 
-def _train_hf(rank, world_size, path, strategy_kwargs, export_dir):
-    from tests._parity import make_hf
-
-    recorder = Recorder()
-    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**strategy_kwargs), recorder, STEPS)
-    module = make_hf(path, export_dir=export_dir, router_aux_loss_coef=AUX)
-    trainer.fit(module, ParityData(masked_data(), BATCH))
-    aux = [m["moe/aux_loss"] for _, m in sorted(recorder.logger.steps.items()) if "moe/aux_loss" in m]
-    return {**recorder.result(), "aux": aux, "layouts": _expert_layouts(module)}
-
-
 @pytest.mark.parametrize("arch, world, kwargs", [
     ("mixtral", 2, {"tensor_parallel": 2}),
     ("qwen2_moe", 4, {"tensor_parallel": 2, "data_parallel_shard": 2}),  # a gated shared expert beside the routed ones
@@ -125,20 +106,10 @@ def _train_hf(rank, world_size, path, strategy_kwargs, export_dir):
 def test_hf_moe_tensor_parallel_parity_and_export(tmp_path, arch, world, kwargs):
     """The plan the checkpoint's config ships ('moe_tp_experts' with 'packed_colwise' / 'rowwise' expert weights)
     equals transformers' own model on one process, and the exported folder holds the one-process weights."""
-    import transformers
-
-    path = make_hf_checkpoint(tmp_path / "source", arch, vocab_size=VOCAB, hidden_size=32)
-    reference, reference_model = reference_hf_moe_run(path, masked_data(), global_batch=BATCH, steps=STEPS, aux_coef=AUX)
-    results = run_ranks(_train_hf, world, path, kwargs, str(tmp_path / "export"))
-    losses = step_losses(results)
-    assert_parity(results[0], reference, losses, param_atol=3e-5)
-    assert_close(torch.tensor(results[0]["aux"]), torch.tensor(reference["aux"]), rtol=1e-5, atol=1e-6)
+    results = check_hf_moe_parity_and_export(tmp_path, arch, world, kwargs)
     gate_up = next(v for k, v in results[0]["layouts"].items() if k.endswith("experts.gate_up_proj"))
     # (E / dp_shard, 2I / tp, H): each rank holds half of gate and half of up.
     assert gate_up[0][1] * 2 == gate_up[2][1] and "_StridedShard(dim=1, sf=2)" in gate_up[1], gate_up
-    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
-    for (name, got), (_, want) in zip(exported.state_dict().items(), reference_model.state_dict().items()):
-        assert_close(got, want, rtol=0, atol=5e-5, msg=lambda m: f"{name}: {m}")
 
 
 def _train_recomputed(rank, world_size):

@@ -516,7 +516,7 @@ def test_hf_models_get_only_what_ultrascale_runs_for_them():
 
 
 @pytest.mark.slow
-def test_unsharded_accumulation_priced_as_measured_and_searched():
+def test_accumulate_unsharded_grads_priced_as_measured_and_searched():
     """`accumulate_unsharded_grads`: whole fp32 gradients held through the accumulation (measured by replaying the
     step on fake tensors), one reduce-scatter per step instead of one per micro-batch; the search tries both."""
     from ultrascale.measure import measure_layout
@@ -527,7 +527,7 @@ def test_unsharded_accumulation_priced_as_measured_and_searched():
     rows = {}
     for whole in (False, True):
         measured = measure_layout("small", world=2, seq_len=256, grad_accumulation=2, accumulate_unsharded_grads=whole)
-        lay = planner.Layout(dp_shard=2, micro_batch=1, grad_accumulation=2, unsharded_accumulation=whole)
+        lay = planner.Layout(dp_shard=2, micro_batch=1, grad_accumulation=2, accumulate_unsharded_grads=whole)
         rows[whole] = planner.evaluate(shape, lay, cluster, work)
         predicted = rows[whole].memory["total"] / GIB
         assert abs(predicted - measured["peak_gib"]) / measured["peak_gib"] < 0.10, (whole, predicted, measured)
@@ -535,8 +535,8 @@ def test_unsharded_accumulation_priced_as_measured_and_searched():
     assert rows[True].step_time["total"] < rows[False].step_time["total"]  # one reduce-scatter per step instead of two
     assert rows[True].tokens_per_s_per_gpu > rows[False].tokens_per_s_per_gpu
     searched = planner.search(shape, cluster, work, {"micro_batch": 1, "recompute": "none", "zero_stage": 3})
-    assert {row.layout.unsharded_accumulation for row in searched} == {False, True}
+    assert {row.layout.accumulate_unsharded_grads for row in searched} == {False, True}
     assert "accumulate_unsharded_grads: True" in planner.recipe_yaml(rows[True], "small", shape, cluster, work)
     assert "unsharded" in " ".join(planner.layout_problems(
-        planner.Layout(dp_shard=2, zero_stage=2, micro_batch=1, grad_accumulation=2, unsharded_accumulation=True),
+        planner.Layout(dp_shard=2, zero_stage=2, micro_batch=1, grad_accumulation=2, accumulate_unsharded_grads=True),
         shape, cluster, 256, 4))

@@ -8,7 +8,7 @@ one process in its output and every gradient, and no gradient is left a pending 
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor.parallel import RowwiseParallel
 from torch.testing import assert_close
 
@@ -18,6 +18,7 @@ from ultrascale.parallel.tensor import (
     REFUSED_STYLE_NAMES,
     STYLE_NAMES,
     apply_tp,
+    packed_shard,
     resolve_plan,
     style_from_name,
 )
@@ -58,8 +59,9 @@ def test_bare_parameter_entries_need_their_modules_entry():
     with pytest.raises(ValueError, match="'packed_colwise' lays out a fused weight parameter"):
         style_from_name("packed_colwise")._apply(model.q, None)
     experts = split_parameter_entries(model, resolve_plan(PLAN))["experts"]
-    assert {k: str(v) for k, v in experts.placements.items()} == {"gate_up_proj": "_S(1, 2)", "down_proj": "S(2)"} or \
-        {k: type(v).__name__ for k, v in experts.placements.items()} == {"gate_up_proj": "_StridedShard", "down_proj": "Shard"}
+    # 'packed_colwise' on (E, 2I, D): gate and up halves split together; 'rowwise' on (E, D, I): split on I.
+    assert experts.placements == {"gate_up_proj": packed_shard(1), "down_proj": Shard(2)}
+    assert experts.placements["gate_up_proj"] != Shard(1)  # a plain split of the packed dim would pair wrong rows
 
 
 def test_shipped_plans_of_tested_architectures_resolve():

@@ -362,7 +362,7 @@ def plan_main(args: list[str]) -> str:
                 pipeline_microbatches=lay.grad_accumulation if lay.pp > 1 else None,
                 # The accumulation's peak is reached by its second micro-batch (gradients from the first held).
                 grad_accumulation=min(lay.grad_accumulation, 2) if lay.pp == 1 else 1,
-                accumulate_unsharded_grads=lay.unsharded_accumulation,
+                accumulate_unsharded_grads=lay.accumulate_unsharded_grads,
             )
         except NotImplementedError as error:
             lines.append(f"measured   not measured: {error}")
@@ -569,22 +569,19 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
         hparams = getattr(module, "hparams", {})
         preset = hparams.get("preset") if hparams.get("config") is None else None
         shape = ModelShape.from_llama_config(config, name=f"Llama {preset}" if preset else "Llama")
-        max_positions, vocab, tied = config.max_seq_len, config.vocab_size, config.tie_embeddings
+        max_positions, vocab = config.max_seq_len, config.vocab_size
     elif config is not None and hasattr(config, "model_type"):
         hf_config = getattr(config, "text_config", None) or config
         shape = ModelShape.from_hf_config(hf_config)
         max_positions, vocab = None, hf_config.vocab_size  # HF RoPE extends past max_position_embeddings
-        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     else:
         raise ValueError(f"{type(module).__name__}: `ultrascale plan --recipe` prices the built-in Llama (LlamaLM) and "
                          "Hugging Face models (HFCausalLM); this module has neither a LlamaConfig nor a Hugging Face "
                          "`config`")
 
-    # The strategy's own checks (`UltraScaleStrategy.check_model`, what `setup` runs), on the meta-built model.
+    # The strategy's own checks (`UltraScaleStrategy.check_model`, what `setup` runs), on the meta-built model
+    # (tied embeddings under PP included: `PipelineParts.check`).
     owner = type(strategy).__name__
-    if dims.pp_enabled and tied:
-        raise ValueError(f"{owner}(pipeline_parallel={dims.pp}): {type(module).__name__} ties its input embedding to "
-                         "its output head, which live on the first and the last stage; untie them")
     checked = strategy.check_model(module)
     adapter, sequence_parallel = checked.adapter, checked.sequence_parallel
     pipeline = checked.pipeline[1] if checked.pipeline is not None else None
@@ -645,7 +642,7 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
     layout = planner.Layout(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=dims.cp, tp=dims.tp,
                             ep=dims.ep, zero_stage=strategy.zero_stage, micro_batch=micro_batch,
                             grad_accumulation=grad_accumulation, recompute=recompute,
-                            unsharded_accumulation=bool(strategy.accumulate_unsharded_grads and strategy.zero_stage == 3
+                            accumulate_unsharded_grads=bool(strategy.accumulate_unsharded_grads and strategy.zero_stage == 3
                                                         and pipeline is None and grad_accumulation > 1),
                             virtual_stages=pipeline.virtual_stages if pipeline is not None else 1)
     cluster = planner.Cluster(spec or planner.GPU_SPECS[gpu], world, per_node,

@@ -101,7 +101,7 @@ class Layout:
     recompute: str = "none"
     virtual_stages: int = 1
     """Pipeline stages per rank (1: 1F1B; 2 or more: Interleaved1F1B)."""
-    unsharded_accumulation: bool = False
+    accumulate_unsharded_grads: bool = False
     """ZeRO-3 accumulation without PP: whole fp32 gradients accumulate over the micro-batches and are
     reduce-scattered once per step (the strategy's `accumulate_unsharded_grads=True`), not every one."""
 
@@ -125,21 +125,20 @@ class Layout:
                  f"grad_accumulation={self.grad_accumulation}", f"recompute={self.recompute}"]
         if self.pp > 1:
             parts.append(f"schedule={self.schedule}" + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else ""))
-        if self.unsharded_accumulation:
+        if self.accumulate_unsharded_grads:
             parts.append("accumulate_unsharded_grads=True")
         return ", ".join(parts)
 
 
 LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero_stage", "micro_batch", "grad_accumulation",
-               "recompute", "virtual_stages", "unsharded_accumulation")
+               "recompute", "virtual_stages", "accumulate_unsharded_grads")
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def parse_layout(text: str) -> dict[str, Any]:
     """`"pp=4,dp_shard=8,tp=8,zero_stage=1"` -> {"pp": 4, ...}; unknown keys and bad values are errors."""
     fixed: dict[str, Any] = {}
-    aliases = {"dp": "dp_shard", "zero": "zero_stage", "mbs": "micro_batch", "acc": "grad_accumulation", "v": "virtual_stages",
-               "accumulate_unsharded_grads": "unsharded_accumulation"}
+    aliases = {"dp": "dp_shard", "zero": "zero_stage", "mbs": "micro_batch", "acc": "grad_accumulation", "v": "virtual_stages"}
     for item in filter(None, (part.strip() for part in text.replace(" ", ",").split(","))):
         if "=" not in item:
             raise ValueError(f"layout item {item!r} is not key=value; keys: {', '.join(LAYOUT_KEYS)}")
@@ -147,7 +146,7 @@ def parse_layout(text: str) -> dict[str, Any]:
         key = aliases.get(key, key)
         if key not in LAYOUT_KEYS:
             raise ValueError(f"unknown layout key {key!r}; keys: {', '.join(LAYOUT_KEYS)}")
-        if key == "unsharded_accumulation":
+        if key == "accumulate_unsharded_grads":
             if value.lower() not in ("0", "1", "true", "false"):
                 raise ValueError(f"{key}={value!r}: give 0/1 or true/false")
             fixed[key] = value.lower() in ("1", "true")
@@ -208,7 +207,7 @@ def layout_problems(layout: Layout, shape: ModelShape, cluster: Cluster, seq_len
         problems.append(f"pp*dp_replicate*dp_shard*cp*tp = {lay.world}, not the {cluster.gpus} GPUs")
     if lay.zero_stage not in (1, 2, 3):
         problems.append(f"zero_stage={lay.zero_stage}: ultrascale runs ZeRO-1, 2 or 3 (no plain replicated data parallel)")
-    if lay.unsharded_accumulation and not (lay.zero_stage == 3 and lay.pp == 1 and lay.grad_accumulation > 1):
+    if lay.accumulate_unsharded_grads and not (lay.zero_stage == 3 and lay.pp == 1 and lay.grad_accumulation > 1):
         problems.append("accumulate_unsharded_grads applies to ZeRO-3 gradient accumulation without pipeline parallel")
     if lay.recompute not in RECOMPUTE_MODES:
         problems.append(f"recompute={lay.recompute!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
@@ -444,7 +443,7 @@ def _peak_memory(shape: ModelShape, lay: Layout, work: Workload, acts: Activatio
     # (measured with torch's MemTracker on CPU: states 8 + temporary 4 bytes per parameter).
     accumulating = m > 1 or lay.pp > 1 or lay.zero_stage in (1, 2)
     grads_in_forward = grads if accumulating else 0.0
-    if lay.unsharded_accumulation and m > 1:
+    if lay.accumulate_unsharded_grads and m > 1:
         # FSDP keeps each parameter's whole (tp-local) fp32 gradient from the first micro-batch to the last one's
         # reduce-scatter; the sharded gradients appear only then (measured: `measure_layout`, small, dp_shard 2).
         grads_in_forward = (dense + experts) * 4
@@ -501,7 +500,7 @@ def _step_time(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workload,
     # default: `accumulate_unsharded_grads=False` keeps ZeRO-3's gradient memory); under PP once per step.
     if lay.zero_stage == 3:
         per_step = 1 if lay.pp > 1 else m
-        reductions = 1 if lay.pp > 1 or lay.unsharded_accumulation else m
+        reductions = 1 if lay.pp > 1 or lay.accumulate_unsharded_grads else m
         fsdp = 2 * per_step * (_ring("all_gather", dense * c, n_shard, bw_fsdp) + _ring("all_gather", experts * c, n_expert_shard, bw_fsdp))
         fsdp += reductions * (_ring("reduce_scatter", dense * 4, n_shard, bw_fsdp)
                               + _ring("reduce_scatter", experts * 4, n_expert_shard, bw_fsdp))
@@ -580,12 +579,12 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, work: Workload, fixed
                 if "grad_accumulation" in fixed and fixed["grad_accumulation"] != acc:
                     continue
                 vs = [fixed["virtual_stages"]] if "virtual_stages" in fixed else ([1, 2] if pp > 1 else [1])
-                unsharded = ([fixed["unsharded_accumulation"]] if "unsharded_accumulation" in fixed
+                unsharded = ([fixed["accumulate_unsharded_grads"]] if "accumulate_unsharded_grads" in fixed
                              else [False, True] if zero == 3 and pp == 1 and acc > 1 else [False])
                 for v, whole in itertools.product(vs, unsharded):
                     yield Layout(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, ep=ep, zero_stage=zero,
                                  micro_batch=mbs, grad_accumulation=acc, recompute=recompute, virtual_stages=v,
-                                 unsharded_accumulation=whole)
+                                 accumulate_unsharded_grads=whole)
 
 
 def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[dict[str, Any]] = None,
@@ -626,7 +625,7 @@ def format_table(rows: list[PlanRow], top: int) -> str:
     for i, row in enumerate(rows[:top], 1):
         lay, mem, t = row.layout, {k: v / GIB for k, v in row.memory.items()}, row.step_time
         recompute = lay.recompute + (f"/v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
-        accumulation = f"{lay.grad_accumulation}{'w' if lay.unsharded_accumulation else ''}"  # w: whole gradients
+        accumulation = f"{lay.grad_accumulation}{'w' if lay.accumulate_unsharded_grads else ''}"  # w: whole gradients
         lines.append(
             f"{i:>3} {lay.pp:>3} {lay.dp_replicate:>4} {lay.dp_shard:>4} {lay.cp:>3} {lay.tp:>3} {lay.ep:>3} {lay.zero_stage:>4} "
             f"{recompute:>9} {lay.micro_batch:>3} {accumulation:>4} | {mem['params']:>7.2f} {mem['grads']:>6.2f} "
@@ -699,7 +698,7 @@ def recipe_yaml(row: PlanRow, model: str, shape: ModelShape, cluster: Cluster, w
         init.update(pipeline_schedule=lay.schedule, pipeline_microbatches=lay.grad_accumulation)
         if lay.virtual_stages > 1:
             init["pipeline_virtual_stages"] = lay.virtual_stages
-    if lay.unsharded_accumulation:
+    if lay.accumulate_unsharded_grads:
         init["accumulate_unsharded_grads"] = True
     strategy = "\n".join(f"      {key}: {value}" for key, value in init.items())
     callbacks = ""

@@ -134,14 +134,14 @@ def _local_and_indices(tensor: torch.Tensor) -> tuple[torch.Tensor, list[torch.T
         return tensor, [torch.arange(n) for n in tensor.shape]
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from ultrascale.parallel.checkpoint import box_placements
 
     placements = list(tensor.placements)
-    # A packed [gate; up] split over tp (a `_StridedShard` alone on its dim) holds two blocks of that dim;
-    # every other layout here holds one contiguous block per dim, whose offset torch computes (expert
-    # weights under expert parallel are FSDP shards of ep shards, both on the expert dim).
-    packed = {i: p for i, p in enumerate(placements) if isinstance(p, _StridedShard)
-              and not any(getattr(q, "dim", None) == p.dim for j, q in enumerate(placements) if j != i)}
+    # A packed [gate; up] split over tp holds several blocks of its dim; every other layout here holds one
+    # contiguous block per dim, whose offset torch computes (expert weights under expert parallel are FSDP
+    # shards of ep shards, both on the expert dim).
+    packed = {i: p for i, (p, boxed) in enumerate(zip(placements, box_placements(tuple(placements)))) if p != boxed}
     for i in packed:
         placements[i] = Replicate()
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)
@@ -465,10 +465,9 @@ class HFCausalLM(CausalLMModule):
 
 
 def hf_inner_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model itself: `model`, or the one a PEFT `PeftModel` wraps."""
-    base = getattr(model, "base_model", None)
-    inner = getattr(base, "model", None)
-    return inner if type(model).__module__.startswith("peft") and isinstance(inner, torch.nn.Module) else model
+    """The transformers model itself: `model`, or the one a PEFT `PeftModel` wraps (its `get_base_model()`)."""
+    get_base_model = getattr(model, "get_base_model", None)  # PeftModel's; transformers models have none
+    return get_base_model() if callable(get_base_model) else model
 
 
 def lora_config(fields: Dict[str, Any]) -> Any:

@@ -243,7 +243,7 @@ def dcp_storable(state: Any, *, read_back: bool = False) -> Iterator[None]:
 
     def visit(container: Any, key: Any, value: Any) -> None:
         if isinstance(value, DTensor):
-            placements = _box_placements(value.placements)
+            placements = box_placements(value.placements)
             if placements != tuple(value.placements):
                 with torch.no_grad():
                     boxed = value.detach().redistribute(value.device_mesh, placements)
@@ -267,8 +267,9 @@ def dcp_storable(state: Any, *, read_back: bool = False) -> Iterator[None]:
             container[key] = original
 
 
-def _box_placements(placements: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A `_StridedShard(d)` on a mesh dim with no plain `Shard(d)` on a later mesh dim becomes `Shard(d)`."""
+def box_placements(placements: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`placements` with each packed split (a `_StridedShard(d)` with no plain `Shard(d)` on a later mesh
+    dim, so each rank holds several blocks of dim d) made a plain `Shard(d)`: one block per rank."""
     result = list(placements)
     for i, placement in enumerate(placements):
         if isinstance(placement, _StridedShard):

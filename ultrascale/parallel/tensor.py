@@ -74,15 +74,18 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
 _SWAPPED = "_ultrascale_tp_swapped_params"
 
 
-def _swap_in_local_params(module: nn.Module, args: object) -> None:
+def _swap_in_params(module: nn.Module, local_view: Callable[[DTensor], torch.Tensor]) -> None:
     # Read the parameters at call time: under FSDP they are its unsharded (tp-only) DTensors.
     originals = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
     setattr(module, _SWAPPED, originals)
     for name, param in originals.items():
-        local = param.redistribute(param.device_mesh, [Replicate()] * param.device_mesh.ndim).to_local(
-            grad_placements=[Partial()] * param.device_mesh.ndim
-        )
-        module._parameters[name] = local  # a plain view for the forward only (restored below)
+        module._parameters[name] = local_view(param)  # a plain view for the forward only (restored below)
+
+
+def _swap_in_local_params(module: nn.Module, args: object) -> None:
+    # The whole parameter; its gradient from this rank's activations is one tp rank's part (Partial).
+    _swap_in_params(module, lambda param: param.redistribute(param.device_mesh, [Replicate()] * param.device_mesh.ndim)
+                    .to_local(grad_placements=[Partial()] * param.device_mesh.ndim))
 
 
 def _swap_back_params(module: nn.Module, args: object, output: object) -> None:
@@ -283,12 +286,8 @@ def check_split(name: str, shape: tuple[int, ...], placement: Placement, tp: int
 
 
 def _swap_in_own_shards(module: nn.Module, args: object) -> None:
-    # Read the parameters at call time: under FSDP they are its unsharded (tp-only) DTensors. The local
-    # views keep the parameter's layout for their gradient (to_local's default).
-    originals = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
-    setattr(module, _SWAPPED, originals)
-    for name, param in originals.items():
-        module._parameters[name] = param.to_local()
+    # This rank's shard; its gradient keeps the parameter's layout (to_local's default).
+    _swap_in_params(module, lambda param: param.to_local())
 
 
 def _expert_inputs(args: tuple, kwargs: dict, group: dist.ProcessGroup) -> tuple[tuple, dict]:

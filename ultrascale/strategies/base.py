@@ -366,7 +366,7 @@ class UltraScaleStrategy(StrategyInternals):
                 ("dp_replicate", data_parallel_replicate, 1), ("dp_shard", data_parallel_shard, -1),
                 ("cp", context_parallel, 1), ("tp", tensor_parallel, 1), ("pp", pipeline_parallel, 1),
                 ("ep", expert_parallel, 1), ("zero_stage", zero_stage, 3),
-                ("virtual_stages", pipeline_virtual_stages, None), ("unsharded_accumulation", accumulate_unsharded_grads, False),
+                ("virtual_stages", pipeline_virtual_stages, None), ("accumulate_unsharded_grads", accumulate_unsharded_grads, False),
             ) if value != default
         }
         self._auto_transforms: list[ModelTransform] = []
@@ -546,7 +546,7 @@ class UltraScaleStrategy(StrategyInternals):
         self._degrees = {"dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "cp": lay.cp, "tp": lay.tp,
                          "pp": lay.pp, "ep": lay.ep}
         self.zero_stage = lay.zero_stage
-        self.accumulate_unsharded_grads = lay.unsharded_accumulation
+        self.accumulate_unsharded_grads = lay.accumulate_unsharded_grads
         if lay.pp > 1:
             self.pipeline_schedule = lay.schedule or self.pipeline_schedule
             self.pipeline_virtual_stages = lay.virtual_stages
@@ -751,8 +751,7 @@ class UltraScaleStrategy(StrategyInternals):
             parts = self._pipeline_parts(module, adapter)
             pipeline = (parts, self._build_pipeline_layout(len(parts.layer_list())))
         tp_plan = self._tensor_parallel_plan(module, adapter) if dims.tp_enabled else None
-        sequence_parallel = tp_plan is not None and any(isinstance(style, SequenceParallel) for style in tp_plan.values())
-        return ModelChecks(adapter, pipeline, tp_plan, sequence_parallel)
+        return ModelChecks(adapter, pipeline, tp_plan)
 
     def _pipeline_parts(self, module: torch.nn.Module, adapter: ModelAdapter) -> PipelineParts:
         own = getattr(module, "pipeline_parts", None)
@@ -1428,12 +1427,16 @@ def _declared_layers(module: Optional["pl.LightningModule"]) -> Optional[int]:
 @dataclass(frozen=True)
 class ModelChecks:
     """What `UltraScaleStrategy.check_model` found: the model's adapter, the pipeline split (parts and
-    layout) under pp, the TP plan under tp, and whether that plan shards the sequence."""
+    layout) under pp, the TP plan under tp."""
 
     adapter: ModelAdapter
     pipeline: Optional[tuple[PipelineParts, PipelineLayout]]
     tp_plan: Optional[dict[str, Any]]
-    sequence_parallel: bool
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the TP plan shards the sequence between blocks."""
+        return self.tp_plan is not None and any(isinstance(style, SequenceParallel) for style in self.tp_plan.values())
 
 
 def _declared_experts(config: Any) -> Optional[int]:
