@@ -53,8 +53,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _common import WARMUP_STEPS, Data, Throughput, Undisturbed, cores, load_average, write_results  # noqa: E402
+from _common import machine as machine_line
+
 import ultrascale  # noqa: E402
-from _common import Data, Throughput, Undisturbed, WARMUP_STEPS, cores, load_average, machine as machine_line, write_results  # noqa: E402
 from ultrascale.launch import init_gloo  # noqa: E402
 from ultrascale.models.llama import LlamaConfig  # noqa: E402
 from ultrascale.models.lm import LlamaLM  # noqa: E402

@@ -65,7 +65,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import Undisturbed, cores, load_average, machine as machine_line, write_results  # noqa: E402
+from _common import Undisturbed, cores, load_average, write_results  # noqa: E402
+from _common import machine as machine_line
+
 import ultrascale.parallel.expert as expert  # noqa: E402
 from ultrascale.launch import init_gloo  # noqa: E402
 from ultrascale.models.moe import GroupedExperts  # noqa: E402
@@ -275,7 +277,8 @@ def _command(args) -> str:
     return "python benchmarks/ep_dispatch.py " + " ".join([
         "--eps " + " ".join(map(str, args.eps)), "--ks " + " ".join(map(str, args.ks)), f"--tokens {args.tokens}",
         f"--hidden {args.hidden}", f"--expert-hidden {args.expert_hidden}", f"--experts {args.experts}",
-        f"--warmup {args.warmup}", f"--repeats {args.repeats}", f"--rounds {args.rounds}", "--mm-tokens " + " ".join(map(str, args.mm_tokens)),
+        f"--warmup {args.warmup}", f"--repeats {args.repeats}", f"--rounds {args.rounds}",
+        "--mm-tokens " + " ".join(map(str, args.mm_tokens)),
         "--mm-experts " + " ".join(map(str, args.mm_experts)), f"--max-wait {args.max_wait:g}",
     ])
 

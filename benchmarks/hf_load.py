@@ -23,10 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import write_results  # noqa: E402
+
+from ultrascale.launch import init_gloo, run_ranks  # noqa: E402
 from ultrascale.models.adapters import get_adapter  # noqa: E402
 from ultrascale.models.hf import load_hf_weights, recompute_nonpersistent_buffers  # noqa: E402
 from ultrascale.parallel.dims import ParallelDims, build_mesh  # noqa: E402
-from ultrascale.launch import init_gloo, run_ranks  # noqa: E402
 from ultrascale.parallel.parallelize import parallelize  # noqa: E402
 
 

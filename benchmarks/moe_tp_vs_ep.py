@@ -43,7 +43,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import Undisturbed, load_average, machine as machine_line, write_results  # noqa: E402
+from _common import Undisturbed, load_average, write_results  # noqa: E402
+from _common import machine as machine_line
+
 import ultrascale.parallel.expert as expert  # noqa: E402
 from ultrascale.launch import init_gloo  # noqa: E402
 from ultrascale.models.moe import GroupedExperts  # noqa: E402

@@ -54,12 +54,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _common import WARMUP_STEPS, Data, RandomTokens, Throughput, load_average, machine, write_results  # noqa: E402
+
 import ultrascale  # noqa: E402,F401  (registers the strategies)
-from _common import Data, RandomTokens, Throughput, WARMUP_STEPS, load_average, machine, write_results  # noqa: E402
 from ultrascale.data import ResumableBlockSampler  # noqa: E402
 from ultrascale.launch import run_ranks  # noqa: E402
-from ultrascale.parallel.device import tune_cpu_allocator  # noqa: E402
 from ultrascale.models.lm import LlamaLM, warmup_cosine  # noqa: E402
+from ultrascale.parallel.device import tune_cpu_allocator  # noqa: E402
 from ultrascale.parallel.loss import cross_entropy_sum  # noqa: E402
 
 VARIANTS = ("ultrascale_zero3", "hand_fsdp2")

@@ -81,7 +81,9 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import Undisturbed, cores, load_average, machine as machine_line, write_results  # noqa: E402
+from _common import Undisturbed, cores, load_average, write_results  # noqa: E402
+from _common import machine as machine_line
+
 from ultrascale.launch import init_gloo  # noqa: E402
 from ultrascale.parallel.device import tune_cpu_allocator  # noqa: E402
 

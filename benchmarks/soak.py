@@ -66,8 +66,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-import ultrascale  # noqa: E402
 from _common import load_average, machine, write_results  # noqa: E402
+
+import ultrascale  # noqa: E402
 from ultrascale.data import CausalLMDataModule  # noqa: E402
 from ultrascale.models import LlamaLM  # noqa: E402
 

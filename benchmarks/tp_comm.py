@@ -33,10 +33,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import write_results  # noqa: E402
+
+from ultrascale.launch import init_gloo, run_ranks  # noqa: E402
 from ultrascale.models.llama import Llama, LlamaConfig  # noqa: E402
 from ultrascale.models.tp_plans import llama_tp_plan  # noqa: E402
 from ultrascale.parallel.dims import ParallelDims, build_mesh  # noqa: E402
-from ultrascale.launch import init_gloo, run_ranks  # noqa: E402
 from ultrascale.parallel.tensor import apply_tp, maybe_loss_parallel  # noqa: E402
 
 COLLECTIVES = {

@@ -31,11 +31,12 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _common import WARMUP_STEPS, Data, Throughput, write_results  # noqa: E402
+
 import ultrascale  # noqa: E402
-from _common import Data, Throughput, WARMUP_STEPS, write_results  # noqa: E402
+from ultrascale.launch import run_ranks  # noqa: E402
 from ultrascale.models.lm import LlamaLM  # noqa: E402
 from ultrascale.parallel import zero as zero_module  # noqa: E402
-from ultrascale.launch import run_ranks  # noqa: E402
 from ultrascale.parallel.memory import model_state_bytes  # noqa: E402
 
 
@@ -159,7 +160,8 @@ def main() -> None:
         f"AdamW, seq {args.seq_len}, global batch {args.global_batch}; rank 0, after {WARMUP_STEPS} warm-up steps; "
         f"torch {torch.__version__}",
         "",
-        "| strategy | model state / rank (MiB) | formula (MiB) | params / grads / optimizer (MiB) | sent / rank / step (MiB) | formula (MiB) | tokens/s |",
+        "| strategy | model state / rank (MiB) | formula (MiB) | params / grads / optimizer (MiB) "
+        "| sent / rank / step (MiB) | formula (MiB) | tokens/s |",
         "|---|---:|---:|---|---:|---:|---:|",
     ]
     for variant, result, memory_formula, comm_formula in rows:

@@ -21,10 +21,11 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _common import WARMUP_STEPS, Data, Throughput, write_results  # noqa: E402
+
 import ultrascale  # noqa: E402,F401
-from _common import Data, Throughput, WARMUP_STEPS, write_results  # noqa: E402
-from ultrascale.models.lm import LlamaLM  # noqa: E402
 from ultrascale.launch import run_ranks  # noqa: E402
+from ultrascale.models.lm import LlamaLM  # noqa: E402
 
 
 class HandShardedLlama(LlamaLM):
@@ -92,7 +93,8 @@ def main() -> None:
         "| strategy | tokens/s (global, median) | tokens/s (min-max) | peak RSS per rank (MiB) |",
         "|---|---:|---:|---:|",
         *(f"| {v} | {rows[v][0]:,.0f} | {rows[v][2]} | {rows[v][1]:,.0f} |" for v in variants),
-        f"| **ratio ultrascale / Lightning** | **{ratio:.3f}** | | {rows['ultrascale_zero3'][1] / rows['lightning_model_parallel'][1]:.3f} |",
+        f"| **ratio ultrascale / Lightning** | **{ratio:.3f}** | "
+        f"| {rows['ultrascale_zero3'][1] / rows['lightning_model_parallel'][1]:.3f} |",
     ]
     text = header + "\n\n" + "\n".join(table) + "\n"
     write_results(text, args.out)

@@ -231,8 +231,8 @@ def assert_parity(result: dict[str, Any], reference: dict[str, Any], losses: lis
 def make_hf_checkpoint(folder: Any, arch: str, *, vocab_size: int, hidden_size: int = 64, layers: int = 2,
                        **overrides: Any) -> str:
     """A tiny, untied Hugging Face checkpoint of `arch` ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2",
-    "gemma3" (text-only Gemma3ForCausalLM), "granite_swa" (per-head attention sinks), and the MoE "mixtral", "qwen3_moe", "qwen2_moe" (with a gated shared
-    expert) with 4 experts, 2 per token) saved
+    "gemma3" (text-only Gemma3ForCausalLM), "granite_swa" (per-head attention sinks), and the MoE "mixtral", "qwen3_moe",
+    "qwen2_moe" (with a gated shared expert) with 4 experts, 2 per token) saved
     to `folder`, with weights perturbed away from their init (so every parameter matters).
     `overrides` are further config fields (e.g. `head_dim=16`)."""
     import transformers

@@ -15,9 +15,8 @@ import torch
 import ultrascale
 from tests._dist import run_ranks
 from tests._parity import ParityData, Recorder, assert_parity, parity_trainer, reference_run, step_losses
-from tests.test_pipeline_parallel import BATCH, SEQ, STEPS, VOCAB, _check, make_llama, masked_data, merge_stages
+from tests.test_pipeline_parallel import BATCH, SEQ, STEPS, _check, make_llama, masked_data, merge_stages
 from ultrascale import planner
-from ultrascale.models.llama import LlamaConfig
 from ultrascale.models.lm import LlamaLM
 
 
@@ -49,8 +48,8 @@ def _train_auto(rank, world_size, strategy, global_batch):
 
 def _expected_layout(world: int, global_batch: int, fixed: dict) -> planner.Layout:
     """The planner's best layout for the parity model on CPU ranks, asked directly."""
-    from ultrascale.strategies.auto_layout import AutoLayoutInputs, choose_layout, device_cluster
     from ultrascale.estimate import ModelShape
+    from ultrascale.strategies.auto_layout import AutoLayoutInputs, choose_layout, device_cluster
 
     config = make_llama().config
     inputs = AutoLayoutInputs(ModelShape.from_llama_config(config), None, planner.Workload(SEQ, global_batch, "32-true"),
@@ -84,6 +83,7 @@ def test_registry_turns_auto_layout_on_only_by_name():
 
 def _auto_refused(rank, world_size, preset):
     import torch.distributed as dist
+
     from ultrascale.data import CausalLMDataModule
 
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy="ultrascale_4d", max_steps=1, logger=False,
@@ -144,12 +144,12 @@ def test_auto_layout_on_a_model_the_planner_cannot_read_says_so_and_keeps_zero3(
 
 
 def test_from_accelerate_maps_every_field():
+    import dataclasses
+
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils.dataclasses import TorchContextParallelConfig
 
     from ultrascale.strategies.accelerate_interop import ACCELERATE_FIELDS
-
-    import dataclasses
 
     # Every field accelerate declares is in the table (a new accelerate field fails here, not silently).
     declared = {f.name for f in dataclasses.fields(ParallelismConfig)} - {"tp_handler", "cp_handler", "sp_handler"}

@@ -9,9 +9,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils.data import DataLoader
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.data import DataLoader
 
 import ultrascale  # noqa: F401
 from tests._dist import run_ranks
@@ -212,7 +212,8 @@ def _save_then_resume(rank, world_size, ckpt_dir, phase):
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1))
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy="ultrascale_zero3", max_steps=3 if phase == "save" else 6,
-        logger=recorder.logger, log_every_n_steps=1, enable_checkpointing=phase == "save", enable_progress_bar=False, enable_model_summary=False,
+        logger=recorder.logger, log_every_n_steps=1, enable_checkpointing=phase == "save", enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=callbacks,
     )
     # The data module saves its sampler position, so the resumed run sees batches 4-6.

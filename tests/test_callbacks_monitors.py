@@ -19,9 +19,10 @@ from tests._parity import ParityData, TokenDataset
 from ultrascale.callbacks import MemoryMonitor, MFUMonitor, ProfilerCapture
 from ultrascale.callbacks.activation_checkpointing import apply_ac, make_policy
 from ultrascale.callbacks.mfu import model_flops
-from ultrascale.estimate import PEAK_TFLOPS, estimate_model_state_bytes, find_peak_tflops, recompute_flops_per_token
+from ultrascale.estimate import estimate_model_state_bytes, recompute_flops_per_token
 from ultrascale.models.adapters import get_adapter
 from ultrascale.models.lm import LlamaLM
+from ultrascale.planner.hardware import PEAK_TFLOPS, find_peak_tflops
 
 SEQ, GLOBAL_BATCH, STEPS = 32, 8, 4
 
@@ -120,7 +121,8 @@ def test_mfu_unknown_model_needs_flops_per_token():
     run.fit(_Unknown(), loader)
     metrics = run.callback_metrics
     assert monitor.tokens_seen == STEPS * 2 * 2  # batch (2, 2, 4): tokens are B x T = 4 per step
-    assert metrics["throughput/tflops_per_device"].item() == pytest.approx(48.0 * metrics["throughput/tokens_per_sec_per_device"].item() / 1e12)
+    assert metrics["throughput/tflops_per_device"].item() == pytest.approx(
+        48.0 * metrics["throughput/tokens_per_sec_per_device"].item() / 1e12)
 
 
 def test_mfu_above_one_is_reported_not_logged():

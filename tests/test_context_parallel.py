@@ -295,15 +295,15 @@ def test_sequence_not_dividing_2cp_fails_before_any_collective(where):
 def test_unsupported_models_are_refused_by_name():
     import transformers
 
-    from ultrascale.models.adapters import get_adapter
+    from tests._rules import check_layout
 
     generic = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)]))
     with pytest.raises(ValueError, match="context parallel \\(cp=2\\) has no attention hook for generic.*llama/mistral/qwen2/qwen3"):
-        get_adapter(generic).check_context_parallel(2)
+        check_layout(generic, cp=2)
     config = transformers.GPTNeoXConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                                         intermediate_size=16)
     with pytest.raises(ValueError, match="no attention hook for GPTNeoXForCausalLM"):
-        get_adapter(transformers.GPTNeoXForCausalLM(config)).check_context_parallel(2)
+        check_layout(transformers.GPTNeoXForCausalLM(config), cp=2)
     with pytest.raises(ValueError, match="context_parallel_method='zigzag'"):
         ultrascale.ContextParallelStrategy(context_parallel=2, context_parallel_method="zigzag")
 

@@ -20,7 +20,14 @@ from torch.testing import assert_close
 import ultrascale
 from tests._dist import counting_calls, init_gloo, run_ranks
 from tests._parity import (
-    ParityData, Recorder, TokenDataset, assert_parity, inline_token_loss, parity_trainer, reference_run, step_losses,
+    ParityData,
+    Recorder,
+    TokenDataset,
+    assert_parity,
+    inline_token_loss,
+    parity_trainer,
+    reference_run,
+    step_losses,
 )
 from ultrascale.models.llama import Llama, LlamaConfig
 from ultrascale.models.lm import LlamaLM

@@ -281,7 +281,7 @@ class InFlight(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step in self.steps:
-            pending = trainer.strategy._pending_save
+            pending = trainer.strategy.checkpoint_publisher.pending
             if self.wait and pending is not None:
                 pending._future.result()  # this rank's write is done: the next step may publish it
             latest = ultrascale.latest_checkpoint(self.folder)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
 import lightning
 import pytest
+import tomllib
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 

@@ -5,11 +5,11 @@ the weights equal those of a run that never saw that batch; loss spikes are note
 import math
 
 import pytest
+from torch.testing import assert_close
 
 import ultrascale
 from tests._dist import run_ranks
 from tests._parity import ParityData, Recorder, TokenDataset, parity_trainer
-from torch.testing import assert_close
 from ultrascale.models.lm import LlamaLM
 from ultrascale.strategies.step import StepGuard
 

@@ -224,12 +224,12 @@ def test_lora_under_tensor_parallel(tmp_path, checkpoint, world):
 
 
 def test_lora_dropout_under_tensor_parallel_is_refused(checkpoint):
-    from ultrascale.models.adapters import get_adapter
+    from tests._rules import check_layout
 
     module = LoraLM(checkpoint, targets=("q_proj",), dropout=0.1)
     module.configure_model()
     with pytest.raises(ValueError, match=r"lora_dropout=0.1 is not supported under tensor parallel"):
-        get_adapter(module).check_tensor_parallel(2, sequence_parallel=False)
+        check_layout(module, tp=2)
 
 
 # --------------------------------------------------------------------------- HFCausalLM(lora=...)

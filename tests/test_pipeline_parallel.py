@@ -163,8 +163,8 @@ def _fit(rank, world_size, pp, max_steps, ckpt_dir, resume_from):
 def test_checkpoint_from_pp2_resumes_at_other_degrees(tmp_path, resume_pp):
     """Parameter names do not change with the split: a pp=2 checkpoint (each stage saved its own
     parameters and optimizer state) resumes at pp=1 and pp=4 on the uninterrupted curve."""
-    from torch.testing import assert_close
     import torch
+    from torch.testing import assert_close
 
     run_ranks(_fit, 2, 2, STOP, str(tmp_path), None)
     uninterrupted = step_losses(run_ranks(_fit, 2, 2, TOTAL, None, None))
@@ -290,6 +290,7 @@ def test_layouts_checked_against_the_layers():
 def _refused(rank, world_size, model_kwargs, strategy_kwargs, global_batch):
     import lightning as L
     import torch.distributed as dist
+
     from ultrascale.data import CausalLMDataModule
 
     config = LlamaConfig(vocab_size=VOCAB, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64, max_seq_len=SEQ, **model_kwargs)
@@ -320,11 +321,9 @@ def test_bad_layouts_fail_before_any_process_group(model_kwargs, strategy_kwargs
 def test_a_model_without_pipeline_parts_is_told_what_to_supply():
     import torch
 
-    from ultrascale.models.adapters import ModelAdapter
-
     strategy = ultrascale.UltraScaleStrategy(pipeline_parallel=2)
     with pytest.raises(ValueError, match=r"define `pipeline_parts\(self\)` on the LightningModule"):
-        strategy._pipeline_parts(torch.nn.Linear(2, 2), ModelAdapter(name="generic", blocks=()))
+        strategy.check_model(torch.nn.Linear(2, 2), dims=strategy.resolve_dims(2))
 
 
 # ----------------------------------------------------------------------------- with other features

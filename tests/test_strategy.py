@@ -155,7 +155,7 @@ def test_shared_knobs_are_declared_once_and_strangers_refused(cls, knob):
     parser.add_class_arguments(cls, "strategy")
     parsed = parser.parse_args(["--strategy.timeout=0:00:07", "--strategy.launcher=fork", "--strategy.sync_module_states=false"])
     strategy = cls(**vars(parsed.strategy))
-    assert strategy._timeout.total_seconds() == 7 and strategy._launcher_name == "fork"
+    assert strategy.process_config.timeout.total_seconds() == 7 and strategy.process_config.launcher == "fork"
     assert strategy.sync_module_states is False
     with pytest.raises(SystemExit):
         parser.parse_args(["--strategy.launcher=nonsense"])
@@ -175,7 +175,6 @@ def test_model_errors_come_once_before_any_rank_starts(tmp_path, monkeypatch):
     import torch.distributed as dist
     import transformers
 
-    from tests._parity import make_hf_checkpoint
     from ultrascale.models.hf import HFCausalLM
     from ultrascale.models.lm import LlamaLM
 
@@ -201,11 +200,11 @@ def test_model_errors_come_once_before_any_rank_starts(tmp_path, monkeypatch):
 
     message = fit(UltraScaleStrategy(tensor_parallel=2),
                   LlamaLM(config=LlamaConfig(vocab_size=64, dim=48, n_layers=2, n_heads=3, n_kv_heads=3, ffn_hidden_dim=64)))
-    assert "`tensor_parallel=2` must divide attention heads=3, key/value heads=3 of LlamaLM (LlamaConfig)" in message
+    assert "`tensor_parallel=2` must divide n_heads=3, n_kv_heads=3 of LlamaLM (LlamaConfig)" in message
     gpt2 = tmp_path / "gpt2"
     transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)).save_pretrained(gpt2)
     message = fit(UltraScaleStrategy(tensor_parallel=2), HFCausalLM(str(gpt2)))
-    assert "HFCausalLM is a Hugging Face GPT2LMHeadModel whose config ships no tensor-parallel plan" in message
+    assert "tensor parallel has no plan for HFCausalLM (GPT2Config)" in message
     assert "tp_plan=" in message
     message = fit(UltraScaleStrategy(pipeline_parallel=2),
                   LlamaLM(config=LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64)))

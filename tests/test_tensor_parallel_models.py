@@ -123,7 +123,7 @@ def _llama(**overrides):
 @pytest.mark.parametrize(
     "make_module, tp, kwargs, expected",
     [
-        (lambda: _llama(), 4, {}, "`tensor_parallel=4` must divide n_kv_heads=2 of ultrascale.Llama (whole heads / rows per rank). "
+        (lambda: _llama(), 4, {}, "`tensor_parallel=4` must divide n_kv_heads=2 of LlamaLM (LlamaConfig) (whole heads / rows per rank). "
                                   "Tensor-parallel degrees that fit: [1, 2]"),
         (lambda: _llama(n_heads=4, n_kv_heads=4, ffn_hidden_dim=90, vocab_size=510), 4, {},
          "must divide ffn_hidden_dim=90, vocab_size=510"),
@@ -239,21 +239,21 @@ def test_hf_plan_styles_parity(tmp_path, arch, layout):
 def test_hf_tp_refusals_name_the_architecture_and_the_knob():
     """Checked per rank before any collective: no plan (GPT-2), or a plan entry ultrascale cannot run (a bare
     parameter, GraniteSWA's `sinks`, whose module has no 'local_params' entry to run on its shards)."""
-    from ultrascale.models.adapters import get_adapter
+    from tests._rules import check_layout
 
     gpt2 = transformers.AutoModelForCausalLM.from_config(_gpt2_config())
     with pytest.raises(ValueError, match=r"no plan for GPT2LMHeadModel: .*`UltraScaleStrategy\(tp_plan="):
-        get_adapter(gpt2).check_tensor_parallel(2, sequence_parallel=False)
+        check_layout(gpt2, tp=2)
     config = transformers.GraniteSWAConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=None)
-    get_adapter(transformers.AutoModelForCausalLM.from_config(config)).check_tensor_parallel(2, sequence_parallel=False)
+    check_layout(transformers.AutoModelForCausalLM.from_config(config), tp=2)
     config.base_model_tp_plan = {k: v for k, v in config.base_model_tp_plan.items() if v != "local_params"}
     granite = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match=r"tensor parallel on GraniteSWAForCausalLM: .*layers\.\*\.self_attn\.sinks'"
                                          r".*only under a 'moe_tp_experts', 'local_params' or 'all_reduce' entry"
                                          r".*`UltraScaleStrategy\(tp_plan=\.\.\.\)`"):
-        get_adapter(granite).check_tensor_parallel(2, sequence_parallel=False)
+        check_layout(granite, tp=2)
 
 
 def _longcat_config():

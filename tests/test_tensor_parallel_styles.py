@@ -105,7 +105,8 @@ class Experts(nn.Module):
         self.transposed = transposed
         self.identity_expert = nn.Identity()  # LongCat-Flash's zero-compute expert: index EXPERTS
         scale = DIM ** -0.5  # O(1) activations: the comparison's tolerance is for fp32 reduction order
-        self.gate_up_proj = nn.Parameter(scale * (torch.randn(EXPERTS, DIM, 2 * WIDTH) if transposed else torch.randn(EXPERTS, 2 * WIDTH, DIM)))
+        self.gate_up_proj = nn.Parameter(
+            scale * (torch.randn(EXPERTS, DIM, 2 * WIDTH) if transposed else torch.randn(EXPERTS, 2 * WIDTH, DIM)))
         self.down_proj = nn.Parameter(scale * (torch.randn(EXPERTS, WIDTH, DIM) if transposed else torch.randn(EXPERTS, DIM, WIDTH)))
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -158,7 +158,6 @@ def _sgd_momentum(rank, world_size, stage):
     from torch.distributed.device_mesh import init_device_mesh
 
     from tests._dist import init_gloo
-
     from ultrascale.parallel.loss import scale_gradients
 
     init_gloo(rank, world_size)

@@ -34,4 +34,19 @@ def __getattr__(name: str):
         return importlib.import_module(f"ultrascale.{name}")
     raise AttributeError(f"module 'ultrascale' has no attribute {name!r}")
 
-__all__ = ["ParallelDims", "token_loss", "latest_checkpoint", "UltraScaleStrategy", "ZeRO1Strategy", "ZeRO2Strategy", "ZeRO3Strategy", "HSDPStrategy", "TensorParallelStrategy", "ContextParallelStrategy", "PipelineParallelStrategy", "ExpertParallelStrategy", "UltraScalePrecision", "__version__"]
+__all__ = [
+    "ParallelDims",
+    "token_loss",
+    "latest_checkpoint",
+    "UltraScaleStrategy",
+    "ZeRO1Strategy",
+    "ZeRO2Strategy",
+    "ZeRO3Strategy",
+    "HSDPStrategy",
+    "TensorParallelStrategy",
+    "ContextParallelStrategy",
+    "PipelineParallelStrategy",
+    "ExpertParallelStrategy",
+    "UltraScalePrecision",
+    "__version__",
+]

@@ -1,4 +1,4 @@
-"""Analytic model of training cost: model-state bytes, FLOPs per token, peak device FLOP/s.
+"""Analytic model of training cost: model-state bytes, FLOPs per token (device peaks: `ultrascale.planner.hardware`).
 
 Plain arithmetic (no Lightning, no process group), so the callbacks, `ultrascale plan`
 and the tests all read the same formulas. Symbols, as in the Ultra-Scale Playbook:
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch.nn as nn
 
@@ -21,10 +21,8 @@ __all__ = [
     "ModelStateEstimate",
     "STATE_BYTES",
     "model_shape",
-    "PEAK_TFLOPS",
     "active_params",
     "estimate_model_state_bytes",
-    "find_peak_tflops",
     "flops_per_token",
     "matmul_params",
     "model_flops",
@@ -224,42 +222,14 @@ def active_params(module: nn.Module, *, experts_per_token: int, num_experts: int
 # --------------------------------------------------------------------------- peak FLOP/s
 
 
-# Dense (no 2:4 sparsity) tensor-core peaks in TFLOP/s per device, from the vendors' spec
-# sheets, whose headline figures for bf16/fp8/tf32 are "with sparsity" = 2x these:
-#   NVIDIA H100 SXM5 / PCIe datasheet (H200 SXM has the H100 SXM compute, more HBM),
-#   NVIDIA A100 datasheet (no fp8), NVIDIA DGX/HGX B200 datasheet (per GPU),
-#   NVIDIA L4 datasheet, AMD Instinct MI300X datasheet.
-# fp16 equals bf16 on all of them. Keys are matched against torch.cuda.get_device_name().
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H100 SXM": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "tf32": 494.7},
-    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "tf32": 378.0},
-    "H200": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "tf32": 494.7},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0},
-    "B200": {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "tf32": 1100.0},
-    "L4": {"bf16": 121.0, "fp16": 121.0, "fp8": 242.5, "tf32": 60.0},
-    "MI300X": {"bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9, "tf32": 653.7},
-}
+def __getattr__(name: str) -> Any:
+    # The peaks live in the one GPU table, `ultrascale.planner.hardware`; still importable from here. Resolved
+    # on first use because the planner imports this module (an import at the top would be a cycle).
+    if name in ("PEAK_TFLOPS", "find_peak_tflops"):
+        from ultrascale.planner import hardware
 
-# Device-name patterns -> table key, most specific first ("H100 PCIe" before any H100,
-# the NVL variants have lower clocks and are left to the `peak_tflops` override).
-_DEVICE_PATTERNS: tuple[tuple[str, str], ...] = (
-    (r"H100.*PCIe", "H100 PCIe"),
-    (r"H100(?!.*NVL)", "H100 SXM"),
-    (r"H200(?!.*NVL)", "H200"),
-    (r"A100", "A100"),
-    (r"B200", "B200"),
-    (r"\bL4\b", "L4"),
-    (r"MI300X", "MI300X"),
-)
-
-
-def find_peak_tflops(device_name: str, dtype: str) -> Optional[tuple[str, float]]:
-    """``(table key, dense TFLOP/s)`` for a device name such as "NVIDIA H100 80GB HBM3"; None if unknown."""
-    for pattern, key in _DEVICE_PATTERNS:
-        if re.search(pattern, device_name, flags=re.IGNORECASE):
-            peak = PEAK_TFLOPS[key].get(dtype)
-            return None if peak is None else (key, peak)
-    return None
+        return getattr(hardware, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------- model shape
@@ -299,6 +269,9 @@ class ModelShape:
     builtin: bool = True
     """The built-in Llama (sequence parallel and loss parallel under TP) or a Hugging Face model (neither)."""
     model_type: str = "llama"
+    config: Any = field(default=None, compare=False, repr=False)
+    """The config this shape was read from (a `LlamaConfig` or a Hugging Face config): the rulebook judges the
+    model it describes (`ultrascale.models.adapters.config_facts`)."""
 
     # -- parameters per component -----------------------------------------------------------
 
@@ -384,7 +357,7 @@ class ModelShape:
             n_experts=c.n_experts if moe else 0, top_k=c.moe_top_k if moe else 0,
             expert_hidden=c.resolved_moe_hidden_dim if moe else 0,
             shared_expert_hidden=c.resolved_moe_hidden_dim * c.n_shared_experts if moe else 0,
-            moe_layers=c.n_layers if moe else 0, builtin=True,
+            moe_layers=c.n_layers if moe else 0, builtin=True, config=config,
         )
 
     @classmethod
@@ -424,6 +397,7 @@ class ModelShape:
             n_experts=n_experts, top_k=getattr(c, "num_experts_per_tok", 0) if n_experts else 0,
             expert_hidden=expert_hidden, shared_expert_hidden=shared_hidden,
             shared_expert_gate=bool(shared_hidden), moe_layers=moe_layers, builtin=False, model_type=model_type,
+            config=config,
         )
 
 
@@ -435,16 +409,31 @@ _HF_SHAPES: dict[str, tuple[int, str]] = {
 }
 
 
-def model_shape(model: str) -> ModelShape:
-    """The shape of a built-in Llama preset name or a Hugging Face folder (only config.json is read)."""
+def model_shape(model: Any, name: Optional[str] = None) -> ModelShape:
+    """The one way to read a model's shape, whatever the source: a built-in Llama preset name, a Hugging Face
+    folder (only config.json is read), a `LlamaConfig`, a Hugging Face config (its `text_config` for a multimodal
+    one), or a module holding either as `config` (`LlamaLM`, `HFCausalLM`). ValueError saying why for anything
+    else. `name`: the name shown for a built-in config (default "Llama")."""
     from ultrascale.models.llama import LLAMA_PRESETS, LlamaConfig
 
-    if model in LLAMA_PRESETS:
-        return ModelShape.from_llama_config(LlamaConfig.from_preset(model), name=f"Llama {model}")
-    import transformers
+    if isinstance(model, str) and model in LLAMA_PRESETS:
+        return ModelShape.from_llama_config(LlamaConfig.from_preset(model), name=name or f"Llama {model}")
+    if isinstance(model, str):
+        import os
 
-    config = transformers.AutoConfig.from_pretrained(model, local_files_only=True)
-    return ModelShape.from_hf_config(getattr(config, "text_config", None) or config)
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ValueError(f"{model!r} is neither a built-in Llama preset ({', '.join(LLAMA_PRESETS)}) nor a folder "
+                             "with a Hugging Face config.json")
+        import transformers
+
+        model = transformers.AutoConfig.from_pretrained(model, local_files_only=True)
+    config = model if (isinstance(model, LlamaConfig) or hasattr(model, "model_type")) else getattr(model, "config", None)
+    if isinstance(config, LlamaConfig):
+        return ModelShape.from_llama_config(config, name=name or "Llama")
+    if config is not None and hasattr(config, "model_type") and hasattr(config, "to_json_string"):
+        return ModelShape.from_hf_config(getattr(config, "text_config", None) or config)
+    raise ValueError(f"{type(model).__name__} has no `config` the planner reads (a built-in `LlamaConfig` or a "
+                     "Hugging Face config)")
 
 
 # --------------------------------------------------------------------------- activations

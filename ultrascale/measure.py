@@ -192,14 +192,10 @@ def _tail(text: Any, lines: int = 25) -> str:
 
 def _check_request(r: dict[str, Any]) -> None:
     """ValueError / NotImplementedError for what can be refused without building anything."""
-    from ultrascale.parallel.dims import ParallelDims
-
     if r["precision"] not in PRECISIONS:
         raise ValueError(f"measure_layout: precision={r['precision']!r}; choose one of {', '.join(PRECISIONS)}")
     if r["recompute"] not in RECOMPUTE_MODES:
         raise ValueError(f"measure_layout: recompute={r['recompute']!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
-    if r["zero_stage"] not in (1, 2, 3):
-        raise ValueError(f"measure_layout: zero_stage={r['zero_stage']!r}; choose 1, 2 or 3")
     for name in ("seq_len", "micro_batch", "grad_accumulation"):
         if not isinstance(r[name], int) or r[name] < 1:
             raise ValueError(f"measure_layout: {name}={r[name]!r} must be a positive integer")
@@ -208,8 +204,7 @@ def _check_request(r: dict[str, Any]) -> None:
     if r["model"] not in LLAMA_PRESETS and not os.path.isfile(os.path.join(r["model"], "config.json")):
         raise ValueError(f"measure_layout: model={r['model']!r} is neither a built-in Llama preset "
                          f"({', '.join(LLAMA_PRESETS)}) nor a folder with a Hugging Face config.json")
-    dims = ParallelDims.resolve(r["world"], dp_replicate=r["dp_replicate"], dp_shard=r["dp_shard"], cp=r["cp"], tp=r["tp"],
-                                pp=r["pp"], ep=r["ep"])
+    dims = _resolve(r)
     if dims.ep_enabled:
         raise NotImplementedError(
             f"measure_layout: expert parallel (ep={dims.ep}) is not measured: the all-to-all sizes of its token dispatch "
@@ -223,6 +218,26 @@ def _check_request(r: dict[str, Any]) -> None:
         )
     if dims.pp_enabled and r["pipeline_microbatches"] is not None and r["pipeline_microbatches"] < 1:
         raise ValueError(f"measure_layout: pipeline_microbatches={r['pipeline_microbatches']!r} must be a positive integer")
+
+
+def _knobs(r: dict[str, Any]) -> Any:
+    from ultrascale.parallel.rules import LayoutKnobs
+
+    return LayoutKnobs(dp_replicate=r["dp_replicate"], dp_shard=r["dp_shard"], cp=r["cp"], tp=r["tp"], pp=r["pp"],
+                       ep=r["ep"], zero_stage=r["zero_stage"], pipeline_schedule="1F1B",
+                       pipeline_microbatches=r["pipeline_microbatches"],
+                       accumulate_unsharded_grads=r["accumulate_unsharded_grads"])
+
+
+def _resolve(r: dict[str, Any]) -> Any:
+    """The request's degrees, checked by the rulebook as the strategy checks its knobs (`ParallelDims`)."""
+    from ultrascale.parallel.rules import knob_problems, raise_first, resolve
+
+    knobs = _knobs(r)
+    raise_first(knob_problems(knobs), "measure_layout")
+    dims, problems = resolve(knobs, r["world"])
+    raise_first(problems, "measure_layout")
+    return dims
 
 
 # --------------------------------------------------------------------------- child process
@@ -300,19 +315,18 @@ def _measure(r: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from ultrascale.models.adapters import get_adapter
+    from ultrascale.models.adapters import plan_model
     from ultrascale.parallel.context import ContextParallel
-    from ultrascale.parallel.dims import ParallelDims, build_mesh
+    from ultrascale.parallel.dims import build_mesh
     from ultrascale.parallel.fsdp import set_gradient_sync
     from ultrascale.parallel.loss import cross_entropy_sum
     from ultrascale.parallel.parallelize import parallelize
-    from ultrascale.parallel.pipeline import PipelineLayout
+    from ultrascale.parallel.rules import batch_problems, raise_first
     from ultrascale.parallel.tensor import maybe_loss_parallel
     from ultrascale.parallel.zero import ZeroEngine
 
     _check_request(r)
-    dims = ParallelDims.resolve(r["world"], dp_replicate=r["dp_replicate"], dp_shard=r["dp_shard"], cp=r["cp"], tp=r["tp"],
-                                pp=r["pp"], ep=r["ep"])
+    dims = _resolve(r)
     mesh = build_mesh(dims, "cpu")  # outside fake mode: the mesh holds real rank tensors
     precision, zero_stage, fsdp = r["precision"], r["zero_stage"], r["zero_stage"] == 3
     batch, seq_len = r["micro_batch"], r["seq_len"]
@@ -321,32 +335,12 @@ def _measure(r: dict[str, Any]) -> dict[str, Any]:
     module, vocab, meta = _build(r["model"], seq_len, fake_mode)
     with contextlib.nullcontext() if meta else fake_mode:
         _convert(module, torch.bfloat16 if precision == "bf16-true" else torch.float32)
-    adapter = get_adapter(module)
-
-    # The strategy's checks, in its order (`_parallelize`).
-    if dims.cp_enabled:
-        adapter.check_context_parallel(dims.cp)
-    if dims.ep_enabled:
-        adapter.check_expert_parallel(dims.ep)
-    if dims.tp_enabled and adapter.num_experts:
-        raise NotImplementedError(f"tensor parallel on the Mixture-of-Experts model {adapter.name} is not implemented")
-    pipeline = None
-    if dims.pp_enabled:
-        if adapter.pipeline_parts is None:
-            raise NotImplementedError(f"pipeline parallel has no stage split for {adapter.name}")
-        parts = adapter.pipeline_parts()
-        parts.check(adapter.name)
-        layout = PipelineLayout.build(n_layers=len(parts.layer_list()), pp=dims.pp, schedule="1F1B",
-                                      microbatches=r["pipeline_microbatches"])
-        pipeline = (parts, layout)
-    tp_plan, sequence_parallel, loss_parallel = None, False, False
-    if dims.tp_enabled:
-        sequence_parallel = adapter.supports_sequence_parallel
-        loss_parallel = not dims.pp_enabled  # the last stage's logits leave the stage module: plain tensors
-        adapter.check_tensor_parallel(dims.tp, sequence_parallel=sequence_parallel)
-        assert adapter.tp_plan is not None
-        tp_plan = adapter.tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    dims.check_seq_len(seq_len, sequence_parallel=sequence_parallel, where="measure_layout's sequence")
+    # What the strategy's `check_model` runs: the rulebook's checks, then the pipeline split (1F1B, rank 0 holds
+    # stage 0), the adapter's TP plan (sequence parallel where it supports it, loss parallel without PP).
+    checked = plan_model(module, dims, _knobs(r), loss_parallel_default=True, owner="measure_layout")
+    adapter, pipeline, tp_plan = checked.adapter, checked.pipeline, checked.tp_plan
+    sequence_parallel, loss_parallel = checked.sequence_parallel, checked.loss_parallel
+    raise_first(batch_problems(dims, _knobs(r), seq_len=seq_len, sequence_parallel=sequence_parallel), "measure_layout")
     context_parallel = ContextParallel(mesh["cp"], "ring", load_balance=True) if dims.cp_enabled else None
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16-mixed"
               else MixedPrecisionPolicy())  # UltraScalePrecision.mixed_precision_policy

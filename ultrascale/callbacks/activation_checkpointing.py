@@ -192,7 +192,8 @@ def apply_ac(root: nn.Module, blocks: Sequence[nn.Module], policy: ACPolicy) -> 
         if region is None:
             continue
         if id(region) not in parents:
-            raise ValueError(f"ActivationCheckpointing: block {index} ({type(region).__name__}) is not a submodule of {type(root).__name__}")
+            raise ValueError(
+                f"ActivationCheckpointing: block {index} ({type(region).__name__}) is not a submodule of {type(root).__name__}")
         parent, name = parents[id(region)]
         if isinstance(parent, CheckpointWrapper) or isinstance(region, CheckpointWrapper):
             continue

@@ -193,5 +193,6 @@ class MemoryMonitor(Callback):
         path = directory / f"rank{trainer.global_rank}_{tag}.pickle"
         torch.cuda.memory._dump_snapshot(str(path))
         self.snapshots.append(str(path))
-        print(f"MemoryMonitor: rank {trainer.global_rank} wrote a CUDA memory snapshot to {path} (open it at https://pytorch.org/memory_viz)", flush=True)
+        print(f"MemoryMonitor: rank {trainer.global_rank} wrote a CUDA memory snapshot to {path} "
+              "(open it at https://pytorch.org/memory_viz)", flush=True)
         return str(path)

@@ -21,7 +21,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ultrascale.callbacks._common import parallel_dims_of
-from ultrascale.estimate import ModelFlops, find_peak_tflops, model_flops, recompute_flops_per_token
+from ultrascale.estimate import ModelFlops, model_flops, recompute_flops_per_token
+from ultrascale.planner.hardware import find_peak_tflops
 
 __all__ = ["MFUMonitor", "ModelFlops", "measure_matmul_tflops", "model_flops"]
 
@@ -269,7 +270,7 @@ class MFUMonitor(Callback):
 
 
 def _table_keys() -> list[str]:
-    from ultrascale.estimate import PEAK_TFLOPS
+    from ultrascale.planner.hardware import PEAK_TFLOPS
 
     return list(PEAK_TFLOPS)
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Union
 
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
-
-import lightning.pytorch as pl
 
 __all__ = ["StepProgressBar"]
 

@@ -16,6 +16,13 @@ from typing import Any, Optional
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from ultrascale.parallel.rules import (  # what ultrascale runs on which architecture: the rulebook's
+    HF_CONTEXT_PARALLEL_TYPES,
+    HF_EXPERT_PARALLEL_TYPES,
+    HF_PIPELINE_TYPES,
+    ModelFacts,
+)
+
 
 @dataclass(frozen=True)
 class ModelAdapter:
@@ -49,65 +56,26 @@ class ModelAdapter:
     experts: Callable[[], list[nn.Module]] = lambda: []
     """The experts modules (fused expert weights): each is its own FSDP unit, on the expert mesh, under ep > 1."""
 
-    def check_expert_parallel(self, ep: int) -> None:
-        """Raise (before any collective) if the experts cannot be split over `ep` ranks."""
-        if self.num_experts == 0:
-            raise ValueError(
-                f"expert parallel (ep={ep}) needs a Mixture-of-Experts model, and {self.name} has no experts: set "
-                "`n_experts` in the LlamaConfig (e.g. preset 'tiny_moe'), or load an MoE checkpoint "
-                f"(Hugging Face {'/'.join(HF_EXPERT_PARALLEL_TYPES)})"
-            )
-        if self.enable_expert_parallel is None:
-            raise ValueError(
-                f"expert parallel (ep={ep}) has no expert dispatch for {self.name}: ultrascale splits the experts of "
-                f"the built-in MoE Llama and of Hugging Face {'/'.join(HF_EXPERT_PARALLEL_TYPES)} models"
-            )
-        if self.num_experts % ep:
-            valid = [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]
-            raise ValueError(
-                f"expert parallel: {self.name} has {self.num_experts} experts per layer, which ep={ep} does not divide "
-                f"(each ep rank holds the same number of experts); valid ep: {valid}"
-            )
-
-    def check_tensor_parallel(self, tp: int, *, sequence_parallel: bool) -> None:
-        """Raise (before any collective) if `tp` cannot be applied to this model."""
-        from ultrascale.parallel.tensor import check_tp_divides
-
-        if self.tp_refusal is not None:
-            raise ValueError(self.tp_refusal)
-        if self.tp_plan is None:
-            raise ValueError(
-                f"tensor parallel has no plan for {self.name}: ultrascale has one for the built-in Llama and runs the "
-                "plan a Hugging Face causal LM's config ships (`base_model_tp_plan`: Llama, Mistral, Qwen2/3, Gemma3, "
-                "Phi3, OLMo2 and every other dense model with one), and this model has none. Pass your own plan to "
-                "the strategy, e.g. `UltraScaleStrategy(tp_plan={'layers.*.attn.q': 'colwise', "
-                "'layers.*.attn.out': 'rowwise', ...})` (module path -> ParallelStyle or one of "
-                "ultrascale.parallel.tensor.STYLE_NAMES)."
-            )
-        if sequence_parallel and not self.supports_sequence_parallel:
-            raise ValueError(
-                f"sequence parallel is not implemented for {self.name} (its model code derives positions and the "
-                "attention mask from the local sequence length); set `sequence_parallel=False`."
-            )
-        check_tp_divides(tp, self.tp_sizes, self.name)
-
-    def check_context_parallel(self, cp: int) -> None:
-        """Raise (before any collective) if context parallel cannot be applied to this model."""
-        if self.enable_context_parallel is None:
-            raise ValueError(
-                f"context parallel (cp={cp}) has no attention hook for {self.name}: ultrascale routes the attention "
-                f"of the built-in Llama and of Hugging Face {'/'.join(HF_CONTEXT_PARALLEL_TYPES)} models "
-                "through ring / all-gather attention"
-            )
-
-
-HF_EXPERT_PARALLEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-"""`config.model_type`s whose experts are transformers 5 fused SwiGLU experts behind the
-`ExpertsInterface` and whose routers return (logits, weights, indices): ultrascale's dispatch plugs in."""
-
-HF_CONTEXT_PARALLEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-"""`config.model_type`s whose attention runs through transformers' AttentionInterface with
-RoPE from `position_ids`, so context parallel needs only the attention function swapped."""
+    def facts(self, *, pipeline_parts: Any = None) -> ModelFacts:
+        """What the rulebook (`ultrascale.parallel.rules`) needs to know of this model. `pipeline_parts`: the
+        LightningModule's own stage split, which replaces the adapter's."""
+        parts = pipeline_parts if pipeline_parts is not None else (
+            self.pipeline_parts() if self.pipeline_parts is not None else None)
+        refusal = parts.problem(self.name) if parts is not None else None
+        return ModelFacts(
+            name=self.name,
+            n_layers=len(parts.layer_list()) if parts is not None and refusal is None else None,
+            tp_sizes=dict(self.tp_sizes),
+            tp_head_sizes={name: size for name, size in self.tp_sizes.items() if "heads" in name},
+            tp_plan=self.tp_plan is not None,
+            tp_refusal=self.tp_refusal,
+            sequence_parallel=self.supports_sequence_parallel,
+            context_parallel=self.enable_context_parallel is not None,
+            pipeline=parts is not None,
+            pipeline_refusal=refusal,
+            n_experts=self.num_experts,
+            expert_parallel=self.enable_expert_parallel is not None,
+        )
 
 
 def find_block_list(module: nn.Module) -> tuple[str, nn.ModuleList] | None:
@@ -344,10 +312,6 @@ def _hf_expert_parallel(hf: nn.Module, ep: Any) -> None:
     hf.set_experts_implementation(HF_EXPERTS_IMPLEMENTATION)
 
 
-HF_PIPELINE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-"""`config.model_type`s whose `*ForCausalLM` forward takes `inputs_embeds`, runs `model.layers` in
-order on `hidden_states` and ends in `model.norm` and `lm_head` (their `base_model_pp_plan`), so
-a stage runs the unchanged HF forward with the other stages' parts as gaps."""
 
 
 def _hf_pipeline_parts(hf: nn.Module) -> Any:
@@ -397,3 +361,111 @@ def _architecture_name(module: nn.Module) -> str:
         if type(sub).__name__.endswith("ForCausalLM") or (config is not None and hasattr(sub, "base_model_prefix")):
             return type(sub).__name__  # a Hugging Face model built from a config (no `architectures` yet)
     return "generic"
+
+
+def model_facts(module: nn.Module, *, pipeline_parts: Any = None) -> ModelFacts:
+    """The rulebook's facts of a built (real or meta) model, through its adapter."""
+    return get_adapter(module).facts(pipeline_parts=pipeline_parts)
+
+
+_FACTS_CACHE: dict[str, ModelFacts] = {}
+
+
+def config_facts(config: Any) -> ModelFacts:
+    """The rulebook's facts of the model a config describes (a built-in `LlamaConfig` or a Hugging Face config),
+    from that model built on the meta device (no memory, about a second for a 70B layout), so that the planner,
+    which has only the config, judges exactly what the strategy judges on the built model. Cached per config."""
+    import torch
+
+    config = getattr(config, "text_config", None) or config
+    from ultrascale.models.llama import Llama, LlamaConfig
+
+    if isinstance(config, LlamaConfig):
+        key = f"llama:{config!r}"
+    else:
+        key = f"hf:{type(config).__name__}:{config.to_json_string()}:{getattr(config, 'base_model_tp_plan', None)!r}"
+    if key not in _FACTS_CACHE:
+        with torch.device("meta"):
+            if isinstance(config, LlamaConfig):
+                model: nn.Module = Llama(config)
+            else:
+                import transformers
+
+                model = transformers.AutoModelForCausalLM.from_config(config)
+        _FACTS_CACHE[key] = model_facts(model)
+    return _FACTS_CACHE[key]
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """What a layout means for one built model, once the rulebook accepted it: the adapter, the pipeline split
+    (parts and layout) under pp, the tensor-parallel plan and whether the loss takes vocab-sharded logits."""
+
+    adapter: ModelAdapter
+    pipeline: Optional[tuple[Any, Any]]
+    """(`PipelineParts`, `PipelineLayout`) under pp; None otherwise."""
+    tp_plan: Optional[dict[str, Any]]
+    loss_parallel: bool = False
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the TP plan shards the sequence between blocks."""
+        from torch.distributed.tensor.parallel import SequenceParallel
+
+        return self.tp_plan is not None and any(isinstance(style, SequenceParallel) for style in self.tp_plan.values())
+
+
+def plan_model(module: nn.Module, dims: Any, knobs: Any, *, tp_plan: Optional[dict[str, Any]] = None,
+               pipeline_parts: Any = None, loss_parallel_default: bool = False, owner: str = "") -> ModelPlan:
+    """The rulebook's model checks for `dims` and `knobs` (`ultrascale.parallel.rules.model_problems`: raise the first,
+    before any weight is communicated), then the pieces `ultrascale.parallel.parallelize` takes. The strategy's
+    `check_model` and `measure_layout` both run this, so what is measured is what trains.
+
+    `tp_plan`: the user's plan (replaces the model's); `pipeline_parts`: the module's own stage split;
+    `loss_parallel_default`: loss parallel when `knobs.loss_parallel` is None (the module's loss takes DTensor
+    logits), never under pp, whose last stage returns plain logits."""
+    from ultrascale.parallel.pipeline import PipelineLayout
+    from ultrascale.parallel.rules import model_problems, raise_first, sequence_parallel_of
+
+    adapter = get_adapter(module)
+    facts = adapter.facts(pipeline_parts=pipeline_parts)
+    raise_first(model_problems(dims, knobs, facts), owner)
+    pipeline = None
+    if dims.pp_enabled:
+        parts = pipeline_parts if pipeline_parts is not None else adapter.pipeline_parts()
+        layout = PipelineLayout.build(n_layers=len(parts.layer_list()), pp=dims.pp, schedule=knobs.pipeline_schedule,
+                                      virtual_stages=knobs.pipeline_virtual_stages, microbatches=knobs.pipeline_microbatches,
+                                      layers_per_stage=knobs.pipeline_layers)
+        pipeline = (parts, layout)
+    plan, loss_parallel = None, False
+    if dims.tp_enabled:
+        if tp_plan is not None:
+            plan, loss_parallel = tp_plan, bool(knobs.loss_parallel)
+        else:
+            loss_parallel = knobs.loss_parallel if knobs.loss_parallel is not None else (
+                loss_parallel_default and not dims.pp_enabled)
+            assert adapter.tp_plan is not None  # model_problems refused a model without one
+            plan = adapter.tp_plan(sequence_parallel=sequence_parallel_of(knobs, facts), loss_parallel=loss_parallel)
+    return ModelPlan(adapter, pipeline, plan, loss_parallel)
+
+
+def declared_facts(module: nn.Module, *, own_pipeline_parts: bool = False) -> Optional[ModelFacts]:
+    """The rulebook's facts of the model a LightningModule declares in its `config` before building it (the built-in
+    `LlamaConfig` of `LlamaLM`, the Hugging Face config of `HFCausalLM`), so a layout is checked before any process
+    starts; None for a module without such a config (its built model is checked in `setup`)."""
+    import dataclasses
+
+    config = getattr(module, "config", None)
+    from ultrascale.models.llama import LlamaConfig
+
+    is_hf = hasattr(config, "model_type") and hasattr(config, "to_json_string")
+    if not isinstance(config, LlamaConfig) and not is_hf:
+        return None
+    # Named as the user wrote it (`LlamaLM (LlamaConfig)`): the launcher's one error points at their class.
+    owner = type(module).__name__
+    owner = owner[len("FSDP"):] if owner.startswith("FSDP") else owner
+    facts = dataclasses.replace(config_facts(config), name=f"{owner} ({type(config).__name__})")
+    if own_pipeline_parts:  # the module's own stage split (`ModuleContract.pipeline_parts`) replaces the adapter's
+        layers = getattr(config, "n_layers", None) or getattr(config, "num_hidden_layers", None)
+        facts = dataclasses.replace(facts, pipeline=True, n_layers=facts.n_layers or layers)
+    return facts

@@ -16,8 +16,10 @@ import torch
 from torchmetrics.aggregation import MeanMetric
 
 from ultrascale.models.llama import Llama, LlamaConfig
-from ultrascale.parallel.expert import iter_routers, set_aux_grad_scale
+from ultrascale.parallel.expert import iter_routers
 from ultrascale.parallel.loss import token_loss
+from ultrascale.strategies.contract import attached_strategy, normalizes_token_loss, pipeline_active
+from ultrascale.strategies.step import scale_balance_terms
 
 __all__ = ["CausalLMModule", "LlamaLM", "adamw_warmup_cosine", "warmup_cosine"]
 
@@ -62,14 +64,6 @@ def adamw_warmup_cosine(module: lightning.LightningModule) -> Dict[str, Any]:
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def attached_strategy(module: lightning.LightningModule) -> Optional[Any]:
-    """The strategy of the Trainer `module` is attached to, or None."""
-    try:
-        return module.trainer.strategy
-    except RuntimeError:  # not attached to a Trainer
-        return None
-
-
 class CausalLMModule(lightning.LightningModule):
     """Training and validation steps shared by ultrascale's causal-LM modules.
 
@@ -96,21 +90,20 @@ class CausalLMModule(lightning.LightningModule):
         Under pipeline parallel the model is split over ranks: the strategy runs the batch through
         the pipeline (in training, forward and backward of every micro-batch) and returns the same."""
         strategy = attached_strategy(self)
-        if getattr(strategy, "pipeline_active", False):
+        if pipeline_active(strategy):
             return strategy.pipeline_loss(batch)
         return token_loss(self(batch["input_ids"], batch.get("position_ids")), batch["labels"])
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> Dict[str, torch.Tensor]:
         out = self.batch_loss(batch)
-        if not getattr(self.trainer.strategy, "normalizes_token_loss", False):
+        if not normalizes_token_loss(self.trainer.strategy):
             # Lightning's own strategies: the micro-batch mean, averaged over ranks (exact only
             # when every rank holds the same number of valid tokens).
             self.log("train_loss", out["loss"], prog_bar=True, sync_dist=True)
             # MoE balance terms are token sums: on this mean's scale they are divided by the same valid tokens.
             routers = self._moe_routers()
             if routers:
-                tokens = max(1, int(out["num_tokens"]))
-                set_aux_grad_scale(routers, 1.0 / (self.trainer.accumulate_grad_batches * tokens))
+                scale_balance_terms(routers, self.trainer.accumulate_grad_batches, mean_over=int(out["num_tokens"]))
         return out
 
     def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> Dict[str, torch.Tensor]:

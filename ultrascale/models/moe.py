@@ -118,7 +118,7 @@ HF_EXPERTS_IMPLEMENTATION = "ultrascale"
 def hf_experts_modules(model: nn.Module) -> list[nn.Module]:
     """The fused experts modules of a transformers 5 MoE model (``gate_up_proj`` (E, 2I, H), ``down_proj``)."""
     return [m for m in model.modules() if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
-            and getattr(m, "gate_up_proj").dim() == 3 and isinstance(getattr(m, "down_proj", None), torch.Tensor)]
+            and m.gate_up_proj.dim() == 3 and isinstance(getattr(m, "down_proj", None), torch.Tensor)]
 
 
 def hf_routers(model: nn.Module) -> list[nn.Module]:

@@ -42,8 +42,8 @@ import sys
 import time
 import uuid
 import warnings
-from pathlib import Path
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -407,7 +407,7 @@ def restore_old_versions(folder: str | Path) -> list[Path]:
             if error.errno not in (errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY):
                 raise
             continue
-        warnings.warn(f"restored checkpoint {final} from {source}, left by a save interrupted between two renames")
+        warnings.warn(f"restored checkpoint {final} from {source}, left by a save interrupted between two renames", stacklevel=2)
         restored.append(final)
     if restored:
         _fsync_dir(folder)

@@ -43,9 +43,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ultrascale.parallel.device import all_gather_single, reduce_scatter_single
+from ultrascale.parallel.rules import CONTEXT_PARALLEL_METHODS
 
 ContextParallelMethod = Literal["allgather", "ring"]
-CONTEXT_PARALLEL_METHODS: tuple[str, ...] = ("allgather", "ring")
 
 
 # --------------------------------------------------------------------------- layout

@@ -42,39 +42,19 @@ from torch.distributed.pipelining.schedules import (
 
 from ultrascale.parallel.expert import routing_not_counted
 from ultrascale.parallel.loss import IGNORE_INDEX, cross_entropy_sum
-
-SCHEDULES: tuple[str, ...] = (
-    "GPipe",
-    "1F1B",
-    "Interleaved1F1B",
-    "LoopedBFS",
-    "InterleavedZeroBubble",
-    "ZBVZeroBubble",
-    "DualPipeV",
+from ultrascale.parallel.rules import (  # the rulebook owns the schedule names and their rules
+    SCHEDULES,  # noqa: F401  (re-exported: `ultrascale.parallel.pipeline.SCHEDULES`)
+    V_SCHEDULES,
+    pipeline_problems,
+    raise_first,
+    resolved_stages,
+    schedule_problems,
 )
-"""The schedule names, as `torch.distributed.pipelining.schedules.get_schedule_class` knows them."""
-
-SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-"""Two stages per rank in a V: rank r holds stages r and 2p-1-r."""
 
 
 def check_schedule(schedule: str, virtual_stages: Optional[int], microbatches: Optional[int]) -> None:
     """Raise ValueError for a schedule / virtual-stage / micro-batch choice that cannot work (no model needed)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"`pipeline_schedule={schedule!r}` is not a torch pipeline schedule; choose one of {list(SCHEDULES)}")
-    if virtual_stages is not None:
-        if not isinstance(virtual_stages, int) or virtual_stages < 1:
-            raise ValueError(f"`pipeline_virtual_stages={virtual_stages!r}` must be a positive integer")
-        if schedule in SINGLE_STAGE_SCHEDULES and virtual_stages != 1:
-            raise ValueError(
-                f"`pipeline_schedule={schedule!r}` runs one stage per rank; `pipeline_virtual_stages={virtual_stages}` needs "
-                f"a multi-stage schedule: {[s for s in SCHEDULES if s not in SINGLE_STAGE_SCHEDULES]}"
-            )
-        if schedule in V_SCHEDULES and virtual_stages != 2:
-            raise ValueError(f"`pipeline_schedule={schedule!r}` places exactly 2 stages per rank (a V); got `pipeline_virtual_stages={virtual_stages}`")
-    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
-        raise ValueError(f"`pipeline_microbatches={microbatches!r}` must be a positive integer")
+    raise_first(schedule_problems(schedule, virtual_stages, microbatches))
 
 
 @dataclass(frozen=True)
@@ -105,37 +85,18 @@ class PipelineLayout:
     ) -> "PipelineLayout":
         """Check the choice against the model's `n_layers` (ValueError naming the fix) and resolve defaults:
         virtual stages 1 for GPipe/1F1B and 2 for the others, micro-batches = number of stages."""
-        check_schedule(schedule, virtual_stages, microbatches)
-        if virtual_stages is None:
-            virtual_stages = 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
+        raise_first(pipeline_problems(n_layers=n_layers, pp=pp, schedule=schedule, virtual_stages=virtual_stages,
+                                      microbatches=microbatches, layers_per_stage=layers_per_stage))
+        virtual_stages = resolved_stages(schedule, virtual_stages)
         num_stages = pp * virtual_stages
         if microbatches is None:
             microbatches = num_stages
         if layers_per_stage is not None:
             layers = tuple(int(n) for n in layers_per_stage)
-            if len(layers) != num_stages or any(n < 1 for n in layers) or sum(layers) != n_layers:
-                raise ValueError(
-                    f"`pipeline_layers={list(layers_per_stage)}` must list {num_stages} positive layer counts "
-                    f"(pp={pp} x {virtual_stages} virtual stages) that sum to the model's {n_layers} layers"
-                )
         else:
-            if num_stages > n_layers:
-                raise ValueError(
-                    f"pipeline_parallel={pp} x pipeline_virtual_stages={virtual_stages} = {num_stages} stages, but the "
-                    f"model has only {n_layers} layers; every stage needs at least one"
-                )
-            if virtual_stages > 1 and n_layers % num_stages:
-                raise ValueError(
-                    f"{virtual_stages} virtual stages per rank over pp={pp}: {num_stages} stages do not divide the model's "
-                    f"{n_layers} layers; pick pipeline_virtual_stages so that they do, or give `pipeline_layers` explicitly"
-                )
             base, extra = divmod(n_layers, num_stages)
             # The remainder goes to the first stages: the last one also runs the head and the loss.
             layers = tuple(base + (1 if s < extra else 0) for s in range(num_stages))
-        if schedule == "DualPipeV" and microbatches < num_stages:
-            raise ValueError(f"DualPipeV needs at least as many micro-batches as stages ({num_stages}); got pipeline_microbatches={microbatches}")
-        if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and virtual_stages > 1 and microbatches % pp:
-            raise ValueError(f"{schedule} needs pipeline_microbatches to be a multiple of pipeline_parallel={pp}; got {microbatches}")
         return cls(pp=pp, schedule=schedule, virtual_stages=virtual_stages, microbatches=microbatches, layers_per_stage=layers)
 
     @property
@@ -192,19 +153,26 @@ class PipelineParts:
             raise ValueError(f"pipeline parallel: `{self.layers}` of {type(self.root).__name__} must be a ModuleList of layers")
         return layers
 
-    def check(self, model_name: str) -> None:
-        """Raise ValueError (before any collective) if this model cannot be split."""
+    def problem(self, model_name: str) -> Optional[str]:
+        """Why this model cannot be split (a part missing, embedding and head tied), or None."""
         for role, path in (("embedding", self.embed), ("layers", self.layers), ("final norm", self.norm), ("head", self.head)):
             try:
                 self.root.get_submodule(path)
             except AttributeError:
-                raise ValueError(f"pipeline parallel: {model_name} has no {role} at `{path}`") from None
+                return f"pipeline parallel: {model_name} has no {role} at `{path}`"
         embed_params = {id(p) for p in self.root.get_submodule(self.embed).parameters()}
         if any(id(p) in embed_params for p in self.root.get_submodule(self.head).parameters()):
-            raise ValueError(
+            return (
                 f"pipeline parallel: {model_name} ties its input embedding to its output head; the first and the last "
                 "stage would each need the one weight. Untie them (e.g. `tie_embeddings=False` / `tie_word_embeddings=False`)"
             )
+        return None
+
+    def check(self, model_name: str) -> None:
+        """Raise ValueError (before any collective) if this model cannot be split."""
+        problem = self.problem(model_name)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 class PipelineGap(nn.Module):
@@ -449,7 +417,8 @@ class PipelineRunner:
         else:
             with torch.no_grad():
                 schedule.eval(*args, target=target, losses=losses, **kwargs)
-        local = torch.stack([loss.detach().double() for loss in losses]).sum() / loss_scale if losses else torch.zeros((), dtype=torch.float64)
+        local = (torch.stack([loss.detach().double() for loss in losses]).sum() / loss_scale if losses
+                 else torch.zeros((), dtype=torch.float64))
         total = local.to(self.device)
         if dist.get_world_size(self.group) > 1:
             dist.all_reduce(total, group=self.group)  # only the last stage holds the losses

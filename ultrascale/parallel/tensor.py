@@ -18,7 +18,6 @@ linear; with SP the communicated volume is the same but activations between bloc
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -29,8 +28,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
-# torch's (private) name for a shard of interleaved blocks; transformers lays out packed weights with it too.
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -40,6 +37,9 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+
+# torch's (private) name for a shard of interleaved blocks; transformers lays out packed weights with it too.
+from torch.distributed.tensor.placement_types import _StridedShard
 
 TPPlan = Mapping[str, ParallelStyle]
 
@@ -566,16 +566,3 @@ def maybe_loss_parallel(enabled: bool) -> Iterator[None]:
     """
     with loss_parallel() if enabled else nullcontext():
         yield
-
-
-def check_tp_divides(tp: int, sizes: Mapping[str, int], model_name: str) -> None:
-    """ValueError naming every size that `tp` does not divide and the degrees that would fit."""
-    bad = {name: size for name, size in sizes.items() if size % tp != 0}
-    if bad:
-        common = math.gcd(*sizes.values())
-        fits = [d for d in range(1, common + 1) if common % d == 0]
-        details = ", ".join(f"{name}={size}" for name, size in bad.items())
-        raise ValueError(
-            f"`tensor_parallel={tp}` must divide {details} of {model_name} (whole heads / rows per rank). "
-            f"Tensor-parallel degrees that fit: {fits}"
-        )

@@ -851,5 +851,6 @@ def param_shaped_from_flat(loaded: dict[str, Any], current: dict[str, Any]) -> t
             for key, value in saved_group["scalars"].items():
                 new[key] = value.clone() if isinstance(value, torch.Tensor) else value
             state[fqn] = new
-    groups = [{**saved_group["hyper"], "params": group["params"]} for saved_group, group in zip(loaded["param_groups"], current["param_groups"])]
+    groups = [{**saved_group["hyper"], "params": group["params"]}
+              for saved_group, group in zip(loaded["param_groups"], current["param_groups"])]
     return {"state": state, "param_groups": groups}, masters

@@ -4,6 +4,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from ultrascale.strategies.base import UltraScaleStrategy
 from ultrascale.strategies.context import ContextParallelStrategy
+from ultrascale.strategies.contract import ModuleContract, StrategyContract
 from ultrascale.strategies.expert import ExpertParallelStrategy
 from ultrascale.strategies.pipeline import PipelineParallelStrategy
 from ultrascale.strategies.precision import UltraScalePrecision
@@ -30,4 +31,17 @@ for _name, (_cls, _description) in _REGISTERED.items():
     if _name not in StrategyRegistry:
         StrategyRegistry.register(_name, _cls, description=_description, **_INIT_PARAMS.get(_name, {}))
 
-__all__ = ["UltraScaleStrategy", "ContextParallelStrategy", "PipelineParallelStrategy", "ExpertParallelStrategy", "ZeRO1Strategy", "ZeRO2Strategy", "ZeRO3Strategy", "HSDPStrategy", "TensorParallelStrategy", "UltraScalePrecision"]
+__all__ = [
+    "ModuleContract",
+    "StrategyContract",
+    "UltraScaleStrategy",
+    "ContextParallelStrategy",
+    "PipelineParallelStrategy",
+    "ExpertParallelStrategy",
+    "ZeRO1Strategy",
+    "ZeRO2Strategy",
+    "ZeRO3Strategy",
+    "HSDPStrategy",
+    "TensorParallelStrategy",
+    "UltraScalePrecision",
+]

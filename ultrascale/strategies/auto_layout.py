@@ -22,11 +22,14 @@ from typing import Any, Optional
 
 import psutil
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ultrascale import planner
-from ultrascale.estimate import ModelShape, find_peak_tflops
+from ultrascale.estimate import ModelShape, model_shape
+from ultrascale.planner.hardware import find_peak_tflops
 
-__all__ = ["AutoLayoutInputs", "auto_layout_inputs", "choose_layout", "device_cluster"]
+__all__ = ["AutoLayout", "AutoLayoutInputs", "apply_auto_layout", "auto_layout_inputs", "choose_layout", "device_cluster",
+           "fixed_knobs"]
 
 # Peak and bandwidths of "a CPU rank" only order layouts against each other: compute is
 # cheap next to gloo's collectives, as on the machines where CPU runs happen.
@@ -52,24 +55,12 @@ class AutoLayoutInputs:
 
 
 def model_shape_of(module: Any) -> tuple[Optional[ModelShape], Any, str]:
-    """(shape, HF config or None, why not) for a LightningModule the planner can price."""
-    from ultrascale.models.llama import LlamaConfig
-
-    config = getattr(module, "config", None)
-    if isinstance(config, LlamaConfig):
-        return ModelShape.from_llama_config(config, name=f"Llama ({type(module).__name__})"), None, ""
+    """(shape, HF config or None, why not) for a LightningModule the planner can price (`model_shape`)."""
     try:
-        import transformers
-    except ImportError:  # pragma: no cover - a dependency
-        transformers = None
-    if transformers is not None and isinstance(config, transformers.PretrainedConfig):
-        text_config = getattr(config, "text_config", None) or config
-        try:
-            return ModelShape.from_hf_config(text_config), text_config, ""
-        except ValueError as error:
-            return None, None, str(error)
-    return None, None, (f"{type(module).__name__} has no `config` the planner reads (a built-in `LlamaConfig` or a "
-                        "Hugging Face config)")
+        shape = model_shape(module, name=f"Llama ({type(module).__name__})")
+    except ValueError as error:
+        return None, None, str(error)
+    return shape, (None if shape.builtin else shape.config), ""
 
 
 def device_cluster(device: torch.device, world_size: int, ranks_per_node: int) -> planner.Cluster:
@@ -135,4 +126,66 @@ def choose_layout(inputs: AutoLayoutInputs, fixed: dict[str, Any]) -> planner.Pl
     raise ValueError(
         f"no layout of {inputs.describe()} fits{detail}. Reasons: {'; '.join(reasons[:4]) or 'none given'}. "
         "Use more devices, a smaller batch or sequence, or give the degrees yourself (`ultrascale plan` explains)."
+    )
+
+
+def fixed_knobs(**knobs: tuple[Any, Any]) -> dict[str, Any]:
+    """The knobs given as (value, default) that the user set away from their defaults: they stay fixed
+    in the auto search."""
+    return {key: value for key, (value, default) in knobs.items() if value != default}
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoLayout:
+    """The planner's choice, in the strategy's knobs; the strategy assigns them."""
+
+    row: planner.PlanRow
+    """The planner's row that was chosen (the strategy's `chosen_layout`)."""
+    degrees: dict[str, int]
+    zero_stage: int
+    accumulate_unsharded_grads: bool
+    pipeline_schedule: str
+    pipeline_virtual_stages: Optional[int]
+    pipeline_microbatches: Optional[int]
+    transforms: list[Any]
+    """Activation checkpointing's transform when the layout recomputes and no such callback is given."""
+
+
+def apply_auto_layout(module: Any, trainer: Any, *, device: torch.device, world_size: int, ranks_per_node: int,
+                      precision: str, degrees: dict[str, int], fixed: dict[str, Any], pipeline_schedule: str,
+                      pipeline_virtual_stages: Optional[int], pipeline_microbatches: Optional[int],
+                      owner: str) -> Optional[AutoLayout]:
+    """The planner's best layout (same inputs on every rank: same choice, no collective), logged on rank 0;
+    None, after a warning, where the planner cannot price the run (the set `degrees` are then kept)."""
+    inputs, why = auto_layout_inputs(module, trainer, device, world_size, ranks_per_node, precision)
+    if inputs is None:
+        rank_zero_warn(f"{owner}(auto_layout=True): the planner cannot price this run ({why}); keeping the set "
+                       f"degrees {degrees} (ZeRO-3 over the rest). Give the layout yourself to choose another.")
+        return None
+    try:
+        row = choose_layout(inputs, fixed)
+    except ValueError as error:
+        raise ValueError(f"{owner}(auto_layout=True): {error}") from None
+    lay = row.layout
+    if lay.pp > 1:
+        pipeline_schedule = lay.schedule or pipeline_schedule
+        pipeline_virtual_stages = lay.virtual_stages
+        if pipeline_microbatches is None:
+            pipeline_microbatches = lay.grad_accumulation
+    from ultrascale.callbacks.activation_checkpointing import ActivationCheckpointing
+
+    transforms: list[Any] = []
+    if lay.recompute != "none" and not any(
+            isinstance(callback, ActivationCheckpointing) for callback in (trainer.callbacks if trainer is not None else [])):
+        transforms = [ActivationCheckpointing(mode=lay.recompute)]  # its transform, not registered as a callback
+    memory, step = row.memory, row.step_time
+    rank_zero_info(
+        f"ultrascale_4d auto layout for {inputs.describe()}: {lay.describe()} "
+        f"(predicted {memory['total'] / 2**30:.2f} GiB per device, step {step['total']:.3g} s)"
+    )
+    return AutoLayout(
+        row, {"dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "cp": lay.cp, "tp": lay.tp, "pp": lay.pp,
+              "ep": lay.ep},
+        lay.zero_stage, lay.accumulate_unsharded_grads, pipeline_schedule, pipeline_virtual_stages, pipeline_microbatches,
+        transforms,
     )

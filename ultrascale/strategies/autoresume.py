@@ -12,11 +12,12 @@ records. The strategy loads rank 0's choice, and warns where a rank was given an
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ultrascale.parallel.checkpoint import latest_checkpoint as _latest_in
 
@@ -69,4 +70,36 @@ def latest_checkpoint(where: Union["pl.Trainer", str, Path, Iterable[Union[str, 
     return None if found is None else str(found)
 
 
-__all__ = ["AUTO", "checkpoint_folders", "latest_checkpoint"]
+def roll_back(module: "pl.LightningModule", *, rollbacks: int, guard: Any, rank: int,
+              broadcast: Callable[[str], str], load: Callable[[str], Any]) -> None:
+    """`nonfinite="rollback"`: weights and optimizer state back to the newest complete checkpoint
+    (`load`: the strategy's `load_checkpoint`), warned and logged as the run's `rollbacks`-th rollback.
+
+    The step counter, the learning-rate schedule and the data go on: the batches between that
+    checkpoint and the bad step, the bad one included, are not seen again (PaLM's remedy for
+    loss spikes: restart from an earlier checkpoint and skip the batches that led there).
+    `guard`: the step's `StepGuard` (its skip count and limit are reported)."""
+    from ultrascale.strategies._lightning_compat import logging_as_hook
+
+    trainer = module.trainer
+    found = latest_checkpoint(trainer)
+    chosen = broadcast(found or "")  # rank 0's view of the folder decides for every rank
+    step = trainer.global_step
+    if not chosen:
+        raise FloatingPointError(
+            f"non-finite step {step} (rank {rank}) and nonfinite='rollback', but there is no complete "
+            "checkpoint to roll back to yet; save checkpoints (ModelCheckpoint(every_n_train_steps=...)) or use "
+            "nonfinite='skip'"
+        )
+    meta = load(chosen)
+    restored = int(meta.get("global_step", -1)) if isinstance(meta, Mapping) else -1
+    rank_zero_warn(
+        f"ultrascale: non-finite step {step}: weights and optimizer state rolled back to {chosen} (step {restored}); "
+        f"the batches since then are skipped ({guard.skipped} of at most {guard.max_skips}; "
+        "nonfinite='rollback')"
+    )
+    with logging_as_hook(module, "on_before_optimizer_step"):
+        module.log("rollbacks", float(rollbacks), sync_dist=False)
+
+
+__all__ = ["AUTO", "checkpoint_folders", "latest_checkpoint", "roll_back"]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Optional, Literal
+from typing import Any, Literal, Optional
 
 import torch
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
@@ -29,10 +30,13 @@ class UltraScalePrecision(Precision):
         if precision not in SUPPORTED_PRECISION:
             raise ValueError(f"ultrascale supports precision {SUPPORTED_PRECISION}, got precision={precision!r}")
         self.precision = precision
-        self.step_grad_norm: Optional[torch.Tensor] = None
-        """This step's global L2 gradient norm if the strategy already reduced it (used once by clipping)."""
-        self.norm_group: Optional[torch.distributed.ProcessGroup] = None
-        """Ranks holding the other pipeline stages: their gradients count in the clipping norm."""
+        self._norm_group: Optional[torch.distributed.ProcessGroup] = None
+        self._step_grad_norm: Optional[Callable[[], Optional[torch.Tensor]]] = None  # only inside `optimizer_step`
+
+    def clip_across(self, stages: Optional[torch.distributed.ProcessGroup]) -> None:
+        """Under pipeline parallel, the ranks holding the other stages: their gradients count in the
+        clipping norm (the strategy calls it in `setup`; None: this rank's gradients are the model's)."""
+        self._norm_group = stages
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -60,14 +64,33 @@ class UltraScalePrecision(Precision):
         return nullcontext()
 
     @override
+    def optimizer_step(
+        self,
+        optimizer: Any,
+        model: Any,
+        closure: Callable[[], Any],
+        step_grad_norm: Optional[Callable[[], Optional[torch.Tensor]]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Lightning's step (closure, `on_before_optimizer_step`, clipping, optimizer). `step_grad_norm`: gives
+        the step's global gradient norm once the closure has run, if the strategy reduced it (its non-finite
+        check): clipping in this step reuses it instead of a second reduction."""
+        self._step_grad_norm = step_grad_norm
+        try:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        finally:
+            self._step_grad_norm = None
+
+    @override
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
-        # The strategy's non-finite check already reduced this step's global norm: reuse it.
-        total, self.step_grad_norm = self.step_grad_norm, None
+        # Used once: after clipping, the gradients' norm is no longer that one.
+        known, self._step_grad_norm = self._step_grad_norm, None
+        total = known() if known is not None else None
         engine = zero_engine_for(optimizer)
         if engine is not None:  # ZeRO-1/2: the reduced gradients are the engine's slices
             engine.clip_grad_norm_(clip_val, total_norm=total)
         else:
-            clip_grad_norm_(self.main_params(optimizer), clip_val, total_norm=total, across=self.norm_group)
+            clip_grad_norm_(self.main_params(optimizer), clip_val, total_norm=total, across=self._norm_group)
 
     @override
     def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
@@ -79,6 +102,23 @@ class UltraScalePrecision(Precision):
 
     def state_dict(self) -> dict[str, Any]:
         return {}
+
+
+def translate_precision_plugin(plugin: Optional[Precision], owner: str) -> Optional[UltraScalePrecision]:
+    """The plugin a strategy stores for the `precision_plugin` Lightning gives it: ours (or None) as it is,
+    Lightning's generic `Precision` / `MixedPrecision` / `HalfPrecision` as the `UltraScalePrecision` of the
+    same name. ValueError naming `owner` for anything else."""
+    if plugin is None or isinstance(plugin, UltraScalePrecision):
+        return plugin
+    name = getattr(plugin, "precision", None)
+    # Only Lightning's generic plugins are translated; a specialised one (double,
+    # bitsandbytes, transformer-engine, a user's own) is rejected, not silently replaced.
+    if type(plugin) not in (Precision, MixedPrecision, HalfPrecision) or name not in SUPPORTED_PRECISION:
+        raise ValueError(
+            f"{owner} supports `precision` in {SUPPORTED_PRECISION} (FSDP2 mixed precision), "
+            f"got {type(plugin).__name__}(precision={name!r})"
+        )
+    return UltraScalePrecision(name)
 
 
 class _default_dtype:

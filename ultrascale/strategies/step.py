@@ -13,19 +13,33 @@ A module that returns a plain loss (a mean per micro-batch) keeps the familiar s
 its summed gradients are divided by the number of dp x cp ranks, i.e. the mean of the rank
 means, which equals the global token mean only when every rank and micro-batch holds the same
 number of valid tokens.
+
+`StepRunner` holds everything around one optimizer step of one rank (this normalisation, the
+non-finite guard, the MoE load statistics and the balance terms' gradient scale); its `finish`
+returns the step as a frozen `StepResult`, which the strategy logs and hands to clipping.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
 
+from ultrascale.parallel.expert import (
+    ROUTER_LOAD_ATTRIBUTE,
+    balance_ratio,
+    set_aux_grad_scale,
+    step_expert_load,
+    update_router_bias,
+)
+from ultrascale.parallel.grad import global_grad_norm
 from ultrascale.parallel.loss import NUM_TOKENS_KEY, StepTokens, scale_gradients
+from ultrascale.parallel.zero import zero_engine_for
 
 
 class TokenNormalizedStep:
@@ -100,6 +114,7 @@ class TokenNormalizedStep:
 
 
 NonFinitePolicy = Literal["stop", "skip", "rollback", "off"]
+NONFINITE_POLICIES: tuple[str, ...] = ("stop", "skip", "rollback", "off")
 
 
 class StepGuard:
@@ -113,7 +128,7 @@ class StepGuard:
 
     def __init__(self, policy: NonFinitePolicy = "stop", max_skips: int = 10, window: int = 100,
                  spike_threshold: float = 6.0) -> None:
-        if policy not in ("stop", "skip", "rollback", "off"):
+        if policy not in NONFINITE_POLICIES:
             raise ValueError(f"`nonfinite={policy!r}`: choose 'stop', 'skip', 'rollback' or 'off'")
         if max_skips < 0:
             raise ValueError(f"`max_nonfinite_skips={max_skips}` must be >= 0")
@@ -160,3 +175,159 @@ class StepGuard:
             return None
         self.spikes += 1
         return z
+
+
+def scale_balance_terms(routers: Sequence[torch.nn.Module], accumulate: int, mean_over: Optional[int] = None) -> None:
+    """Give the MoE balance terms' gradient (`RouterLoad.grad_scale`) the factor the loss gets, so they join
+    backward on the loss's scale. The terms are token sums; with k = `accumulate` micro-batches:
+
+        token-normalised step:  backward(S_m / k)          ->  1 / k
+        mean loss (`mean_over` = n_m valid tokens):  backward(S_m / (k n_m))  ->  1 / (k n_m)
+
+    The one rule for both: `StepRunner` applies it under ultrascale strategies, `CausalLMModule` under
+    Lightning's own (which differentiate the micro-batch mean)."""
+    if mean_over is None:
+        set_aux_grad_scale(list(routers), 1.0 / accumulate)
+    else:
+        set_aux_grad_scale(list(routers), 1.0 / (accumulate * max(1, mean_over)))
+
+
+@dataclass(frozen=True)
+class StepGroups:
+    """Where one step's numbers are reduced; fixed once the mesh exists."""
+
+    data: Optional[dist.ProcessGroup]
+    """The ranks that hold different tokens (dp x cp): the step's token count and loss sum."""
+    data_ranks: int
+    """The size of `data`."""
+    device: torch.device
+    """This rank's device (a norm of no gradient is a zero there)."""
+    stages: Optional[dist.ProcessGroup] = None
+    """Under pipeline parallel, the ranks holding the other stages: their gradients count in the norm."""
+    experts: Optional[dist.ProcessGroup] = None
+    """The ranks whose MoE loads are summed: all of them (every data rank and pipeline stage)."""
+    expert_copies: int = 1
+    """How many ranks of `experts` route each token (tensor parallel: every tp rank)."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step, the same on every rank."""
+
+    step: int
+    """The optimizer step (`trainer.global_step`) it was."""
+    loss: Optional[torch.Tensor] = None
+    """The exact global token-mean loss (fp32); None for a module that returns a plain loss."""
+    tokens: Optional[torch.Tensor] = None
+    """Valid tokens of the whole global batch; None for a plain loss."""
+    grad_norm: Optional[torch.Tensor] = None
+    """Global L2 norm of the normalised gradients (clipping reuses it); None under `nonfinite="off"`."""
+    loss_value: Optional[float] = None
+    """`loss` on the host (None for a plain loss or under "off")."""
+    grad_norm_value: Optional[float] = None
+    """`grad_norm` on the host."""
+    skipped: bool = False
+    """The optimizer must not step: the step was non-finite under "skip" / "rollback"."""
+    skipped_steps: int = 0
+    """Steps skipped in this run so far, this one included."""
+    spike: Optional[float] = None
+    """The loss's robust z-score if it is a spike, else None."""
+    loss_spikes: int = 0
+    """Loss spikes in this run so far, this one included."""
+    moe: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """MoE statistics by log name (`moe/aux_loss`, `moe/balance`, `moe/dropped`, `moe/expert_tokens/<i>`);
+    empty without MoE."""
+
+
+class StepRunner:
+    """Everything around one optimizer step of one rank.
+
+    Per micro-batch: `start_micro_batch` before `training_step`, `observe` on its output,
+    `backward_loss` for the loss its backward differentiates. Per optimizer step, once the last
+    backward ran: `finish` (normalise, check, MoE statistics) returns the `StepResult`, and
+    `discard` drops a skipped step's gradients. Every rank calls `finish` (it has collectives)
+    and takes the same decision from the same global numbers.
+    """
+
+    def __init__(self, nonfinite: NonFinitePolicy = "stop", max_nonfinite_skips: int = 10) -> None:
+        self.tokens = TokenNormalizedStep()
+        self.guard = StepGuard(nonfinite, max_nonfinite_skips)
+        self._routers: list[torch.nn.Module] = []  # MoE routers of this rank's layers
+        self._moe_shape: Optional[tuple[int, int]] = None  # (MoE layers, experts) of the whole model: same on every rank
+
+    def use_routers(self, routers: Sequence[torch.nn.Module], moe_shape: Optional[tuple[int, int]]) -> None:
+        """The MoE routers of this rank's layers and the (MoE layers, experts) of the whole model (None: no MoE)."""
+        self._routers = list(routers)
+        self._moe_shape = moe_shape
+
+    def start_micro_batch(self, accumulate: int) -> None:
+        if self._moe_shape is not None:
+            scale_balance_terms(self._routers, accumulate)  # the token-normalised scale until `backward_loss` says otherwise
+
+    def observe(self, output: Any) -> None:
+        self.tokens.observe(output)
+
+    def backward_loss(self, closure_loss: torch.Tensor, accumulate: int) -> torch.Tensor:
+        """The loss Lightning's backward differentiates (see `TokenNormalizedStep.backward_loss`)."""
+        if self._routers and self.tokens.micro_batch_tokens is None:
+            # A plain (mean) loss: the balance terms become a mean over this micro-batch's routed tokens.
+            scale_balance_terms(self._routers, accumulate, mean_over=getattr(self._routers[0], ROUTER_LOAD_ATTRIBUTE).tokens)
+        return self.tokens.backward_loss(closure_loss)
+
+    def finish(self, optimizer: torch.optim.Optimizer, groups: StepGroups, *, loss_divisor: int, step: int,
+               rank: int) -> StepResult:
+        """The step's gradients reduced (ZeRO-1/2) and normalised once, checked, and the MoE loads counted.
+
+        `loss_divisor`: what Lightning divided each micro-batch's loss by (`accumulate_grad_batches`
+        under automatic optimisation, else 1). Raises FloatingPointError where `nonfinite` says to stop."""
+        engine = zero_engine_for(optimizer)
+        if engine is not None:
+            engine.reduce_gradients()
+            grads: list[Optional[torch.Tensor]] = list(engine.grad_shards())
+        else:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+        loss = self.tokens.finish(grads, group=groups.data, data_ranks=groups.data_ranks, loss_divisor=loss_divisor)
+        checked: dict[str, Any] = {}
+        if self.guard.policy != "off":
+            if engine is not None:
+                norm = engine.grad_norm()
+            else:
+                present = [g for g in grads if g is not None]
+                stages = groups.stages
+                norm = global_grad_norm(present, across=stages) if present or stages else torch.zeros((), device=groups.device)
+            # One host sync for both numbers.
+            numbers = torch.stack([norm.float(), (loss if loss is not None else norm).float().to(norm.device)]).tolist()
+            grad_norm, loss_value = numbers[0], (numbers[1] if loss is not None else None)
+            ok = self.guard.check(step=step, rank=rank, loss=loss_value, grad_norm=grad_norm)
+            checked = dict(grad_norm=norm, grad_norm_value=grad_norm, loss_value=loss_value, skipped=not ok,
+                           spike=self.guard.spike(loss_value))
+        # Every rank joins the loads' all-reduce, also a pipeline stage without MoE layers.
+        moe = self._expert_load(groups) if self._moe_shape is not None else {}
+        return StepResult(step=step, loss=loss, tokens=self.tokens.step_tokens if loss is not None else None,
+                          skipped_steps=self.guard.skipped, loss_spikes=self.guard.spikes, moe=moe, **checked)
+
+    def discard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop a skipped step's gradients: the optimizer does not step on them, nor on the next ones."""
+        engine = zero_engine_for(optimizer)
+        if engine is not None:
+            engine.discard_step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def _expert_load(self, groups: StepGroups) -> dict[str, torch.Tensor]:
+        """The step's token counts per layer and expert over all ranks (one all-reduce), the
+        aux-loss-free bias update from them, and the statistics: `moe/aux_loss` (the balance terms
+        added to the loss, over the step's valid tokens), `moe/balance` (max / mean tokens per expert,
+        averaged over layers; 1 = even), `moe/expert_tokens/<i>` (summed over layers), `moe/dropped`."""
+        assert self._moe_shape is not None
+        counts, aux, dropped = step_expert_load(
+            [getattr(r, ROUTER_LOAD_ATTRIBUTE) for r in self._routers], *self._moe_shape, groups.device,
+            group=groups.experts, copies=groups.expert_copies,
+        )
+        update_router_bias(self._routers, counts)
+        moe_layers = counts[counts.sum(-1) > 0]
+        return {
+            "moe/aux_loss": aux / self.tokens.step_tokens.clamp(min=1),
+            "moe/balance": balance_ratio(moe_layers).mean() if len(moe_layers) else counts.new_zeros(()),
+            "moe/dropped": dropped,
+            **{f"moe/expert_tokens/{i}": count for i, count in enumerate(counts.sum(0))},
+        }

@@ -76,7 +76,8 @@ class ZeRO3Strategy(UltraScaleStrategy):
     strategy_name = "ultrascale_zero3"
 
     def __init__(self, **knobs: Unpack[ShardingKnobs]) -> None:
-        super().__init__(data_parallel_replicate=1, data_parallel_shard=-1, zero_stage=3, **checked_knobs(type(self).__name__, knobs, ShardingKnobs))
+        super().__init__(data_parallel_replicate=1, data_parallel_shard=-1, zero_stage=3,
+                         **checked_knobs(type(self).__name__, knobs, ShardingKnobs))
 
 
 class HSDPStrategy(UltraScaleStrategy):
@@ -105,7 +106,8 @@ class HSDPStrategy(UltraScaleStrategy):
             raise ValueError(
                 f"HSDPStrategy(`data_parallel_replicate={data_parallel_replicate!r}`): give a positive int or 'auto'"
             )
-        super().__init__(data_parallel_replicate=1, data_parallel_shard=-1, zero_stage=3, **checked_knobs(type(self).__name__, knobs, ShardingKnobs))
+        super().__init__(data_parallel_replicate=1, data_parallel_shard=-1, zero_stage=3,
+                         **checked_knobs(type(self).__name__, knobs, ShardingKnobs))
         self.data_parallel_replicate = data_parallel_replicate
 
     @override

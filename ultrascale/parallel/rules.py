@@ -1,0 +1,385 @@
+"""The rulebook: which layouts ultrascale runs, for which models, batches and clusters.
+
+Every caller that decides whether a layout runs asks here and nowhere else: the strategy (its
+constructor, its checks before launch and `check_model`), the planner's search (`layout_problems`),
+`measure_layout`, `ultrascale plan --recipe`, the auto layout and `from_accelerate`. A rule is a
+pure function of what is known at the moment it is asked, and returns `Problem`s instead of
+raising, so the planner can list every reason and the strategy can raise the first with its name
+in front (`raise_first`).
+
+What each function needs, in the order a run learns it:
+
+    knob_problems(knobs)                         the strategy's arguments alone (constructor)
+    resolve(knobs, world)                        + the world size: the mesh (ParallelDims)
+    model_problems(dims, knobs, facts)           + the model (`ModelFacts`, from its adapter)
+    pipeline_problems(...)                       + the model's layer count (under pp)
+    batch_problems(dims, knobs, ...)             + the data: sequence length, global batch
+
+`ModelFacts` carries what the rules need to know of a model; `ultrascale.models.adapters` makes
+them from a built (or meta-built) model, so the planner, which sees only a config, and the
+strategy, which sees the model, judge the same facts (tests/test_rules.py holds them equal).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ultrascale.parallel.dims import ParallelDims
+
+__all__ = [
+    "CONTEXT_PARALLEL_METHODS", "HF_CONTEXT_PARALLEL_TYPES", "HF_EXPERT_PARALLEL_TYPES", "HF_PIPELINE_TYPES",
+    "LayoutKnobs", "ModelFacts", "Problem", "SCHEDULES", "SINGLE_STAGE_SCHEDULES", "V_SCHEDULES",
+    "batch_problems", "knob_problems", "model_problems", "pipeline_problems", "raise_first", "resolve",
+    "tp_divides_problem",
+]
+
+# --------------------------------------------------------------------------- what ultrascale supports
+
+CONTEXT_PARALLEL_METHODS: tuple[str, ...] = ("allgather", "ring")
+"""`context_parallel_method` values: one all-gather of K/V per layer, or K/V passed around a P2P ring."""
+
+SCHEDULES: tuple[str, ...] = (
+    "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV",
+)
+"""The pipeline schedule names, as `torch.distributed.pipelining.schedules.get_schedule_class` knows them."""
+
+SINGLE_STAGE_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B")
+V_SCHEDULES: tuple[str, ...] = ("ZBVZeroBubble", "DualPipeV")
+"""Two stages per rank in a V: rank r holds stages r and 2p-1-r."""
+
+HF_EXPERT_PARALLEL_TYPES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")
+"""`config.model_type`s whose experts are transformers 5 fused SwiGLU experts behind the
+`ExpertsInterface` and whose routers return (logits, weights, indices): ultrascale's dispatch plugs in."""
+
+HF_CONTEXT_PARALLEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+"""`config.model_type`s whose attention runs through transformers' AttentionInterface with
+RoPE from `position_ids`, so context parallel needs only the attention function swapped."""
+
+HF_PIPELINE_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+"""`config.model_type`s whose `*ForCausalLM` forward takes `inputs_embeds`, runs `model.layers` in
+order on `hidden_states` and ends in `model.norm` and `lm_head` (their `base_model_pp_plan`), so
+a stage runs the unchanged HF forward with the other stages' parts as gaps."""
+
+ZERO_STAGES: tuple[int, ...] = (1, 2, 3)
+
+# --------------------------------------------------------------------------- inputs and answers
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One reason a layout does not run: the knobs to change and what is wrong with them."""
+
+    message: str
+    knobs: tuple[str, ...] = ()
+    """`name=value` of the arguments at fault, in the strategy's names (shown in backticks)."""
+    not_implemented: bool = False
+    """A combination ultrascale may run one day (NotImplementedError), not an impossible one (ValueError)."""
+
+    def text(self, owner: str = "") -> str:
+        """The message users see: ``Owner(`a=1`, `b=2`): message`` (``Owner: message`` without knobs)."""
+        knobs = ", ".join(f"`{knob}`" for knob in self.knobs)
+        if owner:
+            return f"{owner}({knobs}): {self.message}" if knobs else f"{owner}: {self.message}"
+        return f"{knobs}: {self.message}" if knobs else self.message
+
+    def error(self, owner: str = "") -> Exception:
+        return (NotImplementedError if self.not_implemented else ValueError)(self.text(owner))
+
+
+def raise_first(problems: Sequence[Problem], owner: str = "") -> None:
+    """Raise the first problem (ValueError, or NotImplementedError for a combination not built yet)."""
+    if problems:
+        raise problems[0].error(owner) from None
+
+
+@dataclass(frozen=True)
+class LayoutKnobs:
+    """The layout a run asks for, in the strategy's terms (degrees named by their mesh axes)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    zero_stage: int = 3
+    context_parallel_method: str = "ring"
+    pipeline_schedule: str = "1F1B"
+    pipeline_virtual_stages: Optional[int] = None
+    pipeline_microbatches: Optional[int] = None
+    pipeline_layers: Optional[tuple[int, ...]] = None
+    sequence_parallel: Optional[bool] = None
+    """None: wherever the model's plan supports it."""
+    loss_parallel: Optional[bool] = None
+    tp_plan_given: bool = False
+    """The user passed `tp_plan=`: it replaces the model's own plan (and that plan's refusal)."""
+    accumulate_unsharded_grads: bool = False
+    zero_bucket_mb: Optional[float] = None
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp,
+                "pp": self.pp, "ep": self.ep}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the rules need to know of one model (made by `ultrascale.models.adapters.model_facts`)."""
+
+    name: str
+    """Architecture name for messages ('generic' for a model ultrascale has no adapter for)."""
+    n_layers: Optional[int] = None
+    """Pipeline units (transformer layers); None where unknown."""
+    tp_sizes: Mapping[str, int] = field(default_factory=dict)
+    """Sizes a tensor-parallel degree must divide under the model's own plan (heads, MLP width, vocabulary)."""
+    tp_head_sizes: Mapping[str, int] = field(default_factory=dict)
+    """The attention heads among them: a user's `tp_plan` must still give each rank whole heads."""
+    tp_plan: bool = False
+    """The model ships (or ultrascale has) a tensor-parallel plan."""
+    tp_refusal: Optional[str] = None
+    """Why the model's own plan cannot run; None: it can."""
+    sequence_parallel: bool = False
+    """Its plan can shard norms and the residual stream on the sequence."""
+    context_parallel: bool = False
+    """Its attention can be routed through ring / all-gather attention."""
+    pipeline: bool = False
+    """It can be split into stages (an adapter's or the module's own `pipeline_parts`)."""
+    pipeline_refusal: Optional[str] = None
+    """Why its stage split cannot run (a missing part, tied embeddings); None: it can."""
+    n_experts: int = 0
+    """Routed experts per MoE layer; 0: dense."""
+    expert_parallel: bool = False
+    """Its experts can be split over ep ranks (a dispatch hook exists)."""
+
+
+# --------------------------------------------------------------------------- the rules
+
+
+def knob_problems(k: LayoutKnobs) -> list[Problem]:
+    """What is wrong with the knobs alone, before any world size or model is known."""
+    problems: list[Problem] = []
+    if k.ep != 1 and k.zero_stage != 3:
+        problems.append(Problem(
+            "expert parallel runs with zero_stage=3 (FSDP shards the experts over the ranks that hold the same ones); "
+            "ZeRO-1/2 would replicate every expert on every data rank",
+            (f"expert_parallel={k.ep}", f"zero_stage={k.zero_stage}"), not_implemented=True))
+    if k.ep != 1 and k.tp != 1:
+        problems.append(Problem(
+            "expert parallel with tensor parallel is not implemented yet: choose one (tensor_parallel alone splits "
+            "every expert's intermediate width over the tp ranks, expert_parallel splits the experts over data ranks)",
+            (f"expert_parallel={k.ep}", f"tensor_parallel={k.tp}"), not_implemented=True))
+    if k.context_parallel_method not in CONTEXT_PARALLEL_METHODS:
+        problems.append(Problem(f"choose one of {CONTEXT_PARALLEL_METHODS}",
+                                (f"context_parallel_method={k.context_parallel_method!r}",)))
+    if k.zero_stage not in ZERO_STAGES:
+        plain = " (zero_stage=0, plain replicated data parallel, is not run by ultrascale)" if k.zero_stage == 0 else ""
+        problems.append(Problem(f"choose 1, 2 or 3{plain}", (f"zero_stage={k.zero_stage!r}",)))
+    elif k.zero_stage != 3 and k.tp != 1:
+        problems.append(Problem(
+            "ZeRO-1/2 over tensor-parallel (DTensor) parameters is not implemented yet; use `zero_stage=3` with "
+            "tensor parallel.", (f"zero_stage={k.zero_stage}", f"tensor_parallel={k.tp}"), not_implemented=True))
+    if k.accumulate_unsharded_grads and k.zero_stage != 3:
+        problems.append(Problem(
+            "accumulate_unsharded_grads chooses how ZeRO-3 (FSDP) accumulates gradients; ZeRO-1/2 always accumulate "
+            "whole gradients and reduce once per step", ("accumulate_unsharded_grads=True", f"zero_stage={k.zero_stage}")))
+    problems += schedule_problems(k.pipeline_schedule, k.pipeline_virtual_stages, k.pipeline_microbatches)
+    if k.pp != 1 and k.loss_parallel:
+        problems.append(Problem(
+            "the last pipeline stage computes the loss on replicated logits; leave loss_parallel unset",
+            ("loss_parallel=True", f"pipeline_parallel={k.pp}")))
+    if k.zero_bucket_mb is not None and k.zero_bucket_mb <= 0:
+        problems.append(Problem("must be positive", (f"zero_bucket_mb={k.zero_bucket_mb}",)))
+    return problems
+
+
+def resolve(k: LayoutKnobs, world: int) -> tuple[Optional[ParallelDims], list[Problem]]:
+    """The degrees resolved for `world` ranks (one may be -1), or why they do not fit."""
+    try:
+        dims = ParallelDims.resolve(world, **k.degrees)
+    except ValueError as error:
+        return None, [Problem(f"invalid layout for {world} processes: {error}")]
+    problems = []
+    if dims.pp == 1 and (k.pipeline_virtual_stages or 1) > 1:
+        problems.append(Problem("virtual pipeline stages need pipeline parallel (pipeline_parallel > 1)",
+                                (f"pipeline_virtual_stages={k.pipeline_virtual_stages}", "pipeline_parallel=1")))
+    return dims, problems
+
+
+def schedule_problems(schedule: str, virtual_stages: Optional[int], microbatches: Optional[int]) -> list[Problem]:
+    """A schedule / virtual-stage / micro-batch choice that cannot work, whatever the model."""
+    if schedule not in SCHEDULES:
+        return [Problem(f"`pipeline_schedule={schedule!r}` is not a torch pipeline schedule; choose one of {list(SCHEDULES)}")]
+    problems = []
+    if virtual_stages is not None:
+        if not isinstance(virtual_stages, int) or virtual_stages < 1:
+            problems.append(Problem(f"`pipeline_virtual_stages={virtual_stages!r}` must be a positive integer"))
+        elif schedule in SINGLE_STAGE_SCHEDULES and virtual_stages != 1:
+            problems.append(Problem(
+                f"`pipeline_schedule={schedule!r}` runs one stage per rank; `pipeline_virtual_stages={virtual_stages}` "
+                f"needs a multi-stage schedule: {[s for s in SCHEDULES if s not in SINGLE_STAGE_SCHEDULES]}"))
+        elif schedule in V_SCHEDULES and virtual_stages != 2:
+            problems.append(Problem(f"`pipeline_schedule={schedule!r}` places exactly 2 stages per rank (a V); got "
+                                    f"`pipeline_virtual_stages={virtual_stages}`"))
+    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+        problems.append(Problem(f"`pipeline_microbatches={microbatches!r}` must be a positive integer"))
+    return problems
+
+
+def resolved_stages(schedule: str, virtual_stages: Optional[int]) -> int:
+    """Stages per rank: the given count, else 1 for GPipe/1F1B and 2 for the others."""
+    if virtual_stages is not None:
+        return virtual_stages
+    return 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
+
+
+def pipeline_problems(*, n_layers: int, pp: int, schedule: str, virtual_stages: Optional[int] = None,
+                      microbatches: Optional[int] = None, layers_per_stage: Optional[Sequence[int]] = None) -> list[Problem]:
+    """The pipeline's stages against the model's layers and its micro-batches against the schedule."""
+    problems = schedule_problems(schedule, virtual_stages, microbatches)
+    if problems:
+        return problems
+    v = resolved_stages(schedule, virtual_stages)
+    stages = pp * v
+    m = microbatches if microbatches is not None else stages
+    if layers_per_stage is not None:
+        layers = [int(n) for n in layers_per_stage]
+        if len(layers) != stages or any(n < 1 for n in layers) or sum(layers) != n_layers:
+            problems.append(Problem(
+                f"`pipeline_layers={list(layers_per_stage)}` must list {stages} positive layer counts "
+                f"(pp={pp} x {v} virtual stages) that sum to the model's {n_layers} layers"))
+    elif stages > n_layers:
+        problems.append(Problem(
+            f"pipeline_parallel={pp} x pipeline_virtual_stages={v} = {stages} stages, but the model has only "
+            f"{n_layers} layers; every stage needs at least one"))
+    elif v > 1 and n_layers % stages:
+        problems.append(Problem(
+            f"{v} virtual stages per rank over pp={pp}: {stages} stages do not divide the model's {n_layers} layers; "
+            "pick pipeline_virtual_stages so that they do, or give `pipeline_layers` explicitly"))
+    if schedule == "1F1B" and m < pp:
+        # torch's Schedule1F1B refuses fewer micro-batches than stages (when the schedule is built, after sharding).
+        problems.append(Problem(f"1F1B needs at least as many micro-batches as stages ({pp}); got pipeline_microbatches={m}"))
+    if schedule == "DualPipeV" and m < stages:
+        problems.append(Problem(f"DualPipeV needs at least as many micro-batches as stages ({stages}); got "
+                                f"pipeline_microbatches={m}"))
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and v > 1 and m % pp:
+        problems.append(Problem(f"{schedule} needs pipeline_microbatches to be a multiple of pipeline_parallel={pp}; "
+                                f"got {m}"))
+    return problems
+
+
+def tp_divides_problem(tp: int, sizes: Mapping[str, int], model_name: str) -> Optional[Problem]:
+    """Every size `tp` does not divide (whole heads / rows per rank), and the degrees that would fit."""
+    bad = {name: size for name, size in sizes.items() if size % tp != 0}
+    if not bad:
+        return None
+    common = math.gcd(*sizes.values())
+    fits = [d for d in range(1, common + 1) if common % d == 0]
+    details = ", ".join(f"{name}={size}" for name, size in bad.items())
+    return Problem(f"`tensor_parallel={tp}` must divide {details} of {model_name} (whole heads / rows per rank). "
+                   f"Tensor-parallel degrees that fit: {fits}")
+
+
+def sequence_parallel_of(k: LayoutKnobs, facts: ModelFacts) -> bool:
+    """Whether sequence parallel runs: as asked, else wherever the model's own plan supports it."""
+    if k.sequence_parallel is not None:
+        return k.sequence_parallel
+    return facts.sequence_parallel and not k.tp_plan_given
+
+
+def model_problems(dims: ParallelDims, k: LayoutKnobs, facts: ModelFacts) -> list[Problem]:
+    """Whether this model supports each parallelism the mesh turns on, and divides as the layout needs."""
+    problems: list[Problem] = []
+    name = facts.name
+    if dims.cp_enabled and not facts.context_parallel:
+        problems.append(Problem(
+            f"context parallel (cp={dims.cp}) has no attention hook for {name}: ultrascale routes the attention of the "
+            f"built-in Llama and of Hugging Face {'/'.join(HF_CONTEXT_PARALLEL_TYPES)} models through ring / all-gather "
+            "attention"))
+    if dims.ep_enabled:
+        if facts.n_experts == 0:
+            problems.append(Problem(
+                f"expert parallel (ep={dims.ep}) needs a Mixture-of-Experts model, and {name} has no experts: set "
+                "`n_experts` in the LlamaConfig (e.g. preset 'tiny_moe'), or load an MoE checkpoint "
+                f"(Hugging Face {'/'.join(HF_EXPERT_PARALLEL_TYPES)})"))
+        elif not facts.expert_parallel:
+            problems.append(Problem(
+                f"expert parallel (ep={dims.ep}) has no expert dispatch for {name}: ultrascale splits the experts of "
+                f"the built-in MoE Llama and of Hugging Face {'/'.join(HF_EXPERT_PARALLEL_TYPES)} models"))
+        elif facts.n_experts % dims.ep:
+            valid = [d for d in range(1, facts.n_experts + 1) if facts.n_experts % d == 0]
+            problems.append(Problem(
+                f"expert parallel: {name} has {facts.n_experts} experts per layer, which ep={dims.ep} does not divide "
+                f"(each ep rank holds the same number of experts); valid ep: {valid}"))
+    if dims.pp_enabled:
+        if not facts.pipeline:
+            problems.append(Problem(
+                f"pipeline parallel has no stage split for {name}: ultrascale splits the built-in Llama and Hugging "
+                f"Face {'/'.join(t.capitalize() for t in HF_PIPELINE_TYPES)} models. For a model of your own, define "
+                "`pipeline_parts(self)` on the LightningModule returning `ultrascale.parallel.pipeline.PipelineParts("
+                "root=..., embed=..., layers=..., norm=..., head=..., run=..., loss=...)` and compute the loss with "
+                "`self.trainer.strategy.pipeline_loss(batch)` in the steps"))
+        elif facts.pipeline_refusal is not None:
+            problems.append(Problem(facts.pipeline_refusal))
+        elif facts.n_layers is not None:
+            problems += pipeline_problems(n_layers=facts.n_layers, pp=dims.pp, schedule=k.pipeline_schedule,
+                                          virtual_stages=k.pipeline_virtual_stages, microbatches=k.pipeline_microbatches,
+                                          layers_per_stage=k.pipeline_layers)
+    if dims.tp_enabled:
+        problems += _tensor_parallel_problems(dims.tp, k, facts)
+    return problems
+
+
+def _tensor_parallel_problems(tp: int, k: LayoutKnobs, facts: ModelFacts) -> list[Problem]:
+    name = facts.name
+    if k.tp_plan_given:  # the user's plan replaces the model's; each rank still needs whole heads
+        divides = tp_divides_problem(tp, facts.tp_head_sizes, name) if facts.tp_head_sizes else None
+        return [divides] if divides else []
+    if facts.tp_refusal is not None:
+        return [Problem(facts.tp_refusal)]
+    if not facts.tp_plan:
+        return [Problem(
+            f"tensor parallel has no plan for {name}: ultrascale has one for the built-in Llama and runs the plan a "
+            "Hugging Face causal LM's config ships (`base_model_tp_plan`: Llama, Mistral, Qwen2/3, Gemma3, Phi3, OLMo2 "
+            "and every other dense model with one), and this model has none. Pass your own plan to the strategy, e.g. "
+            "`UltraScaleStrategy(tp_plan={'layers.*.attn.q': 'colwise', 'layers.*.attn.out': 'rowwise', ...})` "
+            "(module path -> ParallelStyle or one of ultrascale.parallel.tensor.STYLE_NAMES).")]
+    if k.sequence_parallel and not facts.sequence_parallel:
+        return [Problem(
+            f"sequence parallel is not implemented for {name} (its model code derives positions and the attention mask "
+            "from the local sequence length); set `sequence_parallel=False`.")]
+    divides = tp_divides_problem(tp, facts.tp_sizes, name)
+    return [divides] if divides else []
+
+
+def batch_problems(dims: ParallelDims, k: LayoutKnobs, *, seq_len: Optional[int] = None,
+                   global_batch: Optional[int] = None, sequence_parallel: bool = False,
+                   microbatches: Optional[int] = None, micro_batch: Optional[int] = None,
+                   grad_accumulation: Optional[int] = None, where: str = "") -> list[Problem]:
+    """The data against the layout: the sequence splits over sp x cp, the global batch over dp, each rank's
+    batch into the pipeline's micro-batches; with `micro_batch` and `grad_accumulation` (the planner's
+    split of the batch) also that they make the global batch."""
+    problems: list[Problem] = []
+    if seq_len is not None:
+        try:
+            dims.check_seq_len(seq_len, sequence_parallel=sequence_parallel and dims.tp_enabled,
+                               where=f"{where}(seq_len={seq_len})" if where else "the batch")
+        except ValueError as error:
+            problems.append(Problem(str(error)))
+    if global_batch is not None:
+        source = f"{where}(global_batch_size={global_batch})" if where else f"the global batch of {global_batch} sequences"
+        if global_batch % dims.dp:
+            problems.append(Problem(f"{source} does not split over the {dims.dp} data-parallel ranks (dp_replicate x "
+                                    f"dp_shard); use a multiple of {dims.dp}"))
+        elif dims.pp_enabled and microbatches is not None and (global_batch // dims.dp) % microbatches:
+            local = global_batch // dims.dp
+            problems.append(Problem(
+                f"{source} gives each of the {dims.dp} data-parallel ranks {local} sequences, which pipeline_microbatches="
+                f"{microbatches} does not divide; pick a global batch size that is a multiple of {microbatches * dims.dp}"))
+        if micro_batch is not None and grad_accumulation is not None and micro_batch * grad_accumulation * dims.dp != global_batch:
+            problems.append(Problem(
+                f"micro_batch {micro_batch} x accumulation {grad_accumulation} x dp {dims.dp} = "
+                f"{micro_batch * grad_accumulation * dims.dp} sequences, not the global batch of {global_batch}"))
+    return problems

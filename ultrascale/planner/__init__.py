@@ -1,0 +1,50 @@
+"""The layout planner behind `ultrascale plan`: every layout ultrascale can run, costed and ranked.
+
+For a model (`ModelShape`), a cluster (`Cluster`: GPU kind, count, GPUs per node) and a
+batch (sequence length, global batch in tokens), `search` enumerates the layouts
+(pp, dp_replicate, dp_shard, cp, tp, ep, ZeRO stage, recomputation, micro-batch) that
+ultrascale's strategy accepts for this model, and `evaluate` prices each one:
+
+- memory per GPU: model states by ZeRO stage and precision (Playbook formulas, with the
+  bytes ultrascale keeps), activations (`ActivationModel`) times the micro-batches a
+  schedule keeps alive, communication buffers;
+- step time: compute at an achievable fraction of the GPU's peak, the communication each
+  method needs over intra- or inter-node links minus what it can hide behind compute, and
+  the pipeline bubble (p-1)/(v·m);
+- predicted MFU and tokens/s per GPU.
+
+Plain arithmetic, no torch.distributed: a 70B search over 256 GPUs takes well under a second.
+
+Modules: `hardware` (the GPU table, `GpuSpec`, `Cluster`), `layouts` (`Layout`, `--layout` parsing,
+`layout_problems`), `cost` (`evaluate`), `search`, `report` (what `plan` prints), `recipe`
+(`--emit-recipe`), and `app`, the `ultrascale plan` command (imported on its own: it needs Lightning).
+"""
+
+from ultrascale.planner.cost import (
+    PlanRow,
+    Workload,
+    _stage_layers,  # noqa: F401  (tests/test_planner.py reads planner._stage_layers)
+    evaluate,
+    stage_model_state,
+)
+from ultrascale.planner.hardware import (
+    GIB,
+    GPU_SPECS,
+    GPU_TABLE,
+    PEAK_TFLOPS,
+    Cluster,
+    GpuFigures,
+    GpuSpec,
+    find_peak_tflops,
+)
+from ultrascale.planner.layouts import LAYOUT_KEYS, RECOMPUTE_MODES, Layout, layout_problems, parse_layout
+from ultrascale.planner.recipe import recipe_yaml
+from ultrascale.planner.report import describe_search, explain, format_table, what_would_fit
+from ultrascale.planner.search import candidate_layouts, search, why_not
+
+__all__ = [
+    "Cluster", "GIB", "GPU_SPECS", "GPU_TABLE", "GpuFigures", "GpuSpec", "LAYOUT_KEYS", "Layout", "PEAK_TFLOPS", "PlanRow",
+    "RECOMPUTE_MODES", "Workload", "candidate_layouts", "describe_search", "evaluate", "explain", "find_peak_tflops",
+    "format_table", "layout_problems", "parse_layout", "recipe_yaml", "search", "stage_model_state", "what_would_fit",
+    "why_not",
+]

@@ -1,0 +1,281 @@
+"""The price of one layout: memory per GPU (model states by ZeRO stage, activations, buffers) and step
+time (compute, exposed communication, pipeline bubble), with the predicted MFU (`evaluate`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ultrascale.estimate import STATE_BYTES, ActivationModel, ModelShape
+from ultrascale.planner.hardware import GIB, Cluster
+from ultrascale.planner.layouts import Layout, layout_problems, model_facts_of
+
+__all__ = ["PlanRow", "Workload", "evaluate", "stage_model_state"]
+
+
+@dataclass
+class PlanRow:
+    """A layout with its predicted memory and time per GPU."""
+
+    layout: Layout
+    fits: bool
+    memory: dict[str, float]
+    """Bytes per GPU: params, grads, optimizer, activations, buffers, total (the worst pipeline stage)."""
+    step_time: dict[str, float]
+    """Seconds per optimizer step: compute, communication (exposed), bubble, total."""
+    tokens_per_s_per_gpu: float
+    mfu: float
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        row: dict[str, Any] = {key: value for key, value in asdict(self.layout).items()}
+        row["schedule"] = self.layout.schedule
+        row["fits"] = self.fits
+        row["memory_gib"] = {key: round(value / GIB, 4) for key, value in self.memory.items()}
+        row["step_time_s"] = {key: round(value, 6) for key, value in self.step_time.items()}
+        row["tokens_per_s_per_gpu"] = round(self.tokens_per_s_per_gpu, 2)
+        row["mfu"] = round(self.mfu, 4)
+        if self.problems:
+            row["problems"] = self.problems
+        return row
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int
+    global_batch: int
+    """Sequences per optimizer step."""
+    precision: str = "bf16-mixed"
+    attention_scores_saved: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.global_batch
+
+    @property
+    def compute_bytes(self) -> int:
+        return 4 if self.precision == "32-true" else 2
+
+
+def _stage_layers(n_layers: int, pp: int) -> tuple[int, int]:
+    """Layers on the first and on the last stage (the strategy gives the remainder to the first stages)."""
+    base, extra = divmod(n_layers, pp)
+    return base + (1 if extra else 0), base
+
+
+def _stage_params(shape: ModelShape, layout: Layout, layers: int, first: bool, last: bool) -> tuple[float, float]:
+    """(dense, expert) parameters one rank of this stage holds before ZeRO sharding (after tp / ep)."""
+    counts, t = shape.param_counts(), layout.tp
+    L = shape.n_layers
+    dense = 0.0
+    if first:
+        dense += counts["embedding"] / t
+    if last:
+        dense += (counts["head"] / t) + counts["final_norm"]
+        if shape.tied_embeddings and not first:
+            dense += counts["embedding"] / t
+    moe_fraction = shape.moe_layers / L
+    dense += layers * (shape.attention_params / t + shape.norm_params)
+    dense += layers * (1 - moe_fraction) * shape.dense_mlp_params / t
+    shared = 3 * shape.hidden * shape.shared_expert_hidden  # split by tp like a dense MLP
+    dense += layers * moe_fraction * (shape.router_params - shared + shared / t)
+    experts = layers * moe_fraction * shape.expert_params / (layout.ep * t)  # ep or tp (expert tensor parallel)
+    return dense, experts
+
+
+def stage_model_state(shape: ModelShape, layout: Layout, work: Workload, layers: int, first: bool, last: bool) -> dict[str, float]:
+    """Bytes of weights, gradients and optimizer state on one rank of a pipeline stage.
+
+    ZeRO-1 shards the optimizer state over the n = dp_shard·cp ranks, ZeRO-2 also the
+    gradients, ZeRO-3 also the weights (Rajbhandari et al. 2020); the bytes per parameter are
+    ultrascale's (`STATE_BYTES`). Experts are split over ep first, and their shards over the
+    n/ep ranks that hold the same experts."""
+    family = "fsdp" if layout.zero_stage == 3 else "zero12"
+    w_bytes, g_bytes, o_bytes = STATE_BYTES[(work.precision, family)]
+    n = layout.dp_shard * layout.cp
+    dense, experts = _stage_params(shape, layout, layers, first, last)
+    # ZeRO-0 (plain data parallel) is priced, though the rulebook refuses it: everything replicated.
+    div = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[layout.zero_stage]
+    expert_div = (max(n // layout.ep, 1),) * 3 if layout.zero_stage == 3 else div
+    return {
+        "params": dense * w_bytes / div[0] + experts * w_bytes / expert_div[0],
+        "grads": dense * g_bytes / div[1] + experts * g_bytes / expert_div[1],
+        "optimizer": dense * o_bytes / div[2] + experts * o_bytes / expert_div[2],
+    }
+
+
+def _group_bandwidth(cluster: Cluster, stride: int, size: int) -> float:
+    """Bus bandwidth (bytes/s per GPU) of a group of `size` ranks `stride` apart (mesh order pp,
+    dp_replicate, dp_shard, cp, tp: tp innermost, so its ranks are neighbours).
+
+    Inside a node: NVLink. Across nodes NCCL runs one ring per NIC (rail), so a group with k
+    GPUs on each node crosses nodes over k NICs at once: min(NVLink, k x one NIC)."""
+    if size <= 1 or stride * size <= cluster.gpus_per_node:
+        return cluster.gpu.intra_node_gbps * 1e9
+    per_node = max(1, min(size, cluster.gpus_per_node // stride)) if stride < cluster.gpus_per_node else 1
+    return min(cluster.gpu.intra_node_gbps, cluster.gpu.inter_node_gbps * per_node) * 1e9
+
+
+def _ring(kind: str, nbytes: float, n: int, bandwidth: float) -> float:
+    """NCCL ring time for a buffer of `nbytes` (the whole, unsharded size) over `n` ranks."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+              "all_to_all": (n - 1) / n, "p2p": 1.0}[kind]
+    return factor * nbytes / bandwidth
+
+
+def evaluate(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload, hf_config: Any = None) -> PlanRow:
+    """Memory and time per GPU of one layout (also for a refused one: `problems` then says why)."""
+    lay = layout
+    problems = layout_problems(lay, shape, cluster, work.seq_len, work.global_batch, hf_config)
+    acts = ActivationModel(shape, work.seq_len // lay.cp, lay.micro_batch, tp=lay.tp,
+                           sequence_parallel=lay.tp > 1 and model_facts_of(shape, hf_config).sequence_parallel,
+                           loss_parallel=lay.tp > 1 and lay.pp == 1,
+                           compute_bytes=work.compute_bytes, recompute=lay.recompute,
+                           attention_scores_saved=work.attention_scores_saved)
+    first_layers, last_layers = _stage_layers(shape.n_layers, lay.pp)
+    stages = [(first_layers, True, lay.pp == 1)] + ([(last_layers, False, True)] if lay.pp > 1 else [])
+    memory = max((_peak_memory(shape, lay, work, acts, *stage) for stage in stages), key=lambda mem: mem["total"])
+    step_time = _step_time(shape, lay, cluster, work, acts)
+    peak = cluster.gpu.peak_tflops * 1e12
+    tokens_per_s_per_gpu = work.tokens / step_time["total"] / cluster.gpus
+    mfu = shape.flops_per_token(work.seq_len) * work.tokens / (step_time["total"] * cluster.gpus * peak)
+    fits = not problems and memory["total"] <= cluster.usable_bytes
+    return PlanRow(lay, fits, memory, step_time, tokens_per_s_per_gpu, mfu, problems)
+
+
+def _peak_memory(shape: ModelShape, lay: Layout, work: Workload, acts: ActivationModel, layers: int, first: bool,
+                 last: bool) -> dict[str, float]:
+    """Bytes per GPU of one pipeline stage at its peak, by category (they sum to `total`)."""
+    c, m = work.compute_bytes, lay.grad_accumulation
+    n_shard = lay.dp_shard * lay.cp
+    moe_fraction = shape.moe_layers / shape.n_layers
+    dense, experts = _stage_params(shape, lay, layers, first, last)
+    states = stage_model_state(shape, lay, work, layers, first, last)
+    params, grads, optimizer = states["params"], states["grads"], states["optimizer"]
+    # Activations alive at the peak: 1F1B's first stage holds p micro-batches, GPipe all m,
+    # interleaving adds (p-1)/(p·v) (Narayanan et al. 2021); the last stage also the logits.
+    in_flight = 1.0
+    if lay.pp > 1 and first:
+        interleaving = 1 + (lay.pp - 1) / (lay.pp * lay.virtual_stages) if lay.virtual_stages > 1 else 1.0
+        in_flight = min(m, lay.pp) * interleaving
+    activations = acts.peak_bytes(layers, in_flight=in_flight, with_loss=last, moe_fraction=moe_fraction)
+    # Buffers (FSDP keeps compute-dtype copies of gathered units). Without PP, at the peak (the
+    # loss): the root unit (embedding, norm, head; never resharded after forward) and the last
+    # block and the one before it (FSDPMemTracker on the 8B preset shows root + about one unit).
+    # Under PP nothing is resharded: the stage's whole gathered copy and its unsharded
+    # gradients, reduce-scattered (fp32) one unit at a time. ZeRO-1/2: two buckets.
+    layer_unit = (shape.attention_params / lay.tp + shape.norm_params + (1 - moe_fraction) * shape.dense_mlp_params / lay.tp
+                  + moe_fraction * (shape.router_params + shape.expert_params / (lay.ep * lay.tp)))
+    counts = shape.param_counts()
+    if lay.zero_stage == 3 and n_shard > 1 and lay.pp > 1:
+        buffers = 2 * c * (dense + experts) + 4 * layer_unit
+    elif lay.zero_stage == 3 and n_shard > 1:
+        buffers = c * ((counts["embedding"] + counts["head"]) / lay.tp + 2 * layer_unit)
+    elif lay.zero_stage in (1, 2) and n_shard > 1:
+        buffers = 2 * 100 * 2**20
+    else:
+        buffers = 0.0
+    # The peak is at the end of the forward, or at the optimizer step. FSDP's gradients do not
+    # exist during the forward (zero_grad sets them to None) unless they accumulate over
+    # micro-batches (accumulation, pipeline schedules); ZeRO-1/2 keep their gradient buffers.
+    # The step itself adds foreach AdamW's temporary: 4 bytes per parameter it updates
+    # (measured with torch's MemTracker on CPU: states 8 + temporary 4 bytes per parameter).
+    accumulating = m > 1 or lay.pp > 1 or lay.zero_stage in (1, 2)
+    grads_in_forward = grads if accumulating else 0.0
+    if lay.accumulate_unsharded_grads and m > 1:
+        # FSDP keeps each parameter's whole (tp-local) fp32 gradient from the first micro-batch to the last one's
+        # reduce-scatter; the sharded gradients appear only then (measured: `measure_layout`, small, dp_shard 2).
+        grads_in_forward = (dense + experts) * 4
+    optimizer_bytes = STATE_BYTES[(work.precision, "fsdp" if lay.zero_stage == 3 else "zero12")][2]
+    step_temporary = optimizer * 4 / optimizer_bytes
+    if activations + grads_in_forward >= grads + step_temporary:
+        moment = {"grads": grads_in_forward, "optimizer": optimizer, "activations": activations}
+    else:
+        moment = {"grads": grads, "optimizer": optimizer + step_temporary, "activations": 0.0}
+    memory = {"params": params, **moment, "buffers": buffers}
+    return {**memory, "total": sum(memory.values())}
+
+
+def _step_time(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workload, acts: ActivationModel) -> dict[str, float]:
+    """Seconds per optimizer step of the slowest stage: compute, exposed communication, bubble."""
+    c, m = work.compute_bytes, lay.grad_accumulation
+    rate = cluster.gpu.peak_tflops * 1e12 * cluster.efficiency
+    first_layers, last_layers = _stage_layers(shape.n_layers, lay.pp)
+    flops_token = shape.flops_per_token(work.seq_len)
+    extra_token = 0.0
+    if lay.recompute == "full":  # the forward again: 2N of the blocks + 4·L·h·s of attention
+        blocks_n = shape.active_matmul_params() - shape.vocab * shape.hidden
+        extra_token = 2 * blocks_n + 4 * shape.n_layers * shape.q_width * work.seq_len
+    # Work per GPU of the slowest stage: its layers' share plus the head on the last stage.
+    head_token = 6 * shape.vocab * shape.hidden
+    layer_token = (flops_token - head_token + extra_token) / shape.n_layers
+    stage_tokens = work.tokens / (lay.dp * lay.cp * lay.tp)  # tokens one rank's stage processes per step
+    stage_flops = max(first_layers * layer_token + (head_token if lay.pp == 1 else 0.0), last_layers * layer_token + head_token)
+    compute = stage_tokens * stage_flops / rate
+    if lay.recompute == "selective":  # norms, SiLU and products re-run: memory-bound, read + write once more
+        rerun = (acts.layer_bytes(False) - acts.kept_layer_bytes(False)) * 2
+        compute += m * first_layers * rerun / (cluster.gpu.hbm_gbps * 1e9)
+    bubble = (lay.pp - 1) / lay.virtual_stages * compute / m if lay.pp > 1 else 0.0
+
+    n_shard = lay.dp_shard * lay.cp
+    n_expert_shard = max(n_shard // lay.ep, 1)
+    w_bytes, g_bytes, _ = STATE_BYTES[(work.precision, "fsdp" if lay.zero_stage == 3 else "zero12")]
+    cp_stride = lay.tp  # mesh order pp, dp_replicate, dp_shard, cp, tp: tp innermost
+    dpr_stride = lay.tp * lay.cp * lay.dp_shard
+    bw_tp = _group_bandwidth(cluster, 1, lay.tp)
+    bw_cp = _group_bandwidth(cluster, cp_stride, lay.cp)
+    bw_fsdp = _group_bandwidth(cluster, cp_stride, n_shard)  # dp_shard x cp, flattened
+    bw_ep = _group_bandwidth(cluster, cp_stride, lay.ep)
+    bw_dpr = _group_bandwidth(cluster, dpr_stride, lay.dp_replicate)
+    bw_pp = _group_bandwidth(cluster, dpr_stride * lay.dp_replicate, lay.pp)
+    dense, experts = _stage_params(shape, lay, first_layers, True, lay.pp == 1)
+    tokens_mb = acts.seq_len * lay.micro_batch  # tokens of one micro-batch on this rank
+    layers, lat = first_layers, cluster.latency_s
+    moe_fraction = shape.moe_layers / shape.n_layers
+    hidden_comm = 0.0  # communication that overlaps compute (FSDP prefetch, ZeRO-2 buckets, CP ring)
+    exposed = 0.0
+    # ZeRO-3: all-gather forward and backward every micro-batch (reshard after forward; under PP
+    # once per step), reduce-scatter fp32 grads every micro-batch into the shards (the strategy's
+    # default: `accumulate_unsharded_grads=False` keeps ZeRO-3's gradient memory); under PP once per step.
+    if lay.zero_stage == 3:
+        per_step = 1 if lay.pp > 1 else m
+        reductions = 1 if lay.pp > 1 or lay.accumulate_unsharded_grads else m
+        fsdp = 2 * per_step * (_ring("all_gather", dense * c, n_shard, bw_fsdp) + _ring("all_gather", experts * c, n_expert_shard, bw_fsdp))
+        fsdp += reductions * (_ring("reduce_scatter", dense * 4, n_shard, bw_fsdp)
+                              + _ring("reduce_scatter", experts * 4, n_expert_shard, bw_fsdp))
+        hidden_comm += fsdp * (1 - 1 / max(layers, 1))
+        exposed += fsdp / max(layers, 1)  # the first gather and the last reduce-scatter wait
+    elif n_shard > 1:  # ZeRO-1/2: reduce-scatter grads, all-gather the updated params after the step
+        grads_rs = _ring("reduce_scatter", dense * g_bytes, n_shard, bw_fsdp)
+        if lay.zero_stage == 2:
+            hidden_comm += grads_rs
+        else:
+            exposed += grads_rs
+        exposed += _ring("all_gather", dense * w_bytes, n_shard, bw_fsdp)
+    if lay.dp_replicate > 1:  # HSDP / replicas: all-reduce of each shard's fp32 gradient, half hidden
+        replicas = _ring("all_reduce", (dense + experts) * 4 / max(n_shard, 1), lay.dp_replicate, bw_dpr)
+        hidden_comm += replicas * 0.5
+        exposed += replicas * 0.5
+    if lay.tp > 1:  # per layer and micro-batch: 4 collectives of s·b·h forward and 4 backward
+        act = tokens_mb * shape.hidden * c
+        per_layer = 4 * _ring("all_gather", act, lay.tp, bw_tp) + 4 * _ring("reduce_scatter", act, lay.tp, bw_tp)
+        exposed += m * layers * (per_layer + 8 * lat)
+    if lay.cp > 1:  # ring: K,V passed cp-1 times forward, K,V and dK,dV backward, hidden behind attention
+        kv = tokens_mb * 2 * shape.kv_width / lay.tp * c
+        ring = 3 * (lay.cp - 1) * kv / bw_cp
+        attention_time = 12 * shape.q_width * work.seq_len * tokens_mb / lay.tp / rate
+        exposed += m * layers * (max(ring - attention_time, 0.0) + 3 * (lay.cp - 1) * lat)
+        hidden_comm += m * layers * min(ring, attention_time)
+    if lay.ep > 1 and shape.moe_layers:  # dispatch and combine, forward and backward, not overlapped
+        routed = tokens_mb * shape.top_k * shape.hidden * c
+        exposed += m * layers * moe_fraction * 4 * (_ring("all_to_all", routed, lay.ep, bw_ep) + lat)
+    if lay.pp > 1:  # boundary sends: on the critical path while the pipeline fills and drains
+        boundary = tokens_mb * shape.hidden * c / (lay.tp if acts.sequence_parallel else 1)
+        exposed += 2 * (lay.pp - 1) * (_ring("p2p", boundary, 2, bw_pp) + lat)
+    # What the compute cannot hide (FSDP prefetch ahead of a short layer, a slow ring) is exposed.
+    exposed += max(hidden_comm - compute, 0.0)
+    return {"compute": compute, "communication": exposed, "bubble": bubble, "total": compute + exposed + bubble}
+

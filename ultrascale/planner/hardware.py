@@ -1,0 +1,135 @@
+"""Every GPU figure ultrascale uses, in one table (`GPU_TABLE`), and the planner's view of a cluster.
+
+Dense tensor-core peaks by dtype feed `MFUMonitor` and the auto layout (`find_peak_tflops`); memory,
+HBM and link bandwidths feed `ultrascale plan` (`GPU_SPECS`, `Cluster`). Standard library only, so
+that `ultrascale.estimate` and the callbacks can import it without an import cycle.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["Cluster", "GIB", "GPU_SPECS", "GPU_TABLE", "GpuFigures", "GpuSpec", "PEAK_TFLOPS", "find_peak_tflops"]
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU kind: dense bf16 peak, usable memory, and achievable NCCL bus bandwidths per GPU."""
+
+    name: str
+    peak_tflops: float
+    """Dense bf16 tensor-core peak (vendor datasheet, without 2:4 sparsity)."""
+    memory_gib: float
+    """What the driver reports as total (nvidia-smi), before the CUDA context."""
+    hbm_gbps: float
+    """Memory bandwidth in GB/s (prices the memory-bound ops selective recompute re-runs)."""
+    intra_node_gbps: float
+    """GB/s per GPU per direction that NCCL's ring reaches inside a node (NVLink/NVSwitch)."""
+    inter_node_gbps: float
+    """GB/s per GPU per direction between nodes (one NIC per GPU)."""
+
+
+@dataclass(frozen=True)
+class GpuFigures:
+    """One device's row of `GPU_TABLE`. Peaks are dense (without 2:4 sparsity) TFLOP/s; the other
+    fields mean what `GpuSpec`'s do, and are None in a peaks-only row."""
+
+    bf16_tflops: float
+    """Dense bf16 tensor-core peak; fp16 equals it on every device here."""
+    fp8_tflops: Optional[float]
+    """None where the device has no fp8 tensor cores (Ampere)."""
+    tf32_tflops: float
+    memory_gib: Optional[float] = None
+    hbm_gbps: Optional[float] = None
+    intra_node_gbps: Optional[float] = None
+    inter_node_gbps: Optional[float] = None
+
+    @property
+    def peaks(self) -> dict[str, float]:
+        """TFLOP/s by dtype ("bf16", "fp16", "fp8", "tf32"), without the dtypes the device lacks."""
+        peaks = {"bf16": self.bf16_tflops, "fp16": self.bf16_tflops, "fp8": self.fp8_tflops, "tf32": self.tf32_tflops}
+        return {dtype: peak for dtype, peak in peaks.items() if peak is not None}
+
+    def spec(self, name: str) -> GpuSpec:
+        """The planner's view of this row, printed as `name`."""
+        memory, hbm, intra, inter = self.memory_gib, self.hbm_gbps, self.intra_node_gbps, self.inter_node_gbps
+        if memory is None or hbm is None or intra is None or inter is None:
+            raise ValueError(f"{name}: GPU_TABLE has only its peaks; the planner also needs its memory and bandwidths")
+        return GpuSpec(name, self.bf16_tflops, memory, hbm, intra, inter)
+
+
+# Peaks: the vendors' spec sheets, whose headline bf16/fp8/tf32 figures are "with sparsity" = 2x these:
+#   NVIDIA H100 SXM5 / PCIe datasheet (H200 SXM has the H100 SXM compute, more HBM), NVIDIA A100
+#   datasheet (no fp8), NVIDIA DGX/HGX B200 datasheet (per GPU), NVIDIA L4 datasheet, AMD Instinct
+#   MI300X datasheet. HBM bandwidth: the same datasheets. Memory: nvidia-smi totals (H100 80GB:
+#   81559 MiB; H200: 143771 MiB; A100 80GB: 81920 MiB; B200: 183359 MiB). Links: NVLink 4 (H100/H200)
+#   450 GB/s per direction, NCCL bus bandwidth ~80% of it; NVLink 3 (A100) 300 GB/s; NVLink 5 (B200)
+#   900 GB/s. Between nodes one 400 Gb/s NIC per GPU (50 GB/s; A100 clusters: 200 Gb/s HDR, 25 GB/s),
+#   ~80% reached.
+GPU_TABLE: dict[str, GpuFigures] = {
+    #                        bf16     fp8    tf32 memory GiB  HBM GB/s  intra  inter
+    "H100 SXM": GpuFigures(989.4, 1978.9, 494.7, 79.6, 3350.0, 360.0, 40.0),
+    "H200": GpuFigures(989.4, 1978.9, 494.7, 140.4, 4800.0, 360.0, 40.0),
+    "A100": GpuFigures(312.0, None, 156.0, 80.0, 2039.0, 240.0, 20.0),
+    "B200": GpuFigures(2250.0, 4500.0, 1100.0, 179.1, 8000.0, 720.0, 40.0),
+    # Peaks only (for MFU): no measured memory total or NCCL bandwidth, so `ultrascale plan` has no --gpu for them.
+    "H100 PCIe": GpuFigures(756.0, 1513.0, 378.0),
+    "L4": GpuFigures(121.0, 242.5, 60.0),
+    "MI300X": GpuFigures(1307.4, 2614.9, 653.7),
+}
+
+# `ultrascale plan --gpu` kinds: rows of the table under the names the plans print.
+GPU_SPECS: dict[str, GpuSpec] = {
+    "h100": GPU_TABLE["H100 SXM"].spec("H100 SXM"),
+    "h200": GPU_TABLE["H200"].spec("H200 SXM"),
+    "a100": GPU_TABLE["A100"].spec("A100 SXM 80GB"),
+    "b200": GPU_TABLE["B200"].spec("B200"),
+}
+
+PEAK_TFLOPS: dict[str, dict[str, float]] = {key: row.peaks for key, row in GPU_TABLE.items()}
+"""The table's peaks by device key and dtype, as `MFUMonitor` reads them."""
+
+# Device-name patterns -> table key, most specific first ("H100 PCIe" before any H100,
+# the NVL variants have lower clocks and are left to the `peak_tflops` override).
+_DEVICE_PATTERNS: tuple[tuple[str, str], ...] = (
+    (r"H100.*PCIe", "H100 PCIe"),
+    (r"H100(?!.*NVL)", "H100 SXM"),
+    (r"H200(?!.*NVL)", "H200"),
+    (r"A100", "A100"),
+    (r"B200", "B200"),
+    (r"\bL4\b", "L4"),
+    (r"MI300X", "MI300X"),
+)
+
+
+def find_peak_tflops(device_name: str, dtype: str) -> Optional[tuple[str, float]]:
+    """``(table key, dense TFLOP/s)`` for a device name such as "NVIDIA H100 80GB HBM3"; None if unknown."""
+    for pattern, key in _DEVICE_PATTERNS:
+        if re.search(pattern, device_name, flags=re.IGNORECASE):
+            peak = PEAK_TFLOPS[key].get(dtype)
+            return None if peak is None else (key, peak)
+    return None
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The GPUs a plan is priced for: one kind, how many, how they are grouped in nodes."""
+
+    gpu: GpuSpec
+    gpus: int
+    gpus_per_node: int = 8
+    efficiency: float = 0.55
+    """Fraction of the peak that the model's matmuls reach when nothing waits (one number for all
+    layouts; `benchmarks/planner_validation.py` shows how it compares with published runs)."""
+    memory_headroom: float = 0.9
+    """Fraction of `gpu.memory_gib` a layout may plan for: the rest is the CUDA context, NCCL and fragmentation."""
+    latency_s: float = 10e-6
+    """Fixed cost of one collective."""
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.gpu.memory_gib * GIB * self.memory_headroom

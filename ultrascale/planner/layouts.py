@@ -1,0 +1,178 @@
+"""A layout (mesh degrees, ZeRO stage, recomputation, batch split), its `--layout` syntax, and the rules
+that say whether ultrascale runs it for a model on a cluster (`layout_problems`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ultrascale.estimate import ModelShape
+from ultrascale.parallel import rules
+from ultrascale.parallel.rules import LayoutKnobs, ModelFacts, Problem
+from ultrascale.planner.hardware import Cluster
+
+__all__ = ["LAYOUT_KEYS", "Layout", "RECOMPUTE_MODES", "layout_problems", "parse_layout"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the step: the mesh degrees, ZeRO stage, recomputation and the batch split."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    zero_stage: int = 3
+    micro_batch: int = 1
+    grad_accumulation: int = 1
+    """Micro-batches per optimizer step on each data-parallel rank: Lightning's accumulation, or
+    under pipeline parallel the schedule's micro-batches (m)."""
+    recompute: str = "none"
+    virtual_stages: int = 1
+    """Pipeline stages per rank (1: 1F1B; 2 or more: Interleaved1F1B)."""
+    accumulate_unsharded_grads: bool = False
+    """ZeRO-3 accumulation without PP: whole fp32 gradients accumulate over the micro-batches and are
+    reduce-scattered once per step (the strategy's `accumulate_unsharded_grads=True`), not every one."""
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def schedule(self) -> Optional[str]:
+        if self.pp == 1:
+            return None
+        return "Interleaved1F1B" if self.virtual_stages > 1 else "1F1B"
+
+    def describe(self) -> str:
+        parts = [f"pp={self.pp}", f"dp_replicate={self.dp_replicate}", f"dp_shard={self.dp_shard}", f"cp={self.cp}",
+                 f"tp={self.tp}", f"ep={self.ep}", f"zero_stage={self.zero_stage}", f"micro_batch={self.micro_batch}",
+                 f"grad_accumulation={self.grad_accumulation}", f"recompute={self.recompute}"]
+        if self.pp > 1:
+            parts.append(f"schedule={self.schedule}" + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else ""))
+        if self.accumulate_unsharded_grads:
+            parts.append("accumulate_unsharded_grads=True")
+        return ", ".join(parts)
+
+
+LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero_stage", "micro_batch", "grad_accumulation",
+               "recompute", "virtual_stages", "accumulate_unsharded_grads")
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def parse_layout(text: str) -> dict[str, Any]:
+    """`"pp=4,dp_shard=8,tp=8,zero_stage=1"` -> {"pp": 4, ...}; unknown keys and bad values are errors."""
+    fixed: dict[str, Any] = {}
+    aliases = {"dp": "dp_shard", "zero": "zero_stage", "mbs": "micro_batch", "acc": "grad_accumulation", "v": "virtual_stages"}
+    for item in filter(None, (part.strip() for part in text.replace(" ", ",").split(","))):
+        if "=" not in item:
+            raise ValueError(f"layout item {item!r} is not key=value; keys: {', '.join(LAYOUT_KEYS)}")
+        key, value = (part.strip() for part in item.split("=", 1))
+        key = aliases.get(key, key)
+        if key not in LAYOUT_KEYS:
+            raise ValueError(f"unknown layout key {key!r}; keys: {', '.join(LAYOUT_KEYS)}")
+        if key == "accumulate_unsharded_grads":
+            if value.lower() not in ("0", "1", "true", "false"):
+                raise ValueError(f"{key}={value!r}: give 0/1 or true/false")
+            fixed[key] = value.lower() in ("1", "true")
+            continue
+        if key == "recompute":
+            if value not in RECOMPUTE_MODES:
+                raise ValueError(f"recompute={value!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
+            fixed[key] = value
+            continue
+        try:
+            fixed[key] = int(value)
+        except ValueError:
+            raise ValueError(f"layout {key}={value!r} is not an integer") from None
+        if fixed[key] < (0 if key == "zero_stage" else 1):
+            raise ValueError(f"layout {key}={value} must be positive")
+    return fixed
+
+
+# --------------------------------------------------------------------------- what ultrascale runs
+
+
+def model_facts_of(shape: ModelShape, hf_config: Any = None) -> ModelFacts:
+    """The rulebook's facts of the model behind `shape`: from the config it was read from (or `hf_config`), built
+    on the meta device as the strategy builds it; a hand-made shape counts as the built-in Llama of its sizes."""
+    config = hf_config if hf_config is not None else shape.config
+    plan = repr(getattr(config, "base_model_tp_plan", None))  # a config's plan may be edited in place
+    cached = _FACTS_OF_SHAPE.get(id(shape))
+    if cached is not None and cached[0] is shape and cached[1] is config and cached[2] == plan:
+        return cached[3]  # the search asks thousands of times for one shape
+    facts = _model_facts_of(shape, config)
+    _FACTS_OF_SHAPE[id(shape)] = (shape, config, plan, facts)
+    return facts
+
+
+_FACTS_OF_SHAPE: dict[int, tuple[ModelShape, Any, str, ModelFacts]] = {}
+
+
+def _model_facts_of(shape: ModelShape, config: Any) -> ModelFacts:
+    from ultrascale.models.adapters import config_facts
+    from ultrascale.models.llama import LlamaConfig
+
+    if config is None:
+        config = LlamaConfig(
+            vocab_size=shape.vocab, dim=shape.hidden, n_layers=shape.n_layers, n_heads=shape.n_heads,
+            n_kv_heads=shape.n_kv_heads, ffn_hidden_dim=shape.ffn_hidden, tie_embeddings=shape.tied_embeddings,
+            **(dict(n_experts=shape.n_experts, moe_top_k=shape.top_k, moe_hidden_dim=shape.expert_hidden)
+               if shape.n_experts else {}),
+        )
+    return config_facts(config)
+
+
+def layout_knobs(layout: Layout) -> LayoutKnobs:
+    """The strategy knobs a planner layout stands for (its recipe: `ultrascale.planner.recipe.recipe_yaml`)."""
+    return LayoutKnobs(
+        dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, cp=layout.cp, tp=layout.tp, pp=layout.pp,
+        ep=layout.ep, zero_stage=layout.zero_stage, pipeline_schedule=layout.schedule or "1F1B",
+        pipeline_virtual_stages=layout.virtual_stages if layout.pp > 1 or layout.virtual_stages != 1 else None,
+        pipeline_microbatches=layout.grad_accumulation if layout.pp > 1 else None,
+        accumulate_unsharded_grads=layout.accumulate_unsharded_grads,
+    )
+
+
+def rule_problems(layout: Layout, shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
+                  hf_config: Any = None) -> list[Problem]:
+    """The rulebook's verdict on `layout` for this model and batch (`ultrascale.parallel.rules`: the strategy's own
+    checks, in its order), then the planner's own choices of what it prices: TP inside a node, accumulation
+    of unsharded gradients only where it changes something, a known recompute mode."""
+    knobs = layout_knobs(layout)
+    problems = rules.knob_problems(knobs)
+    dims, mesh_problems = rules.resolve(knobs, cluster.gpus)
+    problems += mesh_problems
+    if dims is not None:
+        facts = model_facts_of(shape, hf_config)
+        problems += rules.model_problems(dims, knobs, facts)
+        problems += rules.batch_problems(
+            dims, knobs, seq_len=seq_len, global_batch=global_batch,
+            sequence_parallel=rules.sequence_parallel_of(knobs, facts),
+            microbatches=layout.grad_accumulation if layout.pp > 1 else None,
+            micro_batch=layout.micro_batch, grad_accumulation=layout.grad_accumulation)
+    # The planner's search space (not refusals of the strategy): each is a layout it does not price.
+    if layout.tp > cluster.gpus_per_node:
+        problems.append(Problem(f"tp={layout.tp} spans nodes ({cluster.gpus_per_node} GPUs per node): TP's per-layer "
+                                "collectives need NVLink"))
+    if layout.accumulate_unsharded_grads and not (layout.pp == 1 and layout.grad_accumulation > 1):
+        problems.append(Problem("accumulate_unsharded_grads changes nothing without gradient accumulation, and a "
+                                "pipeline reduces once per step anyway"))
+    if layout.recompute not in RECOMPUTE_MODES:
+        problems.append(Problem(f"recompute={layout.recompute!r}: choose one of {', '.join(RECOMPUTE_MODES)}"))
+    return problems
+
+
+def layout_problems(layout: Layout, shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
+                    hf_config: Any = None) -> list[str]:
+    """Why ultrascale would refuse `layout` for this model on this cluster (empty: it runs), in the words the
+    strategy would use (`rule_problems`)."""
+    return [problem.text() for problem in rule_problems(layout, shape, cluster, seq_len, global_batch, hf_config)]
+
+

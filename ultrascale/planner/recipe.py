@@ -1,0 +1,74 @@
+"""A planned layout written as a LightningCLI recipe (`ultrascale plan --emit-recipe`)."""
+
+from __future__ import annotations
+
+from ultrascale.estimate import ModelShape
+from ultrascale.planner.cost import PlanRow, Workload
+from ultrascale.planner.hardware import GIB, Cluster
+
+__all__ = ["recipe_yaml"]
+
+
+def recipe_yaml(row: PlanRow, model: str, shape: ModelShape, cluster: Cluster, work: Workload) -> str:
+    """A LightningCLI recipe running `row`'s layout (`ultrascale fit --config PATH` under torchrun / SLURM)."""
+    lay = row.layout
+    nodes = max(cluster.gpus // cluster.gpus_per_node, 1)
+    devices = min(cluster.gpus, cluster.gpus_per_node)
+    pipeline = lay.pp > 1
+    init = {
+        "data_parallel_replicate": lay.dp_replicate, "data_parallel_shard": lay.dp_shard, "context_parallel": lay.cp,
+        "tensor_parallel": lay.tp, "pipeline_parallel": lay.pp, "expert_parallel": lay.ep, "zero_stage": lay.zero_stage,
+        "meta_init": True,
+    }
+    if pipeline:
+        init.update(pipeline_schedule=lay.schedule, pipeline_microbatches=lay.grad_accumulation)
+        if lay.virtual_stages > 1:
+            init["pipeline_virtual_stages"] = lay.virtual_stages
+    if lay.accumulate_unsharded_grads:
+        init["accumulate_unsharded_grads"] = True
+    strategy = "\n".join(f"      {key}: {value}" for key, value in init.items())
+    callbacks = ""
+    if lay.recompute != "none":
+        callbacks = ("    - class_path: ultrascale.callbacks.ActivationCheckpointing\n"
+                     f"      init_args:\n        mode: {lay.recompute}\n")
+    if shape.builtin:
+        model_block = f"  class_path: ultrascale.models.LlamaLM\n  init_args:\n    preset: {model}\n    max_seq_len: {work.seq_len}\n"
+    else:
+        model_block = (f"  class_path: ultrascale.models.hf.HFCausalLM\n  init_args:\n    pretrained_path: {model}\n"
+                       "    attn_implementation: sdpa\n")
+    local_batch = lay.micro_batch * (lay.grad_accumulation if pipeline else 1)
+    mem, t = row.memory, row.step_time
+    return f"""# Written by `ultrascale plan`: {shape.name} on {cluster.gpus} x {cluster.gpu.name} ({cluster.gpus_per_node} per node).
+# Layout: {lay.describe()}
+# Predicted per GPU: {mem['total'] / GIB:.1f} GiB, step {t['total']:.2f} s, {row.tokens_per_s_per_gpu:,.0f} tokens/s, MFU {row.mfu:.1%}.
+# Launch on every node (torchrun sets the ranks; SLURM's srun works the same way):
+#   torchrun --nnodes {nodes} --nproc-per-node {devices} --rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500 \\
+#       -m ultrascale.cli fit --config THIS_FILE
+# Replace the data section with your corpus (`dataset_path`, `tokenizer_path`).
+seed_everything: 1234
+trainer:
+  accelerator: gpu
+  devices: {devices}
+  num_nodes: {nodes}
+  precision: {work.precision}
+  max_steps: 1000
+  accumulate_grad_batches: {1 if pipeline else lay.grad_accumulation}
+  gradient_clip_val: 1.0
+  log_every_n_steps: 10
+  strategy:
+    class_path: ultrascale.UltraScaleStrategy
+    init_args:
+{strategy}
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        save_last: true
+        every_n_train_steps: 500
+{callbacks}model:
+{model_block}data:
+  class_path: ultrascale.data.CausalLMDataModule
+  init_args:
+    data_path: stdlib
+    seq_len: {work.seq_len}
+    global_batch_size: {local_batch * lay.dp}
+"""
