@@ -169,7 +169,7 @@ def test_tp_not_dividing_vocab(tmp_path):
                                       num_attention_heads=4, num_key_value_heads=4)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(config_dir)
     for message in run_ranks(_vocab_error, 4, str(config_dir)):
-        assert "`tensor_parallel=4` must divide vocab_size=102 of LlamaForCausalLM" in message
+        assert "`tensor_parallel=4` must divide vocab_size=102 of HFCausalLM (LlamaConfig)" in message  # checked on the declared config
 
 
 def _checkpoint_and_instructions(tmp_path: Path) -> tuple[Path, Path]:
