@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers
 
-from ultrascale.cli import plan_main
 from ultrascale.estimate import model_flops
 from ultrascale.models import Llama, LlamaConfig, LlamaLM
+from ultrascale.planner.app import plan_main
 
 # Hand count for one shape: hidden 64, 4 heads of 16, 2 KV heads, FFN 128, 2 layers, vocab 100, seq 32.
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, VOCAB, SEQ = 64, 4, 2, 128, 2, 100, 32

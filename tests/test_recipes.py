@@ -14,9 +14,10 @@ import pytest
 import torch
 import yaml
 
-from ultrascale.cli import check_recipe, main
+from ultrascale.cli import main
 from ultrascale.estimate import ModelShape
 from ultrascale.models.llama import Llama, LlamaConfig
+from ultrascale.planner.app import check_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))

@@ -172,19 +172,6 @@ def resolve_checkpoint(path: str) -> str:
     return str(found)
 
 
-# `ultrascale plan` lives in `ultrascale.planner.app`, which subclasses `UltraScaleCLI` for `--recipe`: its names
-# resolve here on first use, so that each module can import the other at its top.
-_PLAN_NAMES = ("RecipePlan", "check_recipe", "format_recipe_plan", "plan_main", "plan_recipe_main")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _PLAN_NAMES:
-        from ultrascale.planner import app
-
-        return getattr(app, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 SUBCOMMANDS_HELP = """usage: ultrascale SUBCOMMAND [options]     (`ultrascale SUBCOMMAND --help` for its options)
 
 train and evaluate (LightningCLI, with ultrascale's strategies registered):

@@ -222,16 +222,6 @@ def active_params(module: nn.Module, *, experts_per_token: int, num_experts: int
 # --------------------------------------------------------------------------- peak FLOP/s
 
 
-def __getattr__(name: str) -> Any:
-    # The peaks live in the one GPU table, `ultrascale.planner.hardware`; still importable from here. Resolved
-    # on first use because the planner imports this module (an import at the top would be a cycle).
-    if name in ("PEAK_TFLOPS", "find_peak_tflops"):
-        from ultrascale.planner import hardware
-
-        return getattr(hardware, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # --------------------------------------------------------------------------- model shape
 
 

@@ -340,7 +340,7 @@ def _measure(r: dict[str, Any]) -> dict[str, Any]:
     checked = plan_model(module, dims, _knobs(r), loss_parallel_default=True, owner="measure_layout")
     adapter, pipeline, tp_plan = checked.adapter, checked.pipeline, checked.tp_plan
     sequence_parallel, loss_parallel = checked.sequence_parallel, checked.loss_parallel
-    raise_first(batch_problems(dims, _knobs(r), seq_len=seq_len, sequence_parallel=sequence_parallel), "measure_layout")
+    raise_first(batch_problems(dims, seq_len=seq_len, sequence_parallel=sequence_parallel), "measure_layout")
     context_parallel = ContextParallel(mesh["cp"], "ring", load_balance=True) if dims.cp_enabled else None
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16-mixed"
               else MixedPrecisionPolicy())  # UltraScalePrecision.mixed_precision_policy

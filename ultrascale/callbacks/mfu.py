@@ -133,7 +133,7 @@ class MFUMonitor(Callback):
             found = find_peak_tflops(name, dtype)
             if found is None:
                 raise ValueError(
-                    f"MFUMonitor: no {dtype} peak for device {name!r} in ultrascale.estimate.PEAK_TFLOPS "
+                    f"MFUMonitor: no {dtype} peak for device {name!r} in ultrascale.planner.hardware.PEAK_TFLOPS "
                     f"(devices: {', '.join(sorted(_table_keys()))}); set `peak_tflops=` to its dense {dtype} TFLOP/s"
                 )
             self.peak, self.peak_source = found[1], f"table: {found[0]} {dtype} dense"

@@ -461,10 +461,9 @@ def declared_facts(module: nn.Module, *, own_pipeline_parts: bool = False) -> Op
     is_hf = hasattr(config, "model_type") and hasattr(config, "to_json_string")
     if not isinstance(config, LlamaConfig) and not is_hf:
         return None
-    # Named as the user wrote it (`LlamaLM (LlamaConfig)`): the launcher's one error points at their class.
-    owner = type(module).__name__
-    owner = owner[len("FSDP"):] if owner.startswith("FSDP") else owner
-    facts = dataclasses.replace(config_facts(config), name=f"{owner} ({type(config).__name__})")
+    # Named as the user wrote it (`LlamaLM (LlamaConfig)`; asked before sharding, so not `FSDPLlamaLM`): the
+    # launcher's one error points at their class.
+    facts = dataclasses.replace(config_facts(config), name=f"{type(module).__name__} ({type(config).__name__})")
     if own_pipeline_parts:  # the module's own stage split (`ModuleContract.pipeline_parts`) replaces the adapter's
         layers = getattr(config, "n_layers", None) or getattr(config, "num_hidden_layers", None)
         facts = dataclasses.replace(facts, pipeline=True, n_layers=facts.n_layers or layers)

@@ -48,13 +48,7 @@ from ultrascale.parallel.rules import (  # the rulebook owns the schedule names 
     pipeline_problems,
     raise_first,
     resolved_stages,
-    schedule_problems,
 )
-
-
-def check_schedule(schedule: str, virtual_stages: Optional[int], microbatches: Optional[int]) -> None:
-    """Raise ValueError for a schedule / virtual-stage / micro-batch choice that cannot work (no model needed)."""
-    raise_first(schedule_problems(schedule, virtual_stages, microbatches))
 
 
 @dataclass(frozen=True)
@@ -167,12 +161,6 @@ class PipelineParts:
                 "stage would each need the one weight. Untie them (e.g. `tie_embeddings=False` / `tie_word_embeddings=False`)"
             )
         return None
-
-    def check(self, model_name: str) -> None:
-        """Raise ValueError (before any collective) if this model cannot be split."""
-        problem = self.problem(model_name)
-        if problem is not None:
-            raise ValueError(problem)
 
 
 class PipelineGap(nn.Module):

@@ -13,7 +13,7 @@ What each function needs, in the order a run learns it:
     resolve(knobs, world)                        + the world size: the mesh (ParallelDims)
     model_problems(dims, knobs, facts)           + the model (`ModelFacts`, from its adapter)
     pipeline_problems(...)                       + the model's layer count (under pp)
-    batch_problems(dims, knobs, ...)             + the data: sequence length, global batch
+    batch_problems(dims, ...)                    + the data: sequence length, global batch
 
 `ModelFacts` carries what the rules need to know of a model; `ultrascale.models.adapters` makes
 them from a built (or meta-built) model, so the planner, which sees only a config, and the
@@ -354,7 +354,7 @@ def _tensor_parallel_problems(tp: int, k: LayoutKnobs, facts: ModelFacts) -> lis
     return [divides] if divides else []
 
 
-def batch_problems(dims: ParallelDims, k: LayoutKnobs, *, seq_len: Optional[int] = None,
+def batch_problems(dims: ParallelDims, *, seq_len: Optional[int] = None,
                    global_batch: Optional[int] = None, sequence_parallel: bool = False,
                    microbatches: Optional[int] = None, micro_batch: Optional[int] = None,
                    grad_accumulation: Optional[int] = None, where: str = "") -> list[Problem]:

@@ -443,7 +443,7 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
         checks.append(f"tensor parallel tp={dims.tp} divides {sizes} (sequence parallel {'on' if sequence_parallel else 'off'}"
                       f"{experts})")
     where = f"{type(datamodule).__name__}(seq_len={seq_len})"
-    raise_first(batch_problems(dims, strategy.layout_knobs, seq_len=seq_len, global_batch=global_batch,
+    raise_first(batch_problems(dims, seq_len=seq_len, global_batch=global_batch,
                                sequence_parallel=sequence_parallel, where=type(datamodule).__name__,
                                microbatches=pipeline.microbatches if pipeline is not None else None), owner)
     if max_positions is not None and seq_len > max_positions:

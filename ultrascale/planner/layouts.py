@@ -153,7 +153,7 @@ def rule_problems(layout: Layout, shape: ModelShape, cluster: Cluster, seq_len: 
         facts = model_facts_of(shape, hf_config)
         problems += rules.model_problems(dims, knobs, facts)
         problems += rules.batch_problems(
-            dims, knobs, seq_len=seq_len, global_batch=global_batch,
+            dims, seq_len=seq_len, global_batch=global_batch,
             sequence_parallel=rules.sequence_parallel_of(knobs, facts),
             microbatches=layout.grad_accumulation if layout.pp > 1 else None,
             micro_batch=layout.micro_batch, grad_accumulation=layout.grad_accumulation)

@@ -577,7 +577,7 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
         batch = super().batch_to_device(batch, device, dataloader_idx)
         tokens = batch.get("input_ids") if isinstance(batch, Mapping) else None
         if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
-            raise_first(batch_problems(self.parallel_dims, self.layout_knobs, seq_len=tokens.shape[1],
+            raise_first(batch_problems(self.parallel_dims, seq_len=tokens.shape[1],
                                        sequence_parallel=bool(self._sequence_parallel_active)))
         if self._context_parallel is not None:
             batch = self._context_parallel.shard_batch(batch)

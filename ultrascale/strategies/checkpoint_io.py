@@ -170,7 +170,8 @@ def agreed_checkpoint(checkpoint_path: PathLike, broadcast: Callable[[str], str]
     if chosen != str(checkpoint_path):
         warnings.warn(
             f"rank {rank} was asked to resume from {checkpoint_path}, rank 0 from {chosen}: every rank "
-            f"loads {chosen}. Do the ranks see the same checkpoint folder?"
+            f"loads {chosen}. Do the ranks see the same checkpoint folder?",
+            stacklevel=2,
         )
     return check_checkpoint_dir(chosen)
 

@@ -80,7 +80,7 @@ _METHODS = ("pipeline_parts", "init_weights")
 
 def check_module(module: Any, owner: str) -> None:
     """TypeError naming the member of `ModuleContract` that `module` declares with the wrong type."""
-    name = _class_name(module)
+    name = user_class_name(module)
     for member in _BOOLEANS:
         value = _declared(module, member)
         if value is not None and not isinstance(value, bool):
@@ -135,7 +135,7 @@ def _declared(module: Any, member: str) -> Any:
     return getattr(module, member, None)
 
 
-def _class_name(module: Any) -> str:
+def user_class_name(module: Any) -> str:
     """The user's class name, also after `fully_shard` turned `LlamaLM` into `FSDPLlamaLM`."""
     name = type(module).__name__
     return name[len("FSDP"):] if isinstance(module, FSDPModule) and name.startswith("FSDP") else name

@@ -125,7 +125,7 @@ class LayoutChecks:
             microbatches = self.pipeline_microbatches or self.parallel_dims.pp * resolved_stages(
                 self.pipeline_schedule, self.pipeline_virtual_stages)
         raise_first(batch_problems(
-            self.parallel_dims, self.layout_knobs, seq_len=seq_len if isinstance(seq_len, int) else None,
+            self.parallel_dims, seq_len=seq_len if isinstance(seq_len, int) else None,
             global_batch=global_batch if isinstance(global_batch, int) else None, sequence_parallel=sequence_parallel,
             microbatches=microbatches, where=type(datamodule).__name__,
         ), type(self).__name__)

@@ -7,20 +7,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.fsdp import FSDPModule
 
 from ultrascale.parallel.loss import NUM_TOKENS_KEY
 from ultrascale.strategies._lightning_compat import logging_as_hook, step_logged
+from ultrascale.strategies.contract import user_class_name
 from ultrascale.strategies.step import StepGuard, StepResult
-
-
-def user_class_name(module: torch.nn.Module) -> str:
-    """The user's class name, also after `fully_shard` turned `LlamaLM` into `FSDPLlamaLM`."""
-    name = type(module).__name__
-    return name[len("FSDP"):] if isinstance(module, FSDPModule) and name.startswith("FSDP") else name
 
 
 class StepCaller:
