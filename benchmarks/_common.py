@@ -55,7 +55,7 @@ class Throughput(L.Callback):
 
 
 def write_results(text: str, out: str | Path) -> None:
-    """Print the results table and write it (markdown) for the README."""
+    """Print the results table and write it (markdown) under benchmarks/results/, the one home of the figures docs/benchmarks.md links."""
     print(text)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(text)

@@ -3,7 +3,7 @@
 Tiny `LlamaLM`, ZeRO-3 over 2 CPU ranks (gloo), a `ModelCheckpoint` every 5 steps, 41 steps;
 the two modes alternate three times. For each run: the median plain step, the median step
 that saves, and the median time blocked inside `save_checkpoint` (and, for async, how much of
-it waited for or published the previous save). The README's async table comes from this script.
+it waited for or published the previous save). Its table is benchmarks/results/checkpoint_async.md.
 
     python benchmarks/checkpoint_async.py [--preset tiny] [--out benchmarks/results/checkpoint_async.md]
 """

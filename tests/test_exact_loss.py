@@ -197,7 +197,7 @@ def test_step_that_does_not_call_the_module_itself():
 
 def test_plain_mean_module_keeps_the_mean_of_rank_means():
     """A module that returns a plain mean is averaged as before: the gradient is that of the mean over
-    ranks and micro-batches of each one's own token mean (what README describes)."""
+    ranks and micro-batches of each one's own token mean (what docs/exact-loss.md describes)."""
     accumulate, world = 2, 2
     data = user_data(accumulate, empty_rows=())  # a plain mean of an empty micro-batch is 0/0
     reference = TiedUserLM()

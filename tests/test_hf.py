@@ -185,7 +185,8 @@ def _checkpoint_and_instructions(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_finetune_recipe_end_to_end(tmp_path):
-    """The README's two commands: `ultrascale fit --config recipes/hf_finetune.yaml ...` then `export-hf`."""
+    """The fine-tuning commands of README and docs/huggingface.md: `ultrascale fit --config recipes/hf_finetune.yaml ...`
+    then `export-hf` of the run directory."""
     import subprocess
     import sys
 

@@ -16,8 +16,8 @@ mesh, so names and checkpoints keep the global shape). Each rank routes its own 
 so an expert's gradient sums over every token any ep rank routed to it; the ranks holding the
 same experts (``ep_shard`` = dp_shard x cp / ep, times dp_replicate) then reduce it, as FSDP does.
 
-Balance terms are written so that the step's loss stays one sum divided once (ARCHITECTURE.md,
-"One optimizer step, one loss"): for a row (sequence) of T tokens routed to k of E experts,
+Balance terms are written so that the step's loss stays one sum divided once (docs/architecture.md,
+"One loss per step"): for a row (sequence) of T tokens routed to k of E experts,
 
     f_i = E / (k T) * #{tokens of the row that picked expert i}     (1 everywhere when balanced)
     a_t = sum_i f_i p_{t,i}          p_t = softmax(router logits of token t)

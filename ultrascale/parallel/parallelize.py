@@ -35,7 +35,7 @@ def parallelize(
 ) -> list[PipelineStageModule]:
     """Apply the parallelisms of `mesh.dims` to `module` in place.
 
-    Order (see ARCHITECTURE.md): pipeline split, then TP/SP, EP, CP, activation
+    Order (see docs/architecture.md, "The order of application"): pipeline split, then TP/SP, EP, CP, activation
     checkpointing and FP8, and ZeRO/FSDP last: FSDP shards whatever parameters the
     earlier steps left, so TP's DTensors on the tp axis become 2-D (dp, tp) DTensors.
     With `shard_parameters=False` (ZeRO-1/2) parameters stay whole; the optimizer state is

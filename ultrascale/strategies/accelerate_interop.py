@@ -24,7 +24,7 @@ ACCELERATE_FIELDS: dict[str, str] = {
     "sp_size": "refused when > 1 (DeepSpeed Ulysses sequence parallel is not implemented)",
     "sp_backend": "ignored unless sp_size > 1 (refused then)",
 }
-"""Every accelerate field and what it becomes (the README's table is this one)."""
+"""Every accelerate field and what it becomes (docs/strategies.md, "Accelerate layouts", shows this table)."""
 
 # torch's context parallel "alltoall" rotates the K/V shards around the cp ranks, as ultrascale's
 # ring does with P2P; "allgather" gathers the whole K/V once per layer in both.
