@@ -127,6 +127,10 @@ class ExpertParallel:
         return all_to_all_single_autograd(out[back], send_splits, recv_splits, self.group)  # (S, H)
 
 
+# Under `compile=True` the routed experts are the block's one graph break: how many tokens each expert gets
+# decides the shapes (the all-to-all's split sizes and the expert loop read the counts on the host), and torch
+# 2.13's meta kernel of `_grouped_mm` takes only bf16. Router, attention and norms compile around it.
+@torch.compiler.disable(reason="MoE experts: data-dependent token counts per expert")
 def experts_forward(
     experts: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
     may_drop: bool = False,

@@ -37,10 +37,11 @@ def _field(config: Any, name: str, default: Any = None) -> Any:
     return getattr(config, name, default)
 
 
-def knobs_from_accelerate(config: Any, owner: str = "UltraScaleStrategy") -> dict[str, Any]:
+def knobs_from_accelerate(config: Any, owner: str = "UltraScaleStrategy",
+                          other_knobs: Mapping[str, Any] = {}) -> dict[str, Any]:  # noqa: B006 - read only
     """`UltraScaleStrategy` keyword arguments for an accelerate `ParallelismConfig` (or a mapping
     with its field names). Unset sizes are 1, as accelerate reads them; ValueError /
-    NotImplementedError for what ultrascale does not run."""
+    NotImplementedError for what ultrascale does not run, and for `other_knobs` the config already sets."""
     if isinstance(config, Mapping):
         unknown = sorted(set(config) - {name.split(".")[0] for name in ACCELERATE_FIELDS} - {"tp_handler", "cp_handler",
                                                                                               "sp_handler"})
@@ -82,4 +83,7 @@ def knobs_from_accelerate(config: Any, owner: str = "UltraScaleStrategy") -> dic
             raise ValueError(f"{owner}.from_accelerate: `cp_handler.cp_comm_strategy={strategy!r}`: choose one of "
                              f"{sorted(_CP_METHODS)}")
         knobs["context_parallel_method"] = _CP_METHODS[strategy]
+    clash = sorted(set(knobs) & set(other_knobs))
+    if clash:
+        raise ValueError(f"{owner}.from_accelerate: {clash} come from the ParallelismConfig; do not pass them too")
     return knobs

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from ultrascale.parallel.compile import block_compiler
 from ultrascale.parallel.context import ContextLayout, ContextParallel, ContextParallelMethod
 from ultrascale.parallel.device import process_group_backend, tune_cpu_allocator
 from ultrascale.parallel.dims import ParallelDims, ParallelMesh, build_mesh
@@ -46,7 +47,7 @@ from ultrascale.strategies.pipeline_step import PipelineGradientStash, pipeline_
 from ultrascale.strategies.precision import UltraScalePrecision, translate_precision_plugin
 from ultrascale.strategies.process_group import ProcessConfig, ProcessKnobs, ShardingKnobs, checked_knobs
 from ultrascale.strategies.step import NonFinitePolicy, StepGroups, StepResult, StepRunner
-from ultrascale.strategies.step_hooks import StepCaller, check_step_output, guarded_optimizer_step, log_step
+from ultrascale.strategies.step_hooks import StepCaller, check_step_output, guarded_optimizer_step, log_compile, log_step
 
 PathLike = Union[str, Path]
 
@@ -141,6 +142,10 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
             planner knows (built-in Llama, Hugging Face Llama-family / MoE) and a data module with `seq_len` and
             `global_batch_size`; otherwise it says so and keeps the defaults (ZeRO-3 over every rank). `strategy="ultrascale_4d"`
             turns it on.
+        compile: `torch.compile` each transformer block after TP, expert dispatch, context parallel, activation checkpointing
+            and FP8, before FSDP / ZeRO (torchtitan's order; `ultrascale.parallel.compile`). The first step's compile time is
+            logged and later recompilations as `compile/recompiles`.
+        compile_backend: "inductor" (generated kernels), "aot_eager" (the same capture with eager kernels) or "eager".
     """
 
     strategy_name = "ultrascale_4d"
@@ -180,6 +185,8 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
         max_nonfinite_skips: int = 10,
         auto_layout: bool = False,
         async_checkpoint: bool = False,
+        compile: bool = False,
+        compile_backend: str = "inductor",
     ) -> None:
         check_lightning_internals()
         super().__init__()
@@ -189,7 +196,7 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
             **self._degrees, zero_stage=zero_stage, context_parallel_method=context_parallel_method,
             pipeline_schedule=pipeline_schedule, pipeline_virtual_stages=pipeline_virtual_stages,
             pipeline_microbatches=pipeline_microbatches, loss_parallel=loss_parallel,
-            accumulate_unsharded_grads=accumulate_unsharded_grads, zero_bucket_mb=zero_bucket_mb,
+            accumulate_unsharded_grads=accumulate_unsharded_grads, zero_bucket_mb=zero_bucket_mb, compile=compile,
         )), type(self).__name__)
         self.process_config = ProcessConfig(type(self).__name__, launcher, process_group_backend, timeout, nonfinite,
                                             max_nonfinite_skips, async_checkpoint)
@@ -234,6 +241,8 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
             virtual_stages=(pipeline_virtual_stages, None), accumulate_unsharded_grads=(accumulate_unsharded_grads, False),
         )
         self._auto_transforms: list[ModelTransform] = []
+        self.compile = compile
+        self._compiler = block_compiler(compile, compile_backend, type(self).__name__, pipeline=(pipeline_parallel, pipeline_schedule))
         self.chosen_layout: Optional[Any] = None
         """Under `auto_layout`, the planner's row that was applied (`ultrascale.planner.PlanRow`)."""
 
@@ -245,11 +254,7 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
         Other knobs (`zero_stage`, `pipeline_parallel`, ...) pass through `knobs`."""
         from ultrascale.strategies.accelerate_interop import knobs_from_accelerate
 
-        mapped = knobs_from_accelerate(parallelism_config, owner=cls.__name__)
-        clash = sorted(set(mapped) & set(knobs))
-        if clash:
-            raise ValueError(f"{cls.__name__}.from_accelerate: {clash} come from the ParallelismConfig; do not pass them too")
-        return cls(**mapped, **knobs)
+        return cls(**knobs_from_accelerate(parallelism_config, owner=cls.__name__, other_knobs=knobs), **knobs)
 
     # ------------------------------------------------------------------ layout
     @property
@@ -439,11 +444,14 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
         trainer = trainer_of(self.lightning_module)
         sharded = model_setup.shard_model(
             module, checked, self.parallel_mesh, self.parallel_dims, device=self.root_device, precision=precision,
-            transforms=model_setup.model_transforms(trainer, self._auto_transforms), context_parallel=self._context_parallel,
+            transforms=model_setup.model_transforms(trainer, self._auto_transforms, self._compiler),
+            context_parallel=self._context_parallel,
             reshard_after_forward=self.reshard_after_forward, zero_stage=self.zero_stage,
             sync_module_states=self.sync_module_states, owner=type(self).__name__)
         self._step.use_routers(sharded.routers, shape)
         self._pipeline = sharded.pipeline
+        if self._compiler is not None:
+            self._compiler.stats.start()
 
     def _make_zero_engine(self, optimizer: torch.optim.Optimizer) -> ZeroEngine:
         precision = self.precision_plugin
@@ -568,6 +576,8 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
             loss_divisor=trainer.accumulate_grad_batches if module.automatic_optimization else 1,
         )
         log_step(module, result, self._step.guard, type(self).__name__)
+        if self._compiler is not None:
+            log_compile(module, self._compiler.stats)
         return result
 
     @override
@@ -621,13 +631,7 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
         if self.model is not None:
             reshard(self.model)
 
-    @override
-    def on_test_end(self) -> None:
-        self.on_validation_end()
-
-    @override
-    def on_predict_end(self) -> None:
-        self.on_validation_end()
+    on_test_end = on_predict_end = on_validation_end
 
     # ------------------------------------------------------------------ checkpoints
     @override

@@ -17,6 +17,7 @@ from ultrascale.parallel.dims import ParallelDims
 from ultrascale.parallel.rules import (
     LayoutKnobs,
     batch_problems,
+    knob_problems,
     model_problems,
     raise_first,
     resolve,
@@ -50,6 +51,7 @@ class LayoutChecks:
     tp_plan: Optional[dict[str, Any]]
     accumulate_unsharded_grads: bool
     zero_bucket_mb: Optional[float]
+    compile: bool
     auto_layout: bool
     lightning_module: Any
     parallel_dims: ParallelDims
@@ -64,13 +66,14 @@ class LayoutChecks:
             pipeline_layers=tuple(self.pipeline_layers) if self.pipeline_layers is not None else None,
             sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel,
             tp_plan_given=self.tp_plan is not None, accumulate_unsharded_grads=self.accumulate_unsharded_grads,
-            zero_bucket_mb=self.zero_bucket_mb,
+            zero_bucket_mb=self.zero_bucket_mb, compile=self.compile,
         )
 
     def resolve_dims(self, world_size: int) -> ParallelDims:
         """The degrees of this strategy resolved for `world_size` (ValueError if they do not fit)."""
         dims, problems = resolve(self.layout_knobs, world_size)
-        raise_first(problems, type(self).__name__)
+        # The knobs again: the auto layout may have changed the degrees since the constructor checked them.
+        raise_first([*knob_problems(self.layout_knobs), *problems], type(self).__name__)
         assert dims is not None
         return dims
 

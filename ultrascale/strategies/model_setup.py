@@ -145,11 +145,12 @@ def make_zero_engine(
     )
 
 
-def model_transforms(trainer: Any, auto_transforms: list[ModelTransform]) -> list[ModelTransform]:
+def model_transforms(trainer: Any, auto_transforms: list[ModelTransform],
+                     compiler: Optional[ModelTransform] = None) -> list[ModelTransform]:
     """Callbacks that rewrite the model (activation checkpointing, FP8) run inside `parallelize`, after
-    the auto layout's own transforms."""
+    the auto layout's own transforms; `compile` last, so that it compiles the blocks as they will run."""
     callbacks = [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, ModelTransform)]
-    return [*auto_transforms, *callbacks]
+    return [*auto_transforms, *callbacks, *([compiler] if compiler is not None else [])]
 
 
 @contextmanager

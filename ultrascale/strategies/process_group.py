@@ -24,8 +24,8 @@ from ultrascale.strategies.step import NONFINITE_POLICIES, NonFinitePolicy
 
 
 class ProcessKnobs(TypedDict, total=False):
-    """How the processes start and talk, and what a non-finite step does: taken by every ultrascale
-    strategy (see `UltraScaleStrategy`; checked as a `ProcessConfig`)."""
+    """How the processes start and talk, what a non-finite step does and whether blocks are compiled: taken by
+    every ultrascale strategy (see `UltraScaleStrategy`; checked as a `ProcessConfig` and `block_compiler`)."""
 
     sync_module_states: bool
     launcher: LauncherName
@@ -34,6 +34,8 @@ class ProcessKnobs(TypedDict, total=False):
     nonfinite: NonFinitePolicy
     max_nonfinite_skips: int
     async_checkpoint: bool
+    compile: bool
+    compile_backend: str
 
 
 class ShardingKnobs(ProcessKnobs, total=False):

@@ -8,9 +8,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.fsdp import FSDPModule
 
+from ultrascale.parallel.compile import CompileStats
 from ultrascale.parallel.loss import NUM_TOKENS_KEY
 from ultrascale.strategies._lightning_compat import logging_as_hook, step_logged
 from ultrascale.strategies.contract import user_class_name
@@ -126,3 +127,25 @@ def log_step(module: "pl.LightningModule", result: StepResult, guard: StepGuard,
                     "mean) itself; remove the `self.log('train_loss', ...)` or log your value under another name"
                 )
             module.log("train_loss", result.loss, prog_bar=True, sync_dist=False)
+
+
+def log_compile(module: "pl.LightningModule", stats: CompileStats) -> None:
+    """`compile=True`: say what the first step compiled and how long it took; afterwards log every
+    recompilation (`compile/recompiles`) and warn once the layout keeps recompiling."""
+    graphs, seconds = stats.step()
+    if stats.steps == 1 and graphs == 0:
+        rank_zero_warn("ultrascale: compile=True, but the first step compiled no graph: the blocks ran eagerly (or reused "
+                       "graphs an earlier fit in this process compiled). TORCH_LOGS=graph_breaks shows where dynamo gave up")
+        return
+    if stats.steps == 1:
+        rank_zero_info(f"ultrascale: compile: the first step compiled {graphs} graph(s) in {seconds:.1f} s "
+                       "(inductor's cache: TORCHINDUCTOR_CACHE_DIR, by default /tmp/torchinductor_<user>)")
+        return
+    if graphs:
+        with logging_as_hook(module, "on_before_optimizer_step"):
+            module.log("compile/recompiles", float(stats.later_graphs), sync_dist=False)
+        if stats.keeps_recompiling and stats.later_graphs - graphs <= stats.warn_after:
+            rank_zero_warn(
+                f"ultrascale: compile: {stats.later_graphs} graphs compiled after the first step (step {stats.steps}): "
+                "the blocks keep seeing new shapes or guards. Bucket sequence lengths (pad to a multiple), or "
+                "set compile=False; torch stops with an error at torch._dynamo.config.recompile_limit")

@@ -1,0 +1,123 @@
+"""`torch.compile` per transformer block, and the counts that show whether it keeps compiling.
+
+Each block is compiled in place (`nn.Module.compile`), after TP/SP, expert dispatch, the
+context-parallel hooks, activation checkpointing and FP8 have rewritten it, and before FSDP / ZeRO
+shard it: torchtitan's order. One block is one region: the blocks of a model share their code,
+so dynamo compiles the first and reuses its graph for the others (their parameters are graph
+inputs, not constants); a whole-model compile would instead unroll every layer into one graph.
+
+Where activation checkpointing wrapped a whole block (`mode="full"`), the block inside the wrapper is
+what is compiled and the checkpoint stays eager around it: FSDP's hooks sit on that block, and dynamo
+cannot break the graph at them inside a checkpoint region (it would give up on the whole region and run
+it eagerly). The recomputation then reruns the compiled forward. Selective checkpoints are regions inside
+the block and compile with it.
+
+Shapes: `dynamic=None` (torch's default) compiles the first shape statically and, when a second
+length arrives, recompiles once with that dimension dynamic. Variable-length SFT batches and
+packed documents thus cost two compilations per block code, not one per length. A layout that
+keeps recompiling stops at torch's `recompile_limit` with an error (`fail_on_recompile_limit_hit`),
+never by silently running the block eagerly; `CompileStats` counts the compilations per step so
+the strategy can log them and warn well before that.
+
+The compile cache lives where inductor puts it (`TORCHINDUCTOR_CACHE_DIR`, by default
+`/tmp/torchinductor_<user>`); a second run of the same layout reuses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ultrascale.parallel.rules import SPLIT_BACKWARD_SCHEDULES
+
+__all__ = ["COMPILE_BACKENDS", "BlockCompiler", "CompileStats", "block_compiler"]
+
+COMPILE_BACKENDS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
+"""`inductor` generates fused kernels (C++ on CPU, Triton on CUDA); `aot_eager` traces forward and backward
+with AOTAutograd and runs them with eager kernels (no codegen: a check of the capture, not a speed-up);
+`eager` only runs dynamo's bytecode capture."""
+
+
+@dataclass
+class CompileStats:
+    """Compilations per optimizer step, from dynamo's process-wide counters (graphs captured, compile seconds)."""
+
+    warn_after: int = 8
+    """Graphs compiled after the first step beyond which the layout is said to keep recompiling."""
+    steps: int = 0
+    first_step_graphs: int = 0
+    first_step_seconds: float = 0.0
+    later_graphs: int = 0
+    _seen: tuple[int, float] = (0, 0.0)
+
+    @staticmethod
+    def _counters() -> tuple[int, float]:
+        from torch._dynamo.utils import compilation_time_metrics, counters
+
+        return counters["stats"]["unique_graphs"], sum(compilation_time_metrics.get("_compile.compile_inner", ()))
+
+    def start(self) -> None:
+        self._seen = self._counters()
+
+    def step(self) -> tuple[int, float]:
+        """(graphs compiled, seconds spent compiling) since the previous call; the first call is the first step."""
+        graphs, seconds = self._counters()
+        new = (graphs - self._seen[0], seconds - self._seen[1])
+        self._seen = (graphs, seconds)
+        if self.steps == 0:
+            self.first_step_graphs, self.first_step_seconds = new
+        else:
+            self.later_graphs += new[0]
+        self.steps += 1
+        return new
+
+    @property
+    def keeps_recompiling(self) -> bool:
+        return self.later_graphs > self.warn_after
+
+
+@dataclass
+class BlockCompiler:
+    """The model transform that compiles each block (the `ModelTransform` protocol of `parallelize`).
+
+    `backend`: one of `COMPILE_BACKENDS`. `fullgraph=False` lets the few operations dynamo cannot trace
+    (a process group's point-to-point calls, a host sync) break the graph where they are instead of failing.
+    """
+
+    backend: str = "inductor"
+    fullgraph: bool = False
+    split_backward: bool = False
+    """A zero-bubble pipeline schedule runs each backward in two passes over a kept graph: AOTAutograd must then not
+    donate (reuse in place) the saved buffers of the compiled backward."""
+    compiled: list[nn.Module] = field(default_factory=list)
+    stats: CompileStats = field(default_factory=lambda: CompileStats())
+
+    def transform_model(self, module: nn.Module, blocks: Sequence[nn.Module]) -> None:
+        if not blocks:
+            raise ValueError(
+                f"compile=True compiles each transformer block, but no blocks were found in {type(module).__name__}: "
+                "give the module a `blocks` list (or an `nn.ModuleList` of layers) or leave compile off")
+        # A recompile past torch's limit must fail, not fall back to eager without a word.
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+        if self.split_backward:
+            torch._functorch.config.donated_buffer = False
+        for block in blocks:
+            if block._compiled_call_impl is None:  # applying twice is a no-op
+                block.compile(backend=self.backend, fullgraph=self.fullgraph)
+                self.compiled.append(block)
+
+
+def block_compiler(compile: bool, backend: str, owner: str, *, pipeline: tuple[int, str] = (1, "1F1B")) -> Optional[BlockCompiler]:
+    """The strategy's `compile` / `compile_backend` knobs: the transform to run, or None when compile is off.
+    `pipeline`: (pipeline_parallel, pipeline_schedule)."""
+    if not compile:
+        if backend != "inductor":
+            raise ValueError(f"{owner}: `compile_backend={backend!r}` needs `compile=True`")
+        return None
+    if backend not in COMPILE_BACKENDS:
+        raise ValueError(f"{owner}: `compile_backend={backend!r}` is not one of {', '.join(COMPILE_BACKENDS)}")
+    return BlockCompiler(backend, split_backward=pipeline[0] > 1 and pipeline[1] in SPLIT_BACKWARD_SCHEDULES)
