@@ -4,7 +4,7 @@ The reference is `tests._parity.reference_run` (plain torch, eager, the token-me
 Most layouts compile with `compile_backend="aot_eager"`: dynamo's capture and AOTAutograd's forward/backward
 graphs, which is where compile meets DTensor, FSDP2's hooks, the pipeline stages, the ring's point-to-point
 calls and the expert all-to-all, with eager kernels (a cold inductor compile costs ~30 s per distinct graph on
-these 2 cores). Inductor's generated kernels run under ZeRO-3 with accumulation.
+these 2 cores). Inductor's generated kernels run under ZeRO-3 (with accumulation) and tp2.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ def _train(rank, world_size, strategy_kwargs, ac, accumulate):
 CASES = {
     # name: (world, strategy kwargs, activation checkpointing, accumulation)
     "zero3-inductor": (2, {"data_parallel_shard": 2}, None, 2),
+    "tp2xdp2": (4, {"tensor_parallel": 2, "data_parallel_shard": 2, "compile_backend": "aot_eager"}, None, 1),
+    "tp2-nosp-inductor": (2, {"tensor_parallel": 2, "data_parallel_shard": 1, "sequence_parallel": False}, None, 1),
     "hsdp2x1": (2, {"data_parallel_replicate": 2, "data_parallel_shard": 1, "compile_backend": "aot_eager"}, None, 1),
     "zero3-ac-full": (2, {"data_parallel_shard": 2, "compile_backend": "aot_eager"}, "full", 2),
     "zero3-ac-selective": (2, {"data_parallel_shard": 2, "compile_backend": "aot_eager"}, "selective", 1),
@@ -140,8 +142,99 @@ def test_compile_knobs_are_checked_when_the_strategy_is_built():
         ultrascale.ZeRO3Strategy(compile=True, compile_backend="cudagraphs")
 
 
-def test_compile_under_tensor_parallel_is_refused_by_name():
-    """Compiled blocks under DTensor TP give a wrong embedding gradient (measured with inductor and aot_eager, with
-    and without sequence parallel): refused before any process starts until that is fixed."""
-    with pytest.raises(NotImplementedError, match="compile=True.*tensor_parallel=2"):
-        ultrascale.UltraScaleStrategy(tensor_parallel=2, compile=True)
+
+def test_compiled_hf_mixtral_expert_parallel_parity(tmp_path):
+    """HF Mixtral (transformers' own decoder layers, fused experts) at ep2, compiled, against transformers' model
+    on one process; the exported folder holds the one-process weights."""
+    from tests.test_expert_parallel import check_hf_moe_parity_and_export
+
+    check_hf_moe_parity_and_export(tmp_path, "mixtral", 2, {"expert_parallel": 2, "compile": True,
+                                                             "compile_backend": "aot_eager"})
+
+
+def _fit_hf(rank, world_size, path, kwargs, dataset):
+    from tests._parity import make_hf
+
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(compile=True, **kwargs), recorder, STEPS)
+    module = make_hf(path)
+    trainer.fit(module, ParityData(dataset, BATCH))
+    return {**recorder.result(), "compiled": _compiled_regions(module)}
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"data_parallel_shard": 2, "compile_backend": "aot_eager"},
+    {"tensor_parallel": 2, "data_parallel_shard": 1, "compile_backend": "aot_eager"},
+], ids=["zero3", "tp2"])
+def test_compiled_hf_qwen2_parity(tmp_path, kwargs):
+    """HF Qwen2's decoder layers compiled, against transformers' eager model on one process."""
+    from tests._parity import make_hf, make_hf_checkpoint
+
+    path = make_hf_checkpoint(tmp_path / "ckpt", "qwen2", vocab_size=VOCAB, head_dim=16)
+    dataset = TokenDataset(STEPS * BATCH, SEQ, VOCAB, seed=11, masked=True)
+    reference = reference_run(make_hf(path), dataset, global_batch=BATCH, steps=STEPS)
+    results = run_ranks(_fit_hf, 2, path, kwargs, dataset)
+    assert results[0]["compiled"] == 2  # both decoder layers
+    assert_parity(results[0], reference, step_losses(results), param_atol=3e-5)  # as the other HF parity tests
+
+
+def _fit_generic(rank, world_size):
+    from tests.test_generic_module import GLOBAL_BATCH, PlainTransformerLM, data
+
+    recorder = Recorder()
+    strategy = ultrascale.ZeRO3Strategy(compile=True, compile_backend="aot_eager")
+    trainer = parity_trainer(world_size, strategy, recorder, STEPS)
+    model = PlainTransformerLM()
+    trainer.fit(model, ParityData(data(), GLOBAL_BATCH))
+    return {**recorder.result(), "compiled": _compiled_regions(model)}
+
+
+def test_compiled_generic_module_parity():
+    """A user's LightningModule with blocks of its own (found generically) is compiled block by block."""
+    from tests.test_generic_module import GLOBAL_BATCH, PlainTransformerLM, data
+
+    reference = reference_run(PlainTransformerLM(), data(), global_batch=GLOBAL_BATCH, steps=STEPS)
+    results = run_ranks(_fit_generic, 2)
+    assert results[0]["compiled"] == 3
+    assert_parity(results[0], reference, step_losses(results))
+
+
+def _fit_bf16(rank, world_size, compiled):
+    recorder = Recorder()
+    kwargs = {"compile": True, "compile_backend": "aot_eager"} if compiled else {}
+    strategy = ultrascale.UltraScaleStrategy(data_parallel_shard=2, **kwargs)
+    trainer = parity_trainer(world_size, strategy, recorder, STEPS, precision="bf16-mixed")
+    trainer.fit(make_llama(), ParityData(masked_data(), BATCH))
+    return recorder.result()
+
+
+def test_compiled_bf16_mixed_tracks_eager():
+    """bf16-mixed under ZeRO-3, compiled against eager: the same loss curve within the suite's bf16 tolerance."""
+    eager = step_losses(run_ranks(_fit_bf16, 2, False))
+    compiled = step_losses(run_ranks(_fit_bf16, 2, True))
+    assert len(compiled) == STEPS and all(abs(a - b) < 5e-2 for a, b in zip(compiled, eager)), (compiled, eager)
+
+
+def _fit_fp8(rank, world_size, compiled):
+    import lightning as L
+
+    from tests.test_callbacks_fp8 import Memorise, make_model
+    from ultrascale.callbacks import Float8Training
+
+    L.seed_everything(0, verbose=False)
+    recorder = Recorder()
+    kwargs = {"compile": True, "compile_backend": "aot_eager"} if compiled else {}
+    callback = Float8Training()
+    trainer = parity_trainer(world_size, ultrascale.ZeRO3Strategy(**kwargs), recorder, 4, precision="bf16-mixed",
+                             callbacks=[callback])
+    model = make_model()
+    trainer.fit(model, ParityData(Memorise(32), 8))
+    return {**recorder.result(), "converted": len(callback.converted), "compiled": _compiled_regions(model)}
+
+
+def test_compiled_float8_tracks_eager_float8():
+    """torchao's Float8 linears inside compiled blocks (ZeRO-3, bf16-mixed) train as the eager Float8 run does."""
+    eager = run_ranks(_fit_fp8, 2, False)
+    compiled = run_ranks(_fit_fp8, 2, True)
+    assert compiled[0]["converted"] == eager[0]["converted"] > 0 and compiled[0]["compiled"] == 4
+    torch.testing.assert_close(torch.tensor(step_losses(compiled)), torch.tensor(step_losses(eager)), rtol=0.02, atol=0)

@@ -25,12 +25,13 @@ The compile cache lives where inductor puts it (`TORCHINDUCTOR_CACHE_DIR`, by de
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from ultrascale.parallel.rules import SPLIT_BACKWARD_SCHEDULES
 
@@ -107,8 +108,29 @@ class BlockCompiler:
             torch._functorch.config.donated_buffer = False
         for block in blocks:
             if block._compiled_call_impl is None:  # applying twice is a no-op
-                block.compile(backend=self.backend, fullgraph=self.fullgraph)
+                # What `nn.Module.compile` does (the hooks FSDP adds later run inside `_call_impl`), plus the
+                # eager step below in front of it.
+                block._compiled_call_impl = _waited_inputs(
+                    torch.compile(block._call_impl, backend=self.backend, fullgraph=self.fullgraph))
                 self.compiled.append(block)
+
+
+def _wait(value: object) -> object:
+    return value.clone() if isinstance(value, AsyncCollectiveTensor) else value
+
+
+def _waited_inputs(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """Under tensor parallel the first block's input is the embedding's output as DTensor left it: an
+    `AsyncCollectiveTensor` (a collective's result, waited for on first use). Traced as a graph input, its
+    gradient skips DTensor's redistribute backward in torch 2.13: the embedding's gradient came out wrong, or
+    the backward failed ("'Tensor' object has no attribute '_local_tensor'"). An eager clone waits for it and
+    hands the compiled block a plain tensor whose backward goes through DTensor as in eager (one copy, first
+    block only)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return compiled(*map(_wait, args), **{name: _wait(value) for name, value in kwargs.items()})
+
+    return call
 
 
 def block_compiler(compile: bool, backend: str, owner: str, *, pipeline: tuple[int, str] = (1, "1F1B")) -> Optional[BlockCompiler]:

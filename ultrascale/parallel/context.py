@@ -442,7 +442,17 @@ class ContextParallel:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
         """Causal attention of this rank's queries over every rank's keys: ``q`` (B, H, Tl, D),
         ``k``/``v`` (B, Hkv, Tl, D) in the local token order; returns (B, H, Tl, D)."""
-        return _ContextAttention.apply(q, k, v, self, scale)
+        if self.method == "ring":
+            return _ring_attention(q, k, v, self, scale)
+        return _ContextAttention.apply(q, k, v, self, scale)  # all-gather: traced whole under compile=True
+
+
+# Under `compile=True` the ring is the block's one graph break: its isend/irecv, overlapped with the attention of
+# the block in hand, cannot be traced (dynamo would give up on the whole attention function at the first one).
+@torch.compiler.disable(reason="ring attention: point-to-point K/V exchange")
+def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
+                    scale: Optional[float]) -> torch.Tensor:
+    return _ContextAttention.apply(q, k, v, cp, scale)
 
 
 class ContextParallelAttention(nn.Module):

@@ -121,8 +121,6 @@ class LayoutKnobs:
     """The user passed `tp_plan=`: it replaces the model's own plan (and that plan's refusal)."""
     accumulate_unsharded_grads: bool = False
     zero_bucket_mb: Optional[float] = None
-    compile: bool = False
-    """`torch.compile` per block (`ultrascale.parallel.compile`)."""
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -197,13 +195,6 @@ def knob_problems(k: LayoutKnobs) -> list[Problem]:
             ("loss_parallel=True", f"pipeline_parallel={k.pp}")))
     if k.zero_bucket_mb is not None and k.zero_bucket_mb <= 0:
         problems.append(Problem("must be positive", (f"zero_bucket_mb={k.zero_bucket_mb}",)))
-    if k.compile and k.tp != 1:
-        # Measured (tests/test_compile.py): forward equal, but the compiled blocks' input gradient under DTensor TP
-        # comes out wrong (the embedding's gradient differs), with and without sequence parallel, inductor or aot_eager.
-        problems.append(Problem(
-            "compiling the blocks under tensor parallel is not implemented yet (the compiled blocks' input gradient is "
-            "wrong under DTensor TP); compile with ZeRO, HSDP, context, pipeline or expert parallel, or leave compile off",
-            ("compile=True", f"tensor_parallel={k.tp}"), not_implemented=True))
     return problems
 
 

@@ -196,7 +196,7 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
             **self._degrees, zero_stage=zero_stage, context_parallel_method=context_parallel_method,
             pipeline_schedule=pipeline_schedule, pipeline_virtual_stages=pipeline_virtual_stages,
             pipeline_microbatches=pipeline_microbatches, loss_parallel=loss_parallel,
-            accumulate_unsharded_grads=accumulate_unsharded_grads, zero_bucket_mb=zero_bucket_mb, compile=compile,
+            accumulate_unsharded_grads=accumulate_unsharded_grads, zero_bucket_mb=zero_bucket_mb,
         )), type(self).__name__)
         self.process_config = ProcessConfig(type(self).__name__, launcher, process_group_backend, timeout, nonfinite,
                                             max_nonfinite_skips, async_checkpoint)
@@ -386,7 +386,7 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
             module, trainer_of(module), device=self.root_device, world_size=self.world_size, ranks_per_node=self.num_processes,
             precision=str(getattr(self.precision_plugin, "precision", "32-true")), degrees=self._degrees, fixed=self._auto_fixed,
             pipeline_schedule=self.pipeline_schedule, pipeline_virtual_stages=self.pipeline_virtual_stages,
-            pipeline_microbatches=self.pipeline_microbatches, owner=type(self).__name__)
+            pipeline_microbatches=self.pipeline_microbatches, owner=type(self).__name__, compiled=self.compile)
         if chosen is None:
             self.chosen_layout = False
             return

@@ -51,7 +51,6 @@ class LayoutChecks:
     tp_plan: Optional[dict[str, Any]]
     accumulate_unsharded_grads: bool
     zero_bucket_mb: Optional[float]
-    compile: bool
     auto_layout: bool
     lightning_module: Any
     parallel_dims: ParallelDims
@@ -66,7 +65,7 @@ class LayoutChecks:
             pipeline_layers=tuple(self.pipeline_layers) if self.pipeline_layers is not None else None,
             sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel,
             tp_plan_given=self.tp_plan is not None, accumulate_unsharded_grads=self.accumulate_unsharded_grads,
-            zero_bucket_mb=self.zero_bucket_mb, compile=self.compile,
+            zero_bucket_mb=self.zero_bucket_mb,
         )
 
     def resolve_dims(self, world_size: int) -> ParallelDims:
