@@ -22,10 +22,10 @@ from ultrascale.parallel import rules
 from ultrascale.parallel.dims import ParallelDims
 from ultrascale.parallel.rules import LayoutKnobs, batch_problems, raise_first
 from ultrascale.planner.cost import PlanRow, Workload, evaluate
-from ultrascale.planner.hardware import GIB, GPU_SPECS, Cluster, GpuSpec
+from ultrascale.planner.hardware import COMPILE_SPEEDUP, GIB, GPU_SPECS, Cluster, GpuSpec
 from ultrascale.planner.layouts import RECOMPUTE_MODES, Layout, model_facts_of, parse_layout
 from ultrascale.planner.recipe import recipe_yaml
-from ultrascale.planner.report import describe_search, explain, format_table, what_would_fit
+from ultrascale.planner.report import compile_assumption, describe_search, explain, format_table, what_would_fit
 from ultrascale.planner.search import search, why_not
 
 __all__ = ["RecipePlan", "check_recipe", "format_recipe_plan", "plan_main", "plan_recipe_main"]
@@ -76,7 +76,7 @@ def _cluster(spec: GpuSpec, gpus: int, gpus_per_node: int, efficiency: Optional[
 
 # `plan` options that a recipe fixes itself.
 _RECIPE_FIXES = ("seq_len", "global_batch_tokens", "global_batch", "precision", "layout", "why_not", "top", "emit_recipe",
-                 "measure", "dp_replicate", "tp", "zero_stage", "micro_batch", "recompute", "full_recompute")
+                 "measure", "dp_replicate", "tp", "zero_stage", "micro_batch", "recompute", "full_recompute", "compile")
 
 
 def plan_main(args: list[str]) -> str:
@@ -120,6 +120,10 @@ def plan_main(args: list[str]) -> str:
     parser.add_argument("--full-recompute", action="store_true", help="same as --recompute full")
     parser.add_argument("--eager-attention", action="store_true",
                         help="attention keeps its s x s scores (no flash / fused kernel)")
+    parser.add_argument("--compile", action="store_true",
+                        help=f"price every layout with each block compiled (the strategies' `compile=True`): compute "
+                             f"time / {COMPILE_SPEEDUP:.3f}, torchtitan's published speed-up; with --recipe, the "
+                             "strategy's `compile` decides")
     parser.add_argument("--device-memory-gib", type=_positive(float), default=None, help="memory of one GPU (default: the GPU's)")
     parser.add_argument("--peak-tflops", type=_positive(float), default=None, help="dense bf16 peak of one GPU (default: the GPU's)")
     parser.add_argument("--intra-node-gbps", type=_positive(float), default=None,
@@ -135,8 +139,9 @@ def plan_main(args: list[str]) -> str:
         fixed_by_recipe = [flag for action in parser._actions if action.dest in _RECIPE_FIXES
                            for flag in action.option_strings if any(a == flag or a.startswith(flag + "=") for a in args)]
         if fixed_by_recipe:
-            parser.error(f"{', '.join(fixed_by_recipe)}: with --recipe the layout, batch and precision come from the recipe; "
-                         "change it there or override its keys (e.g. --data.seq_len 4096, --trainer.strategy.init_args.tensor_parallel 4)")
+            parser.error(f"{', '.join(fixed_by_recipe)}: with --recipe the layout, batch, precision and compile come from the "
+                         "recipe; change it there or override its keys (e.g. --data.seq_len 4096, "
+                         "--trainer.strategy.init_args.tensor_parallel 4, --trainer.strategy.init_args.compile true)")
         return plan_recipe_main(options, unknown)
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -167,7 +172,8 @@ def plan_main(args: list[str]) -> str:
         global_batch = max(options.global_batch_tokens // options.seq_len, 1)
     else:
         global_batch = options.global_batch or options.gpus
-    work = Workload(options.seq_len, global_batch, options.precision, attention_scores_saved=options.eager_attention)
+    work = Workload(options.seq_len, global_batch, options.precision, attention_scores_saved=options.eager_attention,
+                    compiled=options.compile)
 
     if options.why_not is not None:
         reasons = why_not(shape, cluster, work, {**fixed, **parse_layout(options.why_not)}, hf_config)
@@ -184,7 +190,8 @@ def plan_main(args: list[str]) -> str:
         f"model      {shape.name}: {shape.num_params / 1e9:.2f}B parameters, "
         f"{shape.flops_per_token(options.seq_len) / 1e9:.1f} GFLOPs per token (6N + 12·L·h·s)",
         f"cluster    {options.gpus} x {spec.name} ({options.gpus_per_node} per node), {spec.memory_gib:g} GiB each "
-        f"({cluster.memory_headroom:.0%} planned for), peak {spec.peak_tflops:g} TFLOP/s at {cluster.efficiency:.0%} achievable",
+        f"({cluster.memory_headroom:.0%} planned for), peak {spec.peak_tflops:g} TFLOP/s at {cluster.efficiency:.0%} achievable"
+        + compile_assumption(work),
         f"batch      {global_batch} sequences x {options.seq_len} tokens = {work.tokens:,} tokens per step; {options.precision}",
         f"searched   {searched}",
     ]
@@ -481,7 +488,9 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
                                                 and pipeline is None and grad_accumulation > 1),
                     virtual_stages=pipeline.virtual_stages if pipeline is not None else 1)
     cluster = _cluster(spec or GPU_SPECS[gpu], world, per_node, efficiency)
-    work = Workload(seq_len, global_batch * accumulate, precision, attention_scores_saved=eager_attention)
+    # The strategy's `compile` knob: each block compiled, priced with the published speed-up (`COMPILE_SPEEDUP`).
+    work = Workload(seq_len, global_batch * accumulate, precision, attention_scores_saved=eager_attention,
+                    compiled=bool(getattr(strategy, "compile", False)))
     row = evaluate(shape, layout, cluster, work, hf_config)
     if row.problems:  # the planner's copy of the strategy's remaining rules (TP inside a node, ZeRO-1/2 limits, ...)
         raise ValueError(f"{owner} layout {layout.describe()}: " + "; ".join(row.problems))
@@ -497,7 +506,7 @@ def format_recipe_plan(plan: RecipePlan) -> list[str]:
         f"model      {plan.shape.name}: {_parameters(plan.shape.num_params)} parameters, "
         f"{plan.shape.flops_per_token(work.seq_len) / 1e9:.1f} GFLOPs per token",
         f"cluster    {cluster.gpus} x {cluster.gpu.name} ({cluster.gpus_per_node} per node), {cluster.gpu.memory_gib:g} GiB "
-        f"each ({cluster.memory_headroom:.0%} planned for)",
+        f"each ({cluster.memory_headroom:.0%} planned for){compile_assumption(work)}",
         f"batch      {work.global_batch} sequences x {work.seq_len} tokens = {work.tokens:,} tokens per optimizer step "
         f"({lay.dp} data-parallel ranks x micro-batch {lay.micro_batch} x {lay.grad_accumulation} "
         f"{'pipeline micro-batches' if lay.pp > 1 else 'accumulation steps'}); {work.precision}",
@@ -518,8 +527,8 @@ def plan_recipe_main(options: Any, overrides: list[str]) -> str:
     except NotImplementedError as error:  # the strategy's "not implemented yet" combinations: invalid here
         raise ValueError(str(error)) from None
     if options.json:
-        text = json.dumps({"recipe": plan.path, "world": plan.world, **plan.row.to_json(), "checks": plan.checks,
-                           "notes": plan.notes}, indent=1)
+        text = json.dumps({"recipe": plan.path, "world": plan.world, **plan.row.to_json(), "compiled": plan.work.compiled,
+                           "checks": plan.checks, "notes": plan.notes}, indent=1)
     else:
         text = "\n".join(format_recipe_plan(plan))
     print(text)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ultrascale.estimate import ModelShape
 from ultrascale.planner.cost import PlanRow, Workload
-from ultrascale.planner.hardware import GIB, Cluster
+from ultrascale.planner.hardware import COMPILE_SPEEDUP, GIB, Cluster
 
 __all__ = ["recipe_yaml"]
 
@@ -26,6 +26,8 @@ def recipe_yaml(row: PlanRow, model: str, shape: ModelShape, cluster: Cluster, w
             init["pipeline_virtual_stages"] = lay.virtual_stages
     if lay.accumulate_unsharded_grads:
         init["accumulate_unsharded_grads"] = True
+    if work.compiled:  # priced compiled (`plan --compile`): the recipe compiles each block
+        init["compile"] = True
     strategy = "\n".join(f"      {key}: {value}" for key, value in init.items())
     callbacks = ""
     if lay.recompute != "none":
@@ -38,8 +40,9 @@ def recipe_yaml(row: PlanRow, model: str, shape: ModelShape, cluster: Cluster, w
                        "    attn_implementation: sdpa\n")
     local_batch = lay.micro_batch * (lay.grad_accumulation if pipeline else 1)
     mem, t = row.memory, row.step_time
+    compiled = f"; each block compiled (compute time priced / {COMPILE_SPEEDUP:.3f})" if work.compiled else ""
     return f"""# Written by `ultrascale plan`: {shape.name} on {cluster.gpus} x {cluster.gpu.name} ({cluster.gpus_per_node} per node).
-# Layout: {lay.describe()}
+# Layout: {lay.describe()}{compiled}
 # Predicted per GPU: {mem['total'] / GIB:.1f} GiB, step {t['total']:.2f} s, {row.tokens_per_s_per_gpu:,.0f} tokens/s, MFU {row.mfu:.1%}.
 # Launch on every node (torchrun sets the ranks; SLURM's srun works the same way):
 #   torchrun --nnodes {nodes} --nproc-per-node {devices} --rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500 \\

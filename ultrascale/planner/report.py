@@ -3,14 +3,23 @@ would fit when nothing does."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ultrascale.estimate import ModelShape
 from ultrascale.planner.cost import PlanRow, Workload
-from ultrascale.planner.hardware import GIB, Cluster
+from ultrascale.planner.hardware import COMPILE_SOURCE, COMPILE_SPEEDUP, GIB, Cluster
 from ultrascale.planner.search import search
 
-__all__ = ["describe_search", "explain", "format_table", "what_would_fit"]
+__all__ = ["compile_assumption", "describe_search", "explain", "format_table", "what_would_fit"]
+
+
+def compile_assumption(work: Workload) -> str:
+    """What the cluster line adds for a compiled plan ("" for an eager one): the factor and where it comes from."""
+    if not work.compiled:
+        return ""
+    return (f"; compiled (torch.compile per block): compute time / {COMPILE_SPEEDUP:.3f} ({COMPILE_SOURCE}), "
+            "communication and memory as eager")
 
 
 def format_table(rows: list[PlanRow], top: int) -> str:
@@ -71,8 +80,8 @@ def what_would_fit(shape: ModelShape, cluster: Cluster, work: Workload, fixed: d
     for factor in (2, 4, 8, 16, 32):
         bigger = Cluster(cluster.gpu, cluster.gpus * factor, cluster.gpus_per_node, cluster.efficiency, cluster.memory_headroom)
         batch = max(work.global_batch, bigger.gpus) if work.global_batch % bigger.gpus else work.global_batch
-        rows = [row for row in search(shape, bigger, Workload(work.seq_len, batch, work.precision, work.attention_scores_saved),
-                                      None, hf_config) if row.fits]
+        rows = [row for row in search(shape, bigger, dataclasses.replace(work, global_batch=batch), None, hf_config)
+                if row.fits]
         if rows:
             return [f"would fit  on {bigger.gpus} GPUs: {rows[0].layout.describe()} ({rows[0].memory['total'] / GIB:.1f} GiB per GPU)"]
     return ["would fit  on none of up to 32x the GPUs: shorten the sequence or use a larger GPU (--gpu)"]
