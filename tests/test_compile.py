@@ -34,7 +34,9 @@ def masked_data() -> TokenDataset:
 
 
 def _compiled_regions(module: torch.nn.Module) -> int:
-    return sum(1 for m in module.modules() if getattr(m, "_compiled_call_impl", None) is not None)
+    from ultrascale.parallel.compile import COMPILED_ATTRIBUTE
+
+    return sum(1 for m in module.modules() if getattr(m, COMPILED_ATTRIBUTE, False))
 
 
 def _train(rank, world_size, strategy_kwargs, ac, accumulate):
@@ -238,3 +240,61 @@ def test_compiled_float8_tracks_eager_float8():
     compiled = run_ranks(_fit_fp8, 2, True)
     assert compiled[0]["converted"] == eager[0]["converted"] > 0 and compiled[0]["compiled"] == 4
     torch.testing.assert_close(torch.tensor(step_losses(compiled)), torch.tensor(step_losses(eager)), rtol=0.02, atol=0)
+
+
+class EncoderLayersLM(torch.nn.Module):
+    """A user's model whose blocks are torch.nn's own `TransformerEncoderLayer`s (a class in torch.nn's files)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.embed = torch.nn.Embedding(VOCAB, 32)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, norm_first=True) for _ in range(2))
+        self.head = torch.nn.Linear(32, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        for layer in self.layers:
+            x = layer(x, src_mask=mask, is_causal=True)
+        return self.head(x)
+
+
+def _encoder_module():
+    import lightning as L
+
+    class EncoderModule(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = EncoderLayersLM()
+
+        def forward(self, tokens):
+            return self.model(tokens)
+
+        def training_step(self, batch, batch_idx):
+            return ultrascale.token_loss(self(batch["input_ids"]), batch["labels"])
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=1e-6)
+
+    return EncoderModule()
+
+
+def _fit_encoder(rank, world_size):
+    recorder = Recorder()
+    strategy = ultrascale.ZeRO3Strategy(compile=True, compile_backend="aot_eager")
+    trainer = parity_trainer(world_size, strategy, recorder, STEPS)
+    module = _encoder_module()
+    trainer.fit(module, ParityData(masked_data(), BATCH))
+    return {**recorder.result(), "compiled": _compiled_regions(module),
+            "first_graphs": trainer.strategy._compiler.stats.first_step_graphs}
+
+
+def test_compiled_torch_nn_blocks_parity():
+    """Blocks that are torch.nn classes really compile (dynamo skips a top frame in torch.nn's files: compiling
+    their whole call compiled nothing) and train as eager."""
+    reference = reference_run(_encoder_module(), masked_data(), global_batch=BATCH, steps=STEPS)
+    results = run_ranks(_fit_encoder, 2)
+    assert results[0]["compiled"] == 2 and results[0]["first_graphs"] >= 1, results[0]
+    assert_parity(results[0], reference, step_losses(results))

@@ -1,6 +1,6 @@
 """`torch.compile` per transformer block, and the counts that show whether it keeps compiling.
 
-Each block is compiled in place (`nn.Module.compile`), after TP/SP, expert dispatch, the
+Each block's forward is compiled in place, after TP/SP, expert dispatch, the
 context-parallel hooks, activation checkpointing and FP8 have rewritten it, and before FSDP / ZeRO
 shard it: torchtitan's order. One block is one region: the blocks of a model share their code,
 so dynamo compiles the first and reuses its graph for the others (their parameters are graph
@@ -35,7 +35,10 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from ultrascale.parallel.rules import SPLIT_BACKWARD_SCHEDULES
 
-__all__ = ["COMPILE_BACKENDS", "BlockCompiler", "CompileStats", "block_compiler"]
+__all__ = ["COMPILED_ATTRIBUTE", "COMPILE_BACKENDS", "BlockCompiler", "CompileStats", "block_compiler"]
+
+COMPILED_ATTRIBUTE = "ultrascale_compiled"
+"""Set on each block whose forward `BlockCompiler` compiled."""
 
 COMPILE_BACKENDS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
 """`inductor` generates fused kernels (C++ on CPU, Triton on CUDA); `aot_eager` traces forward and backward
@@ -107,12 +110,15 @@ class BlockCompiler:
         if self.split_backward:
             torch._functorch.config.donated_buffer = False
         for block in blocks:
-            if block._compiled_call_impl is None:  # applying twice is a no-op
-                # What `nn.Module.compile` does (the hooks FSDP adds later run inside `_call_impl`), plus the
-                # eager step below in front of it.
-                block._compiled_call_impl = _waited_inputs(
-                    torch.compile(block._call_impl, backend=self.backend, fullgraph=self.fullgraph))
-                self.compiled.append(block)
+            if getattr(block, COMPILED_ATTRIBUTE, False):  # applying twice is a no-op
+                continue
+            # The block's `forward`, not its whole call (`nn.Module.compile` compiles `_call_impl`): dynamo skips a
+            # top frame in torch.nn's own files, so `_call_impl` compiled nothing for a block that is a torch.nn
+            # class (`nn.TransformerEncoderLayer`), and the hooks FSDP adds later (its all-gathers) stay eager
+            # around the compiled forward instead of breaking the graph inside it.
+            block.forward = _waited_inputs(torch.compile(block.forward, backend=self.backend, fullgraph=self.fullgraph))
+            setattr(block, COMPILED_ATTRIBUTE, True)
+            self.compiled.append(block)
 
 
 def _wait(value: object) -> object:
