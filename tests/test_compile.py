@@ -113,7 +113,7 @@ def _train_variable(rank, world_size, steps):
 
 
 def test_variable_length_batches_compile_a_bounded_number_of_times():
-    """20 steps of 11 distinct lengths: the first length compiles static, the second recompiles with the length
+    """20 steps of 10 distinct lengths: the first length compiles static, the second recompiles with the length
     dynamic, and that graph serves every later length (dynamo's automatic dynamic shapes)."""
     steps = 20
     data = VariableLengthData(steps)
