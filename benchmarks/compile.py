@@ -345,7 +345,7 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=1.0, help="max global gradient norm (gradient_clip_val)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS + EXTRA_VARIANTS, default=list(VARIANTS))
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest step-0 loss difference |compiled - eager|")
-    parser.add_argument("--budget", type=float, default=30.0, help="seconds of waiting for idle cores and redone runs")
+    parser.add_argument("--budget", type=float, default=60.0, help="seconds of waiting for idle cores and redone runs")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "compile.md"))
     args = parser.parse_args()
     if args.steps <= WARMUP_STEPS:
