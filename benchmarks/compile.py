@@ -18,10 +18,10 @@ has rewritten it and before FSDP shards it. The runs go run 1: every variant eag
 the same, ...; a run and the one right after it see the same machine state, so their ratio (the paired
 ratio) is the less noisy figure. tokens/s counts only the steps after the first `WARMUP_STEPS`: the first
 step's compilation (and any recompilation in the warm-up) stays out of it. The compilation is reported on
-its own: the graphs dynamo compiled in the first step, the seconds it spent on their forward (what the
-strategy's log line "ultrascale: compile: the first step compiled N graph(s) in X s" says) and on their
-backward (inductor compiles it lazily, in the first backward), and the first step's wall time minus a
-normal step's.
+its own: the graphs dynamo compiled in the first step, the seconds it spent on their forward and on their
+backward (inductor compiles it lazily, in the first backward), beside what the strategy's log line
+"ultrascale: compile: the first step compiled N graph(s) in X s" says, and the first step's wall time
+minus a normal step's.
 
 Inductor caches what it generated (`TORCHINDUCTOR_CACHE_DIR`, by default /tmp/torchinductor_<user>):
 a compiled run is *cold* when inductor generated and built at least one graph's kernels from scratch
@@ -135,7 +135,7 @@ class StepTimes(Throughput):
 
 def _dynamo_totals() -> dict[str, float]:
     """dynamo's process-wide counts: graphs compiled, seconds compiling forward graphs (dynamo + AOTAutograd +
-    inductor, what the strategy's log line counts) and backward graphs (compiled lazily, in the first backward)."""
+    inductor) and backward graphs (compiled lazily, in the first backward)."""
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     return {
@@ -193,7 +193,7 @@ def _block_class(model: nn.Module) -> type:
     return next(c for c in type(block).__mro__ if not issubclass(c, FSDPModule))
 
 
-BLOCK_ITERS = 12
+BLOCK_ITERS = 20
 """Forward + backward passes of one block per mode in the block profile (alternating eager, compiled)."""
 PROFILED_ITERS = 4
 """Forward + backward passes of one block per mode under torch.profiler, one per profile, alternating."""
@@ -261,6 +261,7 @@ def _block_profile(rank, world_size, kind, preset, seq_len, batch, seed, iters=B
         total = sum(library[mode]) + sum(rest[mode])
         result[mode] = {
             "ms": 1000 * min(times[mode]),
+            "times": times[mode],
             "library_share": lib / (lib + other),
             "top_other": [(name, ms / total) for name, ms in others[mode].most_common(3)],
         }
@@ -329,7 +330,8 @@ def _cache(r: dict) -> str:
 
 
 def _compile_cell(r: dict) -> str:
-    return (f"{r['graphs']} graph(s): forward {r['forward_s']:.1f} s + backward {r['backward_s']:.1f} s; "
+    logged = f" (log: {r['logged'][0]} graph(s), {r['logged'][1]:.1f} s)" if r["logged"] else ""
+    return (f"{r['graphs']} graph(s): forward {r['forward_s']:.1f} s + backward {r['backward_s']:.1f} s{logged}; "
             f"first step {r['first_extra_s']:+.1f} s")
 
 
@@ -412,9 +414,9 @@ def main() -> None:
         "tokens/s: global tokens of the timed steps over their wall time, mean of the ranks; ms/step: the median timed "
         "step. first step: its wall time minus a normal (median timed) step, slowest rank: for a compiled run mostly the "
         "compilation, for an eager run the first step's own set-up. compile: graphs dynamo compiled in the first step; "
-        "forward: seconds dynamo spent compiling them (dynamo, AOTAutograd, inductor's forward: what the strategy's log "
-        "line \"the first step compiled N graph(s) in X s\" counts); backward: seconds inductor spent on the backward "
-        "graphs, compiled lazily in the first backward (the log line leaves them out). cache: cold when inductor built at "
+        "forward: seconds dynamo spent compiling them (dynamo, AOTAutograd, inductor's forward); backward: seconds "
+        "inductor spent on the backward graphs, compiled lazily in the first backward; log: what the strategy's log line "
+        "\"the first step compiled N graph(s) in X s\" said on rank 0. cache: cold when inductor built at "
         "least one graph from scratch (`fxgraph_cache_miss` > 0), warm when every graph came from its cache "
         "(/tmp/torchinductor_<user>). later graphs: compiled after the first step (recompilations).",
         "",
@@ -435,7 +437,7 @@ def main() -> None:
         f"eager loss, step {args.steps - 1} | compiled loss, step {args.steps - 1} | abs. difference |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    failed, notes, described = [], [], set()
+    failed, noted, described = [], [], set()
     for v in variants:
         eager, comp = measured[v]["eager"], measured[v]["compiled"]
         med = {m: statistics.median(r["tokens_per_s"] for r in measured[v][m]) for m in MODES}
@@ -463,13 +465,17 @@ def main() -> None:
         # Under ZeRO-3 each rank runs whole blocks on the profiled micro-batch: the blocks' share of an eager step.
         share = (c.n_layers * blocks[kind]["eager"]["ms"] / statistics.median(r["step_ms"] for r in eager)
                  if LAYOUTS[v].get("data_parallel_shard") == args.ranks else None)
-        notes.append(_note(v, comp[0], med["compiled"] / med["eager"], pairs, args.preset,
-                           blocks[kind] if kind not in described else None, blocks[kind], share))
+        noted.append((v, comp[0], med["compiled"] / med["eager"], pairs, blocks[kind] if kind not in described else None,
+                      blocks[kind], share))
         described.add(kind)
+    # The widest spread of one variant's paired ratios: how far this invocation's noise moved a pair.
+    spread = max(((max(n[3]) - min(n[3]), n[0], min(n[3]), max(n[3])) for n in noted), key=lambda x: x[0])
+    notes = [_note(*n[:4], args.preset, *n[4:], spread=spread) for n in noted]
     block_table = [
         f"One block alone: its forward + backward in one process (1 thread, no FSDP, no gloo) on the input the model "
         f"gives it (micro-batch {batch} x {args.seq_len}), eager and through `torch.compile(block.forward)` (inductor), "
-        f"alternating {BLOCK_ITERS} times, the fastest of each; split in the proportion torch.profiler's self times give "
+        f"alternating {BLOCK_ITERS} times: ms the fastest of each, the speed-up the median of the {BLOCK_ITERS} paired "
+        "ratios eager / compiled; split in the proportion torch.profiler's self times give "
         f"({PROFILED_ITERS} profiled passes of each mode, alternating, the least of each part) into library kernels "
         "(matrix products and attention: the same aten calls eager and compiled, inductor calls them as extern kernels, "
         "so a gap between their two figures is noise) and the rest (eager: aten's elementwise ops, norms, copies; "
@@ -480,7 +486,7 @@ def main() -> None:
         "eager's rest, mainly | compiled's rest, mainly |",
         "|---|---:|---:|---:|---:|---:|---|---|",
         *(f"| {_BLOCK_NAMES[k]} | {b['eager']['ms']:.1f} | {b['compiled']['ms']:.1f} | "
-          f"{b['eager']['ms'] / b['compiled']['ms']:.2f}x | {_split(b['eager'])} | {_split(b['compiled'])} | "
+          f"{_speedup(b):.2f}x | {_split(b['eager'])} | {_split(b['compiled'])} | "
           f"{_top(b['eager'])} | {_top(b['compiled'])} |" for k, b in blocks.items()),
     ]
 
@@ -512,6 +518,11 @@ def _why_blocks_differ(llama: dict, generic: dict) -> str:
             "eager block, run the same either way and bound the gain.")
 
 
+def _speedup(block: dict) -> float:
+    """Eager over compiled time of one block alone: the median over the alternating (eager, compiled) passes."""
+    return statistics.median(e / c for e, c in zip(block["eager"]["times"], block["compiled"]["times"]))
+
+
 def _change(factor: float) -> str:
     return f"{100 * (1 - factor):.0f}% less" if factor <= 1 else f"{100 * (factor - 1):.0f}% more"
 
@@ -534,7 +545,7 @@ def _top(r: dict) -> str:
 
 
 def _note(variant: str, r: dict, ratio: float, pairs: list[float], preset: str, block: dict | None, profile: dict,
-          share: float | None) -> str:
+          share: float | None, spread: tuple[float, str, float, float]) -> str:
     """What the measurements say of one variant, in words built from them (no figure typed by hand). `block`: the
     block profile of its model, None where an earlier variant's note already described it; `profile`: that profile
     in any case; `share`: the model's blocks' share of an eager step (layers x one block alone over the median
@@ -565,16 +576,23 @@ def _note(variant: str, r: dict, ratio: float, pairs: list[float], preset: str, 
         line += (". The blocks ran eagerly: both modes ran the same code, so the ratio and its paired range are this "
                  "machine's run-to-run noise, not compile's doing.")
     if share is not None and r["graphs"]:
-        speedup = profile["eager"]["ms"] / profile["compiled"]["ms"]
+        speedup = _speedup(profile)
         expected = 1 / ((1 - min(share, 1.0)) + min(share, 1.0) / speedup)
         line += (f" The blocks are about {100 * min(share, 1.0):.0f}% of an eager step (layers x one block alone, over "
                  "the median eager step; the rest is embedding, head, loss, optimizer and FSDP's collectives, not "
                  f"compiled): the block's own {speedup:.2f}x predicts {expected:.3f} for the whole step.")
+        if speedup >= 1.0 > paired:
+            shortfall, within = expected - paired, expected - paired < spread[0]
+            line += (f" So the block itself is not slower compiled: the whole step falls {shortfall:.3f} short of that "
+                     f"prediction (median paired ratio), {'less' if within else 'more'} than the {spread[0]:.3f} over which "
+                     f"one variant's pairs spread in this invocation ({spread[1]}: {spread[2]:.3f}-{spread[3]:.3f}); "
+                     + ("the gain the block leaves is too small to show through this machine's run-to-run noise."
+                        if within else "the compiled run loses that time outside the block's own kernels."))
     if block is None:
         return line + " Its block alone: as above."
     eager, comp = block["eager"], block["compiled"]
     (lib_e, rest_e), (lib_c, rest_c) = _ms(eager), _ms(comp)
-    line += (f" One block alone runs {eager['ms'] / comp['ms']:.2f}x as fast compiled (`torch.compile(block.forward)`): "
+    line += (f" One block alone runs {_speedup(block):.2f}x as fast compiled (`torch.compile(block.forward)`): "
              f"outside the library kernels its time goes from {rest_e:.1f} ms eager (mainly {_top(eager)}) to "
              f"{rest_c:.1f} ms compiled ({_change(rest_c / rest_e)}), and the library kernels take "
              f"{lib_e:.1f} ms eager, {lib_c:.1f} ms compiled. The library kernels are "
