@@ -39,7 +39,7 @@ inductor can fuse). The notes the script writes put these measurements into word
 The script fails unless each variant's step-0 loss (the global token mean the strategy logs) is the same
 compiled and eager within `--tolerance` (1e-4): both train the same thing.
 
-    python benchmarks/compile.py [--ranks 2] [--steps 10] [--runs 3] [--preset small] [--seq-len 256] [--global-batch 8]
+    python benchmarks/compile.py [--ranks 2] [--steps 10] [--runs 5] [--preset small] [--seq-len 256] [--global-batch 8]
 
 Trainer flags as in `benchmarks/overhead.py`: no progress bar, logger, checkpointing or model summary.
 Like the other scripts that share this machine (`_common.Undisturbed`), each run waits (at most 10 s)
@@ -67,6 +67,7 @@ from _common import WARMUP_STEPS, Data, Throughput, Undisturbed, load_average, m
 import ultrascale  # noqa: E402
 from ultrascale.models.llama import LlamaConfig  # noqa: E402
 from ultrascale.models.lm import LlamaLM  # noqa: E402
+from ultrascale.parallel.compile import COMPILED_ATTRIBUTE  # noqa: E402
 
 VARIANTS = ("llama_zero3", "llama_tp2", "generic_zero3")
 EXTRA_VARIANTS = ("generic_zero3_forward",)
@@ -301,7 +302,7 @@ def _worker(rank, world_size, variant, compiled, preset, steps, seq_len, global_
         "cache_hit": counters["inductor"]["fxgraph_cache_hit"],
         "graph_breaks": sum(counters["graph_break"].values()),
         "break_reasons": dict(counters["graph_break"]),
-        "blocks_compiled": len(trainer.strategy._compiler.compiled) if trainer.strategy._compiler is not None else 0,
+        "blocks_compiled": sum(getattr(m, COMPILED_ATTRIBUTE, False) for m in trainer.lightning_module.modules()),
         "block_class": f"{block.__module__}.{block.__qualname__}",
         "forward_skipped": trace_rules.check(block.forward.__code__),
     }
@@ -339,7 +340,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--runs", type=int, default=3, help="runs of each variant and mode, alternating eager/compiled")
+    parser.add_argument("--runs", type=int, default=5, help="runs of each variant and mode, alternating eager/compiled")
     parser.add_argument("--preset", default="small")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--global-batch", type=int, default=8)

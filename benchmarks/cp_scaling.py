@@ -4,7 +4,7 @@ Two measurements, on gloo CPU ranks forked by `ultrascale.launch.run_ranks` (1 t
 
 1. Training. `Trainer(strategy=ContextParallelStrategy(context_parallel=cp, context_parallel_method=m))`
    trains the built-in `LlamaLM` (wider than preset "tiny", so that attention dominates at long
-   sequences) on random tokens, for cp = 1, 2, 4 and both methods; cp = 1 is the same strategy on
+   sequences) on random tokens, for cp = 1, 2, 4 and each method (allgather, ring, alltoall); cp = 1 is the same strategy on
    one rank (no context parallel: plain attention, ZeRO-3 over one rank). The global batch holds the
    same number of tokens at every sequence length (batch = --tokens-per-step / seq), so tokens/s across
    sequence lengths shows what the quadratic attention adds. Each configuration runs --runs times,
@@ -21,7 +21,7 @@ Two measurements, on gloo CPU ranks forked by `ultrascale.launch.run_ranks` (1 t
    The step-0 loss of every run is checked to agree: every configuration trains the same model on
    the same data.
 2. Balance. `ContextParallel.attention` alone on random q/k/v of one sequence of --balance-seq tokens,
-   forward + backward, for cp = 2, 4, both methods, zig-zag (`context_parallel_load_balance=True`)
+   forward + backward, for cp = 2, 4, allgather and ring, zig-zag (`context_parallel_load_balance=True`)
    and contiguous chunks (False). Per rank, median over the repetitions: the CPU time of the
    process (the rank's own work: a rank waiting in a gloo collective sleeps), the wall time, and
    `attention_work` (query-key pairs computed). Wall time evens out between ranks, since every
@@ -64,6 +64,9 @@ from ultrascale.parallel.context import CONTEXT_PARALLEL_METHODS, ContextParalle
 
 MiB = 2**20
 VOCAB = 512
+# The methods that compute attention block by block, whose per-rank work the zig-zag layout balances; all-to-all
+# attention (Ulysses) runs the whole sequence on 1/cp of the heads on every rank, balanced by construction.
+BLOCK_METHODS = tuple(m for m in CONTEXT_PARALLEL_METHODS if m != "alltoall")
 
 
 # ----------------------------------------------------------------------------- training
@@ -233,7 +236,7 @@ def main() -> None:
 
     balance: dict[tuple[int, str, bool], list[dict]] = {}
     for cp in (c for c in args.cps if c > 1):
-        for method in CONTEXT_PARALLEL_METHODS:
+        for method in BLOCK_METHODS:
             for load_balance in (True, False):
                 per_rank, _ = machine.run(_balance, cp, method, load_balance, args)
                 balance[(cp, method, load_balance)] = per_rank
@@ -352,17 +355,18 @@ def _summary(args, configs, med, balance, noise) -> list[str]:
         speedup = {m: med[(cp, m, longest)]["tokens_per_s"] / base["tokens_per_s"] for m in methods}
         work = {m: med[(cp, m, longest)]["cpu_s_per_step"] / base["cpu_s_per_step"] for m in methods}
         memory = {m: med[(cp, m, longest)]["peak_mib"] / base["peak_mib"] for m in methods}
+        each = lambda values, unit="": " / ".join(f"{values[m]:.2f}{unit}" for m in methods)  # noqa: E731
         out.append(
-            f"- cp={cp} at seq {longest}: {speedup['allgather']:.2f}x (allgather) / {speedup['ring']:.2f}x (ring) the "
-            f"tokens/s of cp=1, on {min(cp, cores())} cores instead of 1, for {work['allgather']:.2f}x / "
-            f"{work['ring']:.2f}x its CPU work per step (K/V exchanges, and ZeRO-3 over the cp ranks gathers the "
-            f"weights), and {memory['allgather']:.2f} / {memory['ring']:.2f} of its peak memory per rank."
+            f"- cp={cp} at seq {longest} ({' / '.join(methods)}): {each(speedup, 'x')} the tokens/s of cp=1, on "
+            f"{min(cp, cores())} cores instead of 1, for {each(work, 'x')} its CPU work per step (the exchanges, and "
+            f"ZeRO-3 over the cp ranks gathers the weights), and {each(memory)} of its peak memory per rank."
         )
 
-    def verdict(ratio: float) -> str:
+    def verdict(ratio: float, method: str = "allgather") -> str:
+        """`method` against the ring, from their tokens/s ratio."""
         if abs(ratio - 1) <= noise:
             return f"a tie within the run-to-run noise ({100 * noise:.0f}%)"
-        return f"{'allgather' if ratio > 1 else 'ring'} is faster here"
+        return f"{method if ratio > 1 else 'ring'} is faster here"
 
     for cp in (c for c in args.cps if c > 1):
         ratios = [med[(cp, "allgather", s)]["tokens_per_s"] / med[(cp, "ring", s)]["tokens_per_s"] for s in seqs]
@@ -373,9 +377,15 @@ def _summary(args, configs, med, balance, noise) -> list[str]:
             + f" at seq {', '.join(map(str, seqs))} (geometric mean {_geomean(ratios):.2f}: {verdict(_geomean(ratios))}); "
             f"CPU work allgather / ring {cpu:.2f}; allgather's peak memory per rank {mem:+.0f} MiB vs ring"
         )
+        if "alltoall" in methods:
+            a2a = [med[(cp, "alltoall", s)]["tokens_per_s"] / med[(cp, "ring", s)]["tokens_per_s"] for s in seqs]
+            a2a_mem = statistics.mean(med[(cp, "alltoall", s)]["peak_mib"] - med[(cp, "ring", s)]["peak_mib"] for s in seqs)
+            line += (f"; alltoall (Ulysses) / ring tokens/s: {', '.join(f'{r:.2f}' for r in a2a)} (geometric mean "
+                     f"{_geomean(a2a):.2f}: {verdict(_geomean(a2a), 'alltoall')}), alltoall's peak "
+                     f"memory per rank {a2a_mem:+.0f} MiB vs ring")
         if (cp, "allgather", True) in balance:
-            wall = {m: max(r["wall_s"] for r in balance[(cp, m, True)]) for m in methods}
-            work = {m: sum(r["cpu_s"] for r in balance[(cp, m, True)]) for m in methods}
+            wall = {m: max(r["wall_s"] for r in balance[(cp, m, True)]) for m in BLOCK_METHODS}
+            work = {m: sum(r["cpu_s"] for r in balance[(cp, m, True)]) for m in BLOCK_METHODS}
             line += (f". Attention alone (seq {args.balance_seq}, zig-zag): allgather / ring wall time "
                      f"{wall['allgather'] / wall['ring']:.2f}, CPU time {work['allgather'] / work['ring']:.2f}")
         out.append(line + ".")
@@ -383,11 +393,12 @@ def _summary(args, configs, med, balance, noise) -> list[str]:
         "- Per layer, allgather makes one all-gather in forward and an all-gather + a reduce-scatter in backward; "
         "the ring makes cp-1 neighbour exchanges of K/V in forward and cp-1 of K/V plus cp of dK/dV in backward, "
         "each waiting for the neighbours. In exchange the ring never holds the whole sequence's K/V, nor the "
-        "buffers gloo's all-gather and reduce-scatter allocate for it."
+        "buffers gloo's all-gather and reduce-scatter allocate for it. alltoall makes two all-to-alls in forward "
+        "(q, k and v there in one, the output back) and two in backward, whatever cp."
     )
     for cp in sorted({key[0] for key in balance}):
         text = []
-        for method in methods:
+        for method in BLOCK_METHODS:
             on, off = balance[(cp, method, True)], balance[(cp, method, False)]
             cpu_on = max(r["cpu_s"] for r in on) / min(r["cpu_s"] for r in on)
             cpu_off = max(r["cpu_s"] for r in off) / min(r["cpu_s"] for r in off)

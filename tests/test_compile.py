@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import lightning as L
 import pytest
 import torch
 
@@ -39,19 +40,30 @@ def _compiled_regions(module: torch.nn.Module) -> int:
     return sum(1 for m in module.modules() if getattr(m, COMPILED_ATTRIBUTE, False))
 
 
-def _train(rank, world_size, strategy_kwargs, ac, accumulate):
+class _FailsOnRecompileLimit(L.Callback):
+    """Records torch's `fail_on_recompile_limit_hit` while training (the strategy sets it for the fit only)."""
+
+    seen: bool = False
+
+    def on_train_batch_end(self, *args) -> None:
+        self.seen = torch._dynamo.config.fail_on_recompile_limit_hit
+
+
+def _fit(rank, world_size, make_module, dataset, global_batch, strategy_kwargs, ac=None, accumulate=1, steps=STEPS):
+    """`make_module()` trained with `compile=True` on `dataset`; what the parity checks and the counts need."""
     from ultrascale.callbacks import ActivationCheckpointing
 
-    recorder = Recorder()
+    recorder, setting = Recorder(), _FailsOnRecompileLimit()
     strategy = ultrascale.UltraScaleStrategy(compile=True, **strategy_kwargs)
-    callbacks = [ActivationCheckpointing(mode=ac)] if ac else []
-    trainer = parity_trainer(world_size, strategy, recorder, STEPS, callbacks=callbacks,
+    callbacks = [setting] + ([ActivationCheckpointing(mode=ac)] if ac else [])
+    trainer = parity_trainer(world_size, strategy, recorder, steps, callbacks=callbacks,
                              accumulate_grad_batches=accumulate)
-    model = make_llama()
-    trainer.fit(model, ParityData(masked_data(), BATCH))
+    module = make_module()
+    trainer.fit(module, ParityData(dataset, global_batch))
     stats = trainer.strategy._compiler.stats
-    return {**recorder.result(), "compiled": _compiled_regions(model), "first_graphs": stats.first_step_graphs,
-            "later_graphs": stats.later_graphs}
+    return {**recorder.result(), "compiled": _compiled_regions(module), "first_graphs": stats.first_step_graphs,
+            "later_graphs": stats.later_graphs, "fail_on_recompile_limit": (
+                setting.seen, torch._dynamo.config.fail_on_recompile_limit_hit)}
 
 
 CASES = {
@@ -66,6 +78,8 @@ CASES = {
     "cp2-ring": (2, {"context_parallel": 2, "data_parallel_shard": 1, "compile_backend": "aot_eager"}, None, 1),
     "cp2-allgather": (2, {"context_parallel": 2, "data_parallel_shard": 1, "context_parallel_method": "allgather",
                           "compile_backend": "aot_eager"}, None, 1),
+    "cp2-alltoall-zero1": (4, {"context_parallel": 2, "data_parallel_shard": 2, "zero_stage": 1,
+                               "context_parallel_method": "alltoall", "compile_backend": "aot_eager"}, None, 1),
     "pp2-1f1b": (2, {"pipeline_parallel": 2, "pipeline_microbatches": 4, "compile_backend": "aot_eager"}, None, 1),
     "pp2-zbv": (2, {"pipeline_parallel": 2, "pipeline_schedule": "ZBVZeroBubble", "pipeline_microbatches": 4,
                     "compile_backend": "aot_eager"}, None, 1),
@@ -76,10 +90,12 @@ CASES = {
 def test_compiled_parity(case):
     world, kwargs, ac, accumulate = CASES[case]
     reference = reference_run(make_llama(), masked_data(), global_batch=BATCH, steps=STEPS, accumulate=accumulate)
-    results = run_ranks(_train, world, kwargs, ac, accumulate)
+    results = run_ranks(_fit, world, make_llama, masked_data(), BATCH, kwargs, ac, accumulate)
     losses = step_losses(results)
     assert all(math.isfinite(v) for v in losses)
     assert results[0]["compiled"] >= 1 and results[0]["first_graphs"] >= 1, results[0]
+    # A recompile past torch's limit fails while the strategy trains; torch's setting is restored after the fit.
+    assert results[0]["fail_on_recompile_limit"] == (True, False)
     merged = merge_stages(results, strip="_checkpoint_wrapped_module." if ac else "")
     assert_parity(merged, reference, losses)
 
@@ -103,15 +119,6 @@ class VariableLengthData(TokenDataset):
         return {key: value[:length] for key, value in super().__getitem__(i).items()}
 
 
-def _train_variable(rank, world_size, steps):
-    recorder = Recorder()
-    strategy = ultrascale.UltraScaleStrategy(data_parallel_shard=2, compile=True, compile_backend="aot_eager")
-    trainer = parity_trainer(world_size, strategy, recorder, steps)
-    trainer.fit(make_llama(), ParityData(VariableLengthData(steps), BATCH))
-    stats = trainer.strategy._compiler.stats
-    return {**recorder.result(), "first_graphs": stats.first_step_graphs, "later_graphs": stats.later_graphs}
-
-
 def test_variable_length_batches_compile_a_bounded_number_of_times():
     """20 steps of 10 distinct lengths: the first length compiles static, the second recompiles with the length
     dynamic, and that graph serves every later length (dynamo's automatic dynamic shapes)."""
@@ -119,7 +126,8 @@ def test_variable_length_batches_compile_a_bounded_number_of_times():
     data = VariableLengthData(steps)
     assert len(set(data.lengths)) >= 8, data.lengths
     reference = reference_run(make_llama(), data, global_batch=BATCH, steps=steps)
-    results = run_ranks(_train_variable, 2, steps)
+    results = run_ranks(_fit, 2, make_llama, data, BATCH, {"data_parallel_shard": 2, "compile_backend": "aot_eager"},
+                        None, 1, steps)
     assert results[0]["first_graphs"] >= 1
     assert results[0]["later_graphs"] <= 2 * results[0]["first_graphs"], results[0]  # one dynamic recompile per graph
     torch.testing.assert_close(torch.tensor(step_losses(results)), torch.tensor(reference["losses"]), rtol=0, atol=1e-4)
@@ -154,16 +162,6 @@ def test_compiled_hf_mixtral_expert_parallel_parity(tmp_path):
                                                              "compile_backend": "aot_eager"})
 
 
-def _fit_hf(rank, world_size, path, kwargs, dataset):
-    from tests._parity import make_hf
-
-    recorder = Recorder()
-    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(compile=True, **kwargs), recorder, STEPS)
-    module = make_hf(path)
-    trainer.fit(module, ParityData(dataset, BATCH))
-    return {**recorder.result(), "compiled": _compiled_regions(module)}
-
-
 @pytest.mark.parametrize("kwargs", [
     {"data_parallel_shard": 2, "compile_backend": "aot_eager"},
     {"tensor_parallel": 2, "data_parallel_shard": 1, "compile_backend": "aot_eager"},
@@ -175,20 +173,9 @@ def test_compiled_hf_qwen2_parity(tmp_path, kwargs):
     path = make_hf_checkpoint(tmp_path / "ckpt", "qwen2", vocab_size=VOCAB, head_dim=16)
     dataset = TokenDataset(STEPS * BATCH, SEQ, VOCAB, seed=11, masked=True)
     reference = reference_run(make_hf(path), dataset, global_batch=BATCH, steps=STEPS)
-    results = run_ranks(_fit_hf, 2, path, kwargs, dataset)
+    results = run_ranks(_fit, 2, lambda: make_hf(path), dataset, BATCH, kwargs)
     assert results[0]["compiled"] == 2  # both decoder layers
     assert_parity(results[0], reference, step_losses(results), param_atol=3e-5)  # as the other HF parity tests
-
-
-def _fit_generic(rank, world_size):
-    from tests.test_generic_module import GLOBAL_BATCH, PlainTransformerLM, data
-
-    recorder = Recorder()
-    strategy = ultrascale.ZeRO3Strategy(compile=True, compile_backend="aot_eager")
-    trainer = parity_trainer(world_size, strategy, recorder, STEPS)
-    model = PlainTransformerLM()
-    trainer.fit(model, ParityData(data(), GLOBAL_BATCH))
-    return {**recorder.result(), "compiled": _compiled_regions(model)}
 
 
 def test_compiled_generic_module_parity():
@@ -196,7 +183,8 @@ def test_compiled_generic_module_parity():
     from tests.test_generic_module import GLOBAL_BATCH, PlainTransformerLM, data
 
     reference = reference_run(PlainTransformerLM(), data(), global_batch=GLOBAL_BATCH, steps=STEPS)
-    results = run_ranks(_fit_generic, 2)
+    results = run_ranks(_fit, 2, PlainTransformerLM, data(), GLOBAL_BATCH,
+                        {"data_parallel_shard": 2, "compile_backend": "aot_eager"})
     assert results[0]["compiled"] == 3
     assert_parity(results[0], reference, step_losses(results))
 
@@ -218,8 +206,6 @@ def test_compiled_bf16_mixed_tracks_eager():
 
 
 def _fit_fp8(rank, world_size, compiled):
-    import lightning as L
-
     from tests.test_callbacks_fp8 import Memorise, make_model
     from ultrascale.callbacks import Float8Training
 
@@ -262,8 +248,6 @@ class EncoderLayersLM(torch.nn.Module):
 
 
 def _encoder_module():
-    import lightning as L
-
     class EncoderModule(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
@@ -281,20 +265,11 @@ def _encoder_module():
     return EncoderModule()
 
 
-def _fit_encoder(rank, world_size):
-    recorder = Recorder()
-    strategy = ultrascale.ZeRO3Strategy(compile=True, compile_backend="aot_eager")
-    trainer = parity_trainer(world_size, strategy, recorder, STEPS)
-    module = _encoder_module()
-    trainer.fit(module, ParityData(masked_data(), BATCH))
-    return {**recorder.result(), "compiled": _compiled_regions(module),
-            "first_graphs": trainer.strategy._compiler.stats.first_step_graphs}
-
-
 def test_compiled_torch_nn_blocks_parity():
     """Blocks that are torch.nn classes really compile (dynamo skips a top frame in torch.nn's files: compiling
     their whole call compiled nothing) and train as eager."""
     reference = reference_run(_encoder_module(), masked_data(), global_batch=BATCH, steps=STEPS)
-    results = run_ranks(_fit_encoder, 2)
+    results = run_ranks(_fit, 2, _encoder_module, masked_data(), BATCH,
+                        {"data_parallel_shard": 2, "compile_backend": "aot_eager"})
     assert results[0]["compiled"] == 2 and results[0]["first_graphs"] >= 1, results[0]
     assert_parity(results[0], reference, step_losses(results))

@@ -1,7 +1,7 @@
 """Context parallel: the sequence of every batch split over cp ranks (ultrascale.parallel.context).
 
-Attention alone is compared with full causal SDPA (float64 reference, fp32 under test) for both
-exchange methods, cp 2 and 4, with and without the zig-zag layout and with packed-document masks.
+Attention alone is compared with full causal SDPA (float64 reference, fp32 under test) for the three
+methods (all-gather, ring, all-to-all), cp 2 and 4, with and without the zig-zag layout and with packed-document masks.
 Whole models train on prompt-masked data against the inline single-process reference of
 tests/_parity.py: first-step loss and every gradient, the weights after step 1, 10-step curve.
 """
@@ -82,7 +82,7 @@ def _attention_worker(rank, world_size, method, load_balance, packed):
 
 @pytest.mark.parametrize("packed", [False, True], ids=["causal", "documents"])
 @pytest.mark.parametrize("load_balance", [True, False], ids=["zigzag", "contiguous"])
-@pytest.mark.parametrize("method", ["allgather", "ring"])
+@pytest.mark.parametrize("method", ["allgather", "ring", "alltoall"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_attention_matches_full_causal_sdpa(world, method, load_balance, packed):
     results = run_ranks(_attention_worker, world, method, load_balance, packed)
@@ -137,6 +137,14 @@ LLAMA_LAYOUTS = {
     "cp2-ring": (2, lambda: ultrascale.ContextParallelStrategy(context_parallel=2)),  # the default method
     "dp2xcp2": (4, lambda: ultrascale.UltraScaleStrategy(data_parallel_shard=2, context_parallel=2)),
     "cp2xtp2": (4, lambda: ultrascale.ContextParallelStrategy(context_parallel=2, tensor_parallel=2)),
+    # Ulysses. tiny has 4 query / 2 kv heads: under tp2 each cp rank gets 1 query head of the 2 and the one kv head
+    # is repeated to split over cp.
+    "cp2-alltoall": (2, lambda: ultrascale.ContextParallelStrategy(context_parallel=2, context_parallel_method="alltoall")),
+    "dp2xcp2-alltoall": (4, lambda: ultrascale.UltraScaleStrategy(data_parallel_shard=2, context_parallel=2,
+                                                                  context_parallel_method="alltoall")),
+    "cp2xtp2-alltoall": (4, lambda: ultrascale.ContextParallelStrategy(context_parallel=2, tensor_parallel=2,
+                                                                      context_parallel_method="alltoall")),
+    "accelerate-sp2": (2, lambda: ultrascale.UltraScaleStrategy.from_accelerate({"dp_shard_size": 1, "sp_size": 2})),
 }
 
 
@@ -162,7 +170,7 @@ def packed_data() -> TokenDataset:
     return TokenDataset(STEPS * MICRO_BATCH, SEQ, 512, seed=6, masked=True, packed=True)
 
 
-@pytest.mark.parametrize("method", ["allgather", "ring"])
+@pytest.mark.parametrize("method", ["allgather", "ring", "alltoall"])
 def test_llama_packed_documents_parity(method):
     """Packed documents (position_ids restarting at 0 inside chunks): the document masks are read from
     the whole sequence before it is cut; the reference runs the whole sequence with its own mask."""
@@ -197,6 +205,11 @@ HF_LAYOUTS = {
     "qwen3-cp2": ("qwen3", 2, {"context_parallel": 2}),
     "llama-cp2xtp2": ("llama", 4, {"context_parallel": 2, "tensor_parallel": 2, "data_parallel_shard": 1,
                                    "context_parallel_method": "allgather"}),
+    "qwen2-cp2-alltoall": ("qwen2", 2, {"context_parallel": 2, "context_parallel_method": "alltoall"}),
+    "llama-dp2xcp2-alltoall": ("llama", 4, {"context_parallel": 2, "data_parallel_shard": 2,
+                                            "context_parallel_method": "alltoall"}),
+    "qwen2-cp2xtp2-alltoall": ("qwen2", 4, {"context_parallel": 2, "tensor_parallel": 2, "data_parallel_shard": 1,
+                                            "context_parallel_method": "alltoall"}),
 }
 
 
@@ -306,6 +319,30 @@ def test_unsupported_models_are_refused_by_name():
         check_layout(transformers.GPTNeoXForCausalLM(config), cp=2)
     with pytest.raises(ValueError, match="context_parallel_method='zigzag'"):
         ultrascale.ContextParallelStrategy(context_parallel=2, context_parallel_method="zigzag")
+
+
+def test_alltoall_needs_the_heads_of_a_tp_rank_to_split_over_cp():
+    """Ulysses gives each cp rank whole heads: refused by the rulebook (before any process group) otherwise."""
+    from ultrascale.models.adapters import model_facts
+    from ultrascale.models.llama import Llama, LlamaConfig
+    from ultrascale.parallel.dims import ParallelDims
+    from ultrascale.parallel.rules import LayoutKnobs, model_problems
+
+    with torch.device("meta"):
+        facts = model_facts(Llama(LlamaConfig.from_preset("tiny")))  # 4 query heads, 2 kv heads
+    assert facts.attention_heads == 4
+
+    def problems(cp, tp, method="alltoall"):
+        dims = ParallelDims.resolve(cp * tp, dp_shard=1, cp=cp, tp=tp)
+        return [p.text() for p in model_problems(dims, LayoutKnobs(dp_shard=1, cp=cp, tp=tp, context_parallel_method=method),
+                                                 facts)]
+
+    assert problems(cp=4, tp=1) == [] and problems(cp=2, tp=2) == []  # kv heads are repeated, never refused
+    (message,) = problems(cp=4, tp=2)
+    assert "4 query heads / tensor_parallel=2 = 2 per tp rank do not split over cp=4" in message
+    assert "cp degrees that fit: [2]" in message and "`context_parallel_method='alltoall'`" in message
+    assert problems(cp=4, tp=2, method="ring") == []  # the ring splits the sequence only
+    assert "do not split over cp=8" in problems(cp=8, tp=1)[0]
 
 
 def test_padding_masks_are_refused():

@@ -36,6 +36,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,6 +191,17 @@ def _resolve(dotted: str) -> object:
     return obj
 
 
+def _unresolved(where: str, names: Iterable[str]) -> list[str]:
+    """`where: name: why` for each dotted name that does not import."""
+    problems = []
+    for name in sorted(names):
+        try:
+            _resolve(name)
+        except (AttributeError, ImportError) as error:
+            problems.append(f"{where}: {name}: {error}")
+    return problems
+
+
 def _class_paths(node: object) -> set[str]:
     """Every `class_path` value of a loaded YAML document."""
     if isinstance(node, dict):
@@ -271,11 +283,7 @@ def test_every_ultrascale_name_in_the_examples_exists(page):
         except SyntaxError as error:
             missing.append(f"{where}: does not parse: {error}")
             continue
-        for name in sorted(_ultrascale_names(tree)):
-            try:
-                _resolve(name)
-            except (AttributeError, ImportError) as error:
-                missing.append(f"{where}: {name}: {error}")
+        missing += _unresolved(where, _ultrascale_names(tree))
     assert not missing, "examples name what does not exist:\n" + "\n".join(missing)
 
 
@@ -289,12 +297,8 @@ def test_yaml_blocks_parse_and_name_what_exists(page):
         except yaml.YAMLError as error:
             problems.append(f"{where}: {error}")
             continue
-        for class_path in sorted(set().union(*map(_class_paths, documents))):
-            if class_path.split(".")[0] == "ultrascale":
-                try:
-                    _resolve(class_path)
-                except (AttributeError, ImportError) as error:
-                    problems.append(f"{where}: class_path {class_path}: {error}")
+        class_paths = set().union(*map(_class_paths, documents))
+        problems += _unresolved(f"{where}: class_path", {path for path in class_paths if path.split(".")[0] == "ultrascale"})
     assert not problems, "\n".join(problems)
 
 

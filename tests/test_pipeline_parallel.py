@@ -360,9 +360,11 @@ def test_bf16_mixed_trains_close_to_fp32():
     assert_close(torch.tensor(step_losses(results)), torch.tensor(reference["losses"]), rtol=0, atol=2e-2)
 
 
-def test_context_parallel_inside_stages():
-    """pp2 x cp2: each stage's attention is ring attention over the sequence halves."""
-    _check(4, {"pipeline_parallel": 2, "context_parallel": 2, "data_parallel_shard": 1, "pipeline_microbatches": 2})
+@pytest.mark.parametrize("method", ["ring", "alltoall"])
+def test_context_parallel_inside_stages(method):
+    """pp2 x cp2: each stage's attention runs over the sequence halves, by the ring or by Ulysses' all-to-alls."""
+    _check(4, {"pipeline_parallel": 2, "context_parallel": 2, "data_parallel_shard": 1, "pipeline_microbatches": 2,
+               "context_parallel_method": method})
 
 
 class _TinyGPT(__import__("torch").nn.Module):

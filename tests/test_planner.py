@@ -606,3 +606,44 @@ def test_recipe_with_compile_is_priced_compiled(capsys):
     assert "compiled" not in "\n".join(format_recipe_plan(eager))
     code, out = _plan(capsys, "--recipe", recipe, "--compile")  # the recipe decides: the flag is refused beside it
     assert code == 2 and "--trainer.strategy.init_args.compile true" in out.err
+
+
+def test_ulysses_is_priced_by_its_all_to_alls_searched_and_emitted(tmp_path, capsys):
+    """cp_method=alltoall: per layer and micro-batch an all-to-all of q, k, v and one of out over cp, forward and backward,
+    instead of the ring's K/V passes; the search offers both, the emitted recipe names the method."""
+    import yaml
+
+    shape = model_shape("llama3_8b")  # 32 query heads, 8 kv heads, head_dim 128
+    cluster = planner.Cluster(planner.GPU_SPECS["h100"], 16)
+    work = planner.Workload(32768, 4)
+    ring = planner.Layout(dp_shard=2, cp=8, micro_batch=1, grad_accumulation=2, recompute="full")
+    ulysses = planner.Layout(**{**ring.__dict__, "cp_method": "alltoall"})
+    rows = {lay.cp_method: planner.evaluate(shape, lay, cluster, work) for lay in (ring, ulysses)}
+    assert rows["alltoall"].problems == [] and rows["ring"].problems == []
+    # The formula, by hand: (T/cp)·(2·4096 + 2·8·128) values of bf16 per all-to-all, (cp-1)/cp of it sent, within a node.
+    tokens = 32768 // 8
+    all_to_all = 7 / 8 * tokens * (2 * 4096 + 2 * 8 * 128) * 2 / (cluster.gpu.intra_node_gbps * 1e9)
+    per_step = 2 * 32 * (2 * all_to_all + 4 * cluster.latency_s)  # 2 micro-batches x 32 layers, 4 all-to-alls each
+    # At 32k tokens the ring's K/V passes hide behind attention: only its 3(cp-1) latencies per layer show.
+    ring_exposed = 2 * 32 * 3 * 7 * cluster.latency_s
+    assert rows["alltoall"].step_time["compute"] == pytest.approx(rows["ring"].step_time["compute"])
+    extra = rows["alltoall"].step_time["communication"] - rows["ring"].step_time["communication"]
+    assert extra == pytest.approx(per_step - ring_exposed, rel=1e-3)  # the all-to-alls are exposed, not overlapped
+    # kv heads the cp ranks cannot split are repeated first: tp=4 leaves 2 kv heads per tp rank for cp=4.
+    repeated = planner.evaluate(shape, planner.Layout(dp_shard=1, cp=4, tp=4, micro_batch=1, grad_accumulation=4,
+                                                      cp_method="alltoall"), cluster, work)
+    assert repeated.problems == []
+    # Heads that do not split are the rulebook's refusal, in the strategy's words.
+    refused = planner.evaluate(shape, planner.Layout(dp_shard=1, cp=16, tp=4, micro_batch=1, grad_accumulation=4,
+                                                     cp_method="alltoall"), planner.Cluster(planner.GPU_SPECS["h100"], 64), work)
+    assert any("do not split over cp=16" in problem for problem in refused.problems), refused.problems
+    # The search prices both methods; the emitted recipe runs the chosen one.
+    searched = planner.search(shape, cluster, work, {"cp": 8, "dp_shard": 2, "micro_batch": 1, "recompute": "full"})
+    assert {row.layout.cp_method for row in searched} == {"ring", "alltoall"}
+    recipe = tmp_path / "plan.yaml"
+    code, out = _plan(capsys, "--preset", "llama3_8b", "--gpus", "16", "--seq-len", "32768", "--global-batch", "4",
+                      "--layout", "dp_shard=2,cp=8,cp_method=alltoall,micro_batch=1,recompute=full", "--top", "1",
+                      "--emit-recipe", str(recipe))
+    assert code == 0 and "cp_method=alltoall" in out.out
+    init = yaml.safe_load(recipe.read_text())["trainer"]["strategy"]["init_args"]
+    assert init["context_parallel"] == 8 and init["context_parallel_method"] == "alltoall"

@@ -34,6 +34,8 @@ class ModelAdapter:
     """The repeated transformer blocks: one FSDP unit / checkpoint region / pipeline unit each."""
     tp_sizes: Mapping[str, int] = field(default_factory=dict)
     """Sizes that a tensor-parallel degree must divide (heads, kv heads, MLP hidden, vocab)."""
+    attention_heads: Optional[int] = None
+    """Query heads per layer (what Ulysses context parallel splits over cp); None where unknown."""
     tp_plan: Optional[Callable[..., dict[str, ParallelStyle]]] = None
     """`tp_plan(sequence_parallel=..., loss_parallel=...)` -> plan keyed by module path; None: no TP support."""
     supports_sequence_parallel: bool = False
@@ -67,6 +69,7 @@ class ModelAdapter:
             n_layers=len(parts.layer_list()) if parts is not None and refusal is None else None,
             tp_sizes=dict(self.tp_sizes),
             tp_head_sizes={name: size for name, size in self.tp_sizes.items() if "heads" in name},
+            attention_heads=self.attention_heads,
             tp_plan=self.tp_plan is not None,
             tp_refusal=self.tp_refusal,
             sequence_parallel=self.supports_sequence_parallel,
@@ -125,6 +128,7 @@ def _llama_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> Mode
     config = llama.config
     return ModelAdapter(
         **common,
+        attention_heads=config.n_heads,
         tp_sizes={
             "n_heads": config.n_heads,
             "n_kv_heads": config.n_kv_heads,
@@ -207,6 +211,7 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
         sizes["the experts' intermediate width"] = down.shape[1] if getattr(experts, "is_transposed", False) else down.shape[-1]
     return ModelAdapter(
         **common,
+        attention_heads=config.num_attention_heads,
         tp_sizes={name: size for name, size in sizes.items() if size},
         tp_plan=plan if base_plan else None,
         tp_refusal=_hf_tp_refusal(hf, base_plan, common["name"]) if base_plan else None,

@@ -20,11 +20,13 @@ never by silently running the block eagerly; `CompileStats` counts the compilati
 the strategy can log them and warn well before that.
 
 The compile cache lives where inductor puts it (`TORCHINDUCTOR_CACHE_DIR`, by default
-`/tmp/torchinductor_<user>`); a second run of the same layout reuses it.
+`/tmp/torchinductor_<user>`). A rerun of the same layout may find its graphs there; under tensor parallel
+the processes miss it in torch 2.13 and compile again (docs/troubleshooting.md, "Compiled blocks").
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -101,18 +103,20 @@ class BlockCompiler:
     split_backward: bool = False
     """A zero-bubble pipeline schedule runs each backward in two passes over a kept graph: AOTAutograd must then not
     donate (reuse in place) the saved buffers of the compiled backward."""
-    compiled: list[nn.Module] = field(default_factory=list)
     stats: CompileStats = field(default_factory=lambda: CompileStats())
+    _settings: Optional[contextlib.ExitStack] = field(default=None, repr=False)
 
     def transform_model(self, module: nn.Module, blocks: Sequence[nn.Module]) -> None:
         if not blocks:
             raise ValueError(
                 f"compile=True compiles each transformer block, but no blocks were found in {type(module).__name__}: "
                 "give the module a `blocks` list (or an `nn.ModuleList` of layers) or leave compile off")
-        # A recompile past torch's limit must fail, not fall back to eager without a word.
-        torch._dynamo.config.fail_on_recompile_limit_hit = True
-        if self.split_backward:
-            torch._functorch.config.donated_buffer = False
+        if self._settings is None:  # process-wide: held until `restore()` (the strategy's teardown)
+            self._settings = contextlib.ExitStack()
+            # A recompile past torch's limit must fail, not fall back to eager without a word.
+            self._settings.enter_context(torch._dynamo.config.patch(fail_on_recompile_limit_hit=True))
+            if self.split_backward:
+                self._settings.enter_context(torch._functorch.config.patch(donated_buffer=False))
         for block in blocks:
             if getattr(block, COMPILED_ATTRIBUTE, False):  # applying twice is a no-op
                 continue
@@ -122,7 +126,12 @@ class BlockCompiler:
             # around the compiled forward instead of breaking the graph inside it.
             block.forward = _waited_inputs(torch.compile(block.forward, backend=self.backend, fullgraph=self.fullgraph))
             setattr(block, COMPILED_ATTRIBUTE, True)
-            self.compiled.append(block)
+
+    def restore(self) -> None:
+        """Torch's compile settings back as they were before `transform_model`."""
+        if self._settings is not None:
+            self._settings.close()
+            self._settings = None
 
 
 def _wait(value: object) -> object:

@@ -1,7 +1,7 @@
 """Context parallel: the sequence of every batch split across the `cp` ranks, for the whole model.
 
 Everything but attention is per token, so a cp rank runs the model on its share of the
-sequence and only attention has to see the other ranks' keys and values. Two ways to
+sequence and only attention has to see the other ranks' keys and values. Three ways to
 bring them (`ContextParallel(method=...)`):
 
 - ``"allgather"`` (Llama 3's choice): one all-gather of K/V over cp per layer; backward
@@ -11,8 +11,14 @@ bring them (`ContextParallel(method=...)`):
 - ``"ring"``: K/V blocks travel around the cp ring with non-blocking P2P while the block in
   hand is computed; backward sends dK/dV around the ring with them. No rank ever holds more
   than two K/V blocks, at the price of cp-1 sequential exchanges.
+- ``"alltoall"`` (DeepSpeed-Ulysses, Jacobs et al. 2023): an all-to-all trades heads for sequence,
+  so each rank holds 1/cp of the heads for every token; attention runs on whole sequences with
+  torch's SDPA, and a second all-to-all trades back. Per layer a rank sends and receives q, k, v
+  (in one all-to-all) and out once, 2(H + Hkv)·(T/cp)·D·(cp-1)/cp values each way: a volume that does
+  not grow with cp (the ring's K/V traffic does), but the heads of a rank (after tensor parallel)
+  must split over cp.
 
-Both compute attention block by block with a kernel that returns the log-sum-exp of every
+The ring and the all-gather compute attention block by block with a kernel that returns the log-sum-exp of every
 query row, and merge blocks exactly (online softmax, Milakov & Gimelshein 2018):
 
     lse = logaddexp(lse_a, lse_b),   out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
@@ -33,19 +39,22 @@ document each of its tokens, and each token of a K/V block, belongs to.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 from ultrascale.parallel.device import all_gather_single, reduce_scatter_single
 from ultrascale.parallel.rules import CONTEXT_PARALLEL_METHODS
 
-ContextParallelMethod = Literal["allgather", "ring"]
+ContextParallelMethod = Literal["allgather", "ring", "alltoall"]
 
 
 # --------------------------------------------------------------------------- layout
@@ -361,6 +370,63 @@ class _ContextAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
+# --------------------------------------------------------------------------- all-to-all (Ulysses)
+# The all-to-alls are torch's functional, autograd-aware ones (backward is the opposite all-to-all), so
+# compile traces them and the attention between them whole.
+
+
+def _heads_to_sequence(tensors: tuple[torch.Tensor, ...], group: dist.ProcessGroup, n: int) -> tuple[torch.Tensor, ...]:
+    """Each (B, H_i, Tl, D) of this rank's tokens -> (B, H_i/n, n·Tl, D): head group `rank` of every rank's tokens,
+    rank by rank (part i of the heads goes to rank i; the part from rank j lands j-th on the sequence). q, k and v
+    travel in one all-to-all: one collective's latency instead of three."""
+    b, _, t, d = tensors[0].shape
+    groups = [x.shape[1] // n for x in tensors]
+    parts = torch.cat([x.reshape(b, n, g, t, d) for x, g in zip(tensors, groups)], dim=2).transpose(0, 1).contiguous()
+    arrived = all_to_all_single_autograd(parts, None, None, group)
+    return arrived.permute(1, 2, 0, 3, 4).reshape(b, sum(groups), n * t, d).split(groups, dim=1)
+
+
+def _sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup, n: int) -> torch.Tensor:
+    """The inverse of `_heads_to_sequence`: (B, H/n, n·Tl, D) -> (B, H, Tl, D)."""
+    b, hn, length, d = x.shape
+    t = length // n
+    parts = x.reshape(b, hn, n, t, d).permute(2, 0, 1, 3, 4).contiguous()
+    arrived = all_to_all_single_autograd(parts, None, None, group)
+    return arrived.transpose(0, 1).reshape(b, n * hn, t, d)
+
+
+def _alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: "ContextParallel",
+                        scale: Optional[float]) -> torch.Tensor:
+    """Causal attention of this rank's tokens over the whole sequence, through 1/cp of the heads per rank.
+
+    The tokens arrive rank by rank in each rank's local (zig-zag) order and are put back in sequence order for
+    SDPA's causal kernel. Packed documents become a (B, 1, T, T) boolean mask over the whole sequence: B·T² bytes
+    per rank (the ring's bias covers one block at a time)."""
+    layout, n = cp.current_layout(), cp.size
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads % n:
+        raise ValueError(f"context_parallel_method='alltoall': the {heads} attention heads of a rank (after tensor "
+                         f"parallel) do not split over cp={n}")
+    if kv_heads % n:  # repeat K/V heads to lcm(Hkv, n), which divides H: query head h still reads kv head h·Hkv/H
+        repeat = n // math.gcd(kv_heads, n)
+        k, v = _repeat_kv(k, repeat), _repeat_kv(v, repeat)
+    q, k, v = _heads_to_sequence((q, k, v), cp.group, n)
+    gathered = torch.cat([layout.token_index(r, q.device) for r in range(n)])  # global position of each token
+    in_order = torch.argsort(gathered) if layout.load_balance else None  # zig-zag chunks back in sequence order
+    if in_order is not None:
+        q, k, v = (x.index_select(2, in_order) for x in (q, k, v))
+    if layout.documents is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    else:
+        docs = layout.documents.to(q.device)
+        allowed = (docs[:, :, None] == docs[:, None, :]).tril().unsqueeze(1)  # (B, 1, T, T): causal, same document
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])
+    if in_order is not None:
+        out = out.index_select(2, gathered)
+    return _sequence_to_heads(out, cp.group, n)
+
+
 # --------------------------------------------------------------------------- runtime
 
 
@@ -384,7 +450,9 @@ class ContextParallel:
         self.layout: Optional[ContextLayout] = None
         self.attention_work = 0
         """Query-key pairs (per sequence and head) in the blocks this rank's attention computed, summed
-        over calls (an own, causal block counts its lower triangle); skipped blocks count nothing."""
+        over calls (an own, causal block counts its lower triangle); skipped blocks count nothing. The ring
+        and the all-gather only: all-to-all attention is balanced by construction (1/cp of the heads, the
+        whole sequence each), and a count kept on this object would make compiled blocks recompile."""
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -444,6 +512,8 @@ class ContextParallel:
         ``k``/``v`` (B, Hkv, Tl, D) in the local token order; returns (B, H, Tl, D)."""
         if self.method == "ring":
             return _ring_attention(q, k, v, self, scale)
+        if self.method == "alltoall":
+            return _alltoall_attention(q, k, v, self, scale)  # functional all-to-alls: traced whole under compile
         return _ContextAttention.apply(q, k, v, self, scale)  # all-gather: traced whole under compile=True
 
 

@@ -38,8 +38,9 @@ __all__ = [
 
 # --------------------------------------------------------------------------- what ultrascale supports
 
-CONTEXT_PARALLEL_METHODS: tuple[str, ...] = ("allgather", "ring")
-"""`context_parallel_method` values: one all-gather of K/V per layer, or K/V passed around a P2P ring."""
+CONTEXT_PARALLEL_METHODS: tuple[str, ...] = ("allgather", "ring", "alltoall")
+"""`context_parallel_method` values: one all-gather of K/V per layer, K/V passed around a P2P ring, or all-to-alls
+trading heads for sequence around attention (Ulysses; the heads of a rank must split over cp)."""
 
 SCHEDULES: tuple[str, ...] = (
     "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV",
@@ -140,6 +141,8 @@ class ModelFacts:
     """Sizes a tensor-parallel degree must divide under the model's own plan (heads, MLP width, vocabulary)."""
     tp_head_sizes: Mapping[str, int] = field(default_factory=dict)
     """The attention heads among them: a user's `tp_plan` must still give each rank whole heads."""
+    attention_heads: Optional[int] = None
+    """Query heads per layer; None where unknown."""
     tp_plan: bool = False
     """The model ships (or ultrascale has) a tensor-parallel plan."""
     tp_refusal: Optional[str] = None
@@ -300,7 +303,9 @@ def model_problems(dims: ParallelDims, k: LayoutKnobs, facts: ModelFacts) -> lis
         problems.append(Problem(
             f"context parallel (cp={dims.cp}) has no attention hook for {name}: ultrascale routes the attention of the "
             f"built-in Llama and of Hugging Face {'/'.join(HF_CONTEXT_PARALLEL_TYPES)} models through ring / all-gather "
-            "attention"))
+            "/ all-to-all attention"))
+    elif dims.cp_enabled and k.context_parallel_method == "alltoall" and facts.attention_heads:
+        problems += _alltoall_problems(dims, facts)
     if dims.ep_enabled:
         if facts.n_experts == 0:
             problems.append(Problem(
@@ -333,6 +338,21 @@ def model_problems(dims: ParallelDims, k: LayoutKnobs, facts: ModelFacts) -> lis
     if dims.tp_enabled:
         problems += _tensor_parallel_problems(dims.tp, k, facts)
     return problems
+
+
+def _alltoall_problems(dims: ParallelDims, facts: ModelFacts) -> list[Problem]:
+    """Ulysses gives each cp rank 1/cp of a tp rank's query heads: whole heads, or it cannot split them."""
+    heads = facts.attention_heads or 0
+    if heads % dims.tp or (heads // dims.tp) % dims.cp == 0:
+        return []  # a tp degree that does not divide the heads is tensor parallel's own problem
+    per_rank = heads // dims.tp
+    after_tp = f" / tensor_parallel={dims.tp} = {per_rank} per tp rank" if dims.tp_enabled else ""
+    fits = [d for d in range(2, per_rank + 1) if per_rank % d == 0]
+    return [Problem(
+        f"all-to-all (Ulysses) context parallel splits the attention heads over the cp ranks, and {facts.name}'s "
+        f"{heads} query heads{after_tp} do not split over cp={dims.cp}. cp degrees that fit: {fits}; or use "
+        "context_parallel_method='ring' or 'allgather', which split the sequence only",
+        (f"context_parallel={dims.cp}", "context_parallel_method='alltoall'"))]
 
 
 def _tensor_parallel_problems(tp: int, k: LayoutKnobs, facts: ModelFacts) -> list[Problem]:

@@ -486,7 +486,8 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
                     grad_accumulation=grad_accumulation, recompute=recompute,
                     accumulate_unsharded_grads=bool(strategy.accumulate_unsharded_grads and strategy.zero_stage == 3
                                                 and pipeline is None and grad_accumulation > 1),
-                    virtual_stages=pipeline.virtual_stages if pipeline is not None else 1)
+                    virtual_stages=pipeline.virtual_stages if pipeline is not None else 1,
+                    cp_method=strategy.context_parallel_method)
     cluster = _cluster(spec or GPU_SPECS[gpu], world, per_node, efficiency)
     # The strategy's `compile` knob: each block compiled, priced with the published speed-up (`COMPILE_SPEEDUP`).
     work = Workload(seq_len, global_batch * accumulate, precision, attention_scores_saved=eager_attention,

@@ -3,6 +3,7 @@ time (compute, exposed communication, pipeline bubble), with the predicted MFU (
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -270,7 +271,15 @@ def _step_time(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workload,
         act = tokens_mb * shape.hidden * c
         per_layer = 4 * _ring("all_gather", act, lay.tp, bw_tp) + 4 * _ring("reduce_scatter", act, lay.tp, bw_tp)
         exposed += m * layers * (per_layer + 8 * lat)
-    if lay.cp > 1:  # ring: K,V passed cp-1 times forward, K,V and dK,dV backward, hidden behind attention
+    if lay.cp > 1 and lay.cp_method == "alltoall":
+        # Ulysses, per layer: q, k, v there in one all-to-all and the output back in another, forward and again
+        # (their gradients) backward; an all-to-all of a rank's (T/cp)·width sends (cp-1)/cp of it, not overlapped.
+        # kv heads a cp rank cannot split evenly are repeated to lcm(kv heads per tp rank, cp) first.
+        kv_heads = shape.n_kv_heads // lay.tp
+        kv_heads *= lay.cp // math.gcd(kv_heads, lay.cp) if kv_heads else 1
+        width = 2 * shape.q_width / lay.tp + 2 * kv_heads * shape.head_dim
+        exposed += m * layers * (2 * _ring("all_to_all", tokens_mb * width * c, lay.cp, bw_cp) + 4 * lat)
+    elif lay.cp > 1:  # ring: K,V passed cp-1 times forward, K,V and dK,dV backward, hidden behind attention
         kv = tokens_mb * 2 * shape.kv_width / lay.tp * c
         ring = 3 * (lay.cp - 1) * kv / bw_cp
         attention_time = 12 * shape.q_width * work.seq_len * tokens_mb / lay.tp / rate

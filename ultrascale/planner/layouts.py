@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from ultrascale.estimate import ModelShape
 from ultrascale.parallel import rules
-from ultrascale.parallel.rules import LayoutKnobs, ModelFacts, Problem
+from ultrascale.parallel.rules import CONTEXT_PARALLEL_METHODS, LayoutKnobs, ModelFacts, Problem
 from ultrascale.planner.hardware import Cluster
 
 __all__ = ["LAYOUT_KEYS", "Layout", "RECOMPUTE_MODES", "layout_problems", "parse_layout"]
@@ -35,6 +35,8 @@ class Layout:
     accumulate_unsharded_grads: bool = False
     """ZeRO-3 accumulation without PP: whole fp32 gradients accumulate over the micro-batches and are
     reduce-scattered once per step (the strategy's `accumulate_unsharded_grads=True`), not every one."""
+    cp_method: str = "ring"
+    """The strategy's `context_parallel_method` under cp > 1: "ring", "allgather" or "alltoall" (Ulysses)."""
 
     @property
     def world(self) -> int:
@@ -58,11 +60,13 @@ class Layout:
             parts.append(f"schedule={self.schedule}" + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else ""))
         if self.accumulate_unsharded_grads:
             parts.append("accumulate_unsharded_grads=True")
+        if self.cp > 1:
+            parts.append(f"cp_method={self.cp_method}")
         return ", ".join(parts)
 
 
 LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero_stage", "micro_batch", "grad_accumulation",
-               "recompute", "virtual_stages", "accumulate_unsharded_grads")
+               "recompute", "virtual_stages", "accumulate_unsharded_grads", "cp_method")
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
@@ -81,6 +85,11 @@ def parse_layout(text: str) -> dict[str, Any]:
             if value.lower() not in ("0", "1", "true", "false"):
                 raise ValueError(f"{key}={value!r}: give 0/1 or true/false")
             fixed[key] = value.lower() in ("1", "true")
+            continue
+        if key == "cp_method":
+            if value not in CONTEXT_PARALLEL_METHODS:
+                raise ValueError(f"cp_method={value!r}: choose one of {', '.join(CONTEXT_PARALLEL_METHODS)}")
+            fixed[key] = value
             continue
         if key == "recompute":
             if value not in RECOMPUTE_MODES:
@@ -136,7 +145,7 @@ def layout_knobs(layout: Layout) -> LayoutKnobs:
         ep=layout.ep, zero_stage=layout.zero_stage, pipeline_schedule=layout.schedule or "1F1B",
         pipeline_virtual_stages=layout.virtual_stages if layout.pp > 1 or layout.virtual_stages != 1 else None,
         pipeline_microbatches=layout.grad_accumulation if layout.pp > 1 else None,
-        accumulate_unsharded_grads=layout.accumulate_unsharded_grads,
+        accumulate_unsharded_grads=layout.accumulate_unsharded_grads, context_parallel_method=layout.cp_method,
     )
 
 

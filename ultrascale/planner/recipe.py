@@ -24,6 +24,8 @@ def recipe_yaml(row: PlanRow, model: str, shape: ModelShape, cluster: Cluster, w
         init.update(pipeline_schedule=lay.schedule, pipeline_microbatches=lay.grad_accumulation)
         if lay.virtual_stages > 1:
             init["pipeline_virtual_stages"] = lay.virtual_stages
+    if lay.cp > 1:
+        init["context_parallel_method"] = lay.cp_method
     if lay.accumulate_unsharded_grads:
         init["accumulate_unsharded_grads"] = True
     if work.compiled:  # priced compiled (`plan --compile`): the recipe compiles each block

@@ -23,7 +23,7 @@ def compile_assumption(work: Workload) -> str:
 
 
 def format_table(rows: list[PlanRow], top: int) -> str:
-    header = (f"{'#':>3} {'pp':>3} {'dpr':>4} {'dps':>4} {'cp':>3} {'tp':>3} {'ep':>3} {'zero':>4} {'recomp':>9} "
+    header = (f"{'#':>3} {'pp':>3} {'dpr':>4} {'dps':>4} {'cp':>4} {'tp':>3} {'ep':>3} {'zero':>4} {'recomp':>9} "
               f"{'mbs':>3} {'acc':>4} | {'params':>7} {'grads':>6} {'optim':>6} {'acts':>6} {'bufs':>5} {'total':>6} {'fits':>4} | "
               f"{'comp s':>7} {'comm s':>7} {'bubble':>7} {'step s':>7} | {'tok/s/GPU':>9} {'MFU':>5}")
     lines = [header, "-" * len(header)]
@@ -31,8 +31,9 @@ def format_table(rows: list[PlanRow], top: int) -> str:
         lay, mem, t = row.layout, {k: v / GIB for k, v in row.memory.items()}, row.step_time
         recompute = lay.recompute + (f"/v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
         accumulation = f"{lay.grad_accumulation}{'w' if lay.accumulate_unsharded_grads else ''}"  # w: whole gradients
+        cp = f"{lay.cp}{'u' if lay.cp > 1 and lay.cp_method == 'alltoall' else ''}"  # u: Ulysses (all-to-all)
         lines.append(
-            f"{i:>3} {lay.pp:>3} {lay.dp_replicate:>4} {lay.dp_shard:>4} {lay.cp:>3} {lay.tp:>3} {lay.ep:>3} {lay.zero_stage:>4} "
+            f"{i:>3} {lay.pp:>3} {lay.dp_replicate:>4} {lay.dp_shard:>4} {cp:>4} {lay.tp:>3} {lay.ep:>3} {lay.zero_stage:>4} "
             f"{recompute:>9} {lay.micro_batch:>3} {accumulation:>4} | {mem['params']:>7.2f} {mem['grads']:>6.2f} "
             f"{mem['optimizer']:>6.2f} {mem['activations']:>6.2f} {mem['buffers']:>5.2f} {mem['total']:>6.2f} "
             f"{'yes' if row.fits else 'NO':>4} | {t['compute']:>7.3f} {t['communication']:>7.3f} {t['bubble']:>7.3f} "
@@ -45,7 +46,8 @@ def describe_search(shape: ModelShape, fixed: dict[str, Any]) -> str:
     """One line: the dimensions searched, what was fixed, and what was left out."""
     dims = "pp x dp_replicate x dp_shard x cp x tp" + (" x ep" if shape.n_experts else "")
     text = (f"{dims}; ZeRO-1/2/3; recompute none/selective/full; micro-batch 1-8; pipeline 1F1B and Interleaved1F1B (v=2); "
-            "ZeRO-3 accumulation with sharded or whole gradients (acc 'w')")
+            "ZeRO-3 accumulation with sharded or whole gradients (acc 'w'); context parallel by ring or all-to-all "
+            "(Ulysses, cp 'u')")
     if fixed:
         text += "; fixed " + ", ".join(f"{key}={value}" for key, value in fixed.items())
     left_out = ["ZeRO-0 (ultrascale has no plain replicated data parallel)", "GPipe and zero-bubble schedules", "Float8"]

@@ -55,10 +55,11 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, work: Workload, fixed
                 vs = [fixed["virtual_stages"]] if "virtual_stages" in fixed else ([1, 2] if pp > 1 else [1])
                 unsharded = ([fixed["accumulate_unsharded_grads"]] if "accumulate_unsharded_grads" in fixed
                              else [False, True] if zero == 3 and pp == 1 and acc > 1 else [False])
-                for v, whole in itertools.product(vs, unsharded):
+                methods = [fixed["cp_method"]] if "cp_method" in fixed else (["ring", "alltoall"] if cp > 1 else ["ring"])
+                for v, whole, method in itertools.product(vs, unsharded, methods):
                     yield Layout(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, ep=ep, zero_stage=zero,
                                  micro_batch=mbs, grad_accumulation=acc, recompute=recompute, virtual_stages=v,
-                                 accumulate_unsharded_grads=whole)
+                                 accumulate_unsharded_grads=whole, cp_method=method)
 
 
 def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[dict[str, Any]] = None,

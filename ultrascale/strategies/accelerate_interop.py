@@ -1,8 +1,9 @@
 """An accelerate `ParallelismConfig` read as `UltraScaleStrategy` knobs, field by field.
 
 accelerate (>= 1.10) describes an N-D layout with `dp_replicate_size`, `dp_shard_size`,
-`tp_size`, `cp_size` (torch backend) and `sp_size` (DeepSpeed Ulysses); its mesh order
-(dp_replicate, dp_shard, cp, tp, innermost last) is ultrascale's without pp. Every field is
+`tp_size`, `cp_size` (torch backend) and `sp_size` (DeepSpeed Ulysses, which ultrascale runs as
+`context_parallel_method="alltoall"`); its mesh order (dp_replicate, dp_shard, cp, tp, innermost
+last) is ultrascale's without pp. Every field is
 either mapped or refused with the reason: a layout is never silently changed.
 """
 
@@ -21,8 +22,12 @@ ACCELERATE_FIELDS: dict[str, str] = {
     "cp_backend": "context_parallel (only 'torch': ultrascale's own ring / all-gather attention runs in its place)",
     "cp_handler.cp_comm_strategy": "context_parallel_method ('allgather' -> 'allgather', 'alltoall' -> 'ring')",
     "tp_handler.enable_async_tp": "refused when True (async TP is not implemented)",
-    "sp_size": "refused when > 1 (DeepSpeed Ulysses sequence parallel is not implemented)",
-    "sp_backend": "ignored unless sp_size > 1 (refused then)",
+    "sp_size": "context_parallel with context_parallel_method='alltoall' (Ulysses: ultrascale's own all-to-alls around "
+               "SDPA run in DeepSpeed's place)",
+    "sp_backend": "only 'deepspeed' (accelerate's one value) when sp_size > 1",
+    "sp_handler.sp_seq_length": "ignored: each batch's length is checked (a multiple of 2 x sp_size)",
+    "sp_handler.sp_seq_length_is_variable": "ignored: lengths may vary from batch to batch",
+    "sp_handler.sp_attn_implementation": "refused unless unset or 'sdpa' (ultrascale's Ulysses runs torch's SDPA)",
 }
 """Every accelerate field and what it becomes (docs/strategies.md, "Accelerate layouts", shows this table)."""
 
@@ -55,11 +60,18 @@ def knobs_from_accelerate(config: Any, owner: str = "UltraScaleStrategy",
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{owner}.from_accelerate: `{field}={value!r}` must be a positive integer")
         sizes[field] = value
+    if sizes["sp_size"] > 1 and sizes["cp_size"] > 1:
+        raise NotImplementedError(f"{owner}.from_accelerate: `cp_size={sizes['cp_size']}` with `sp_size={sizes['sp_size']}` "
+                                  "(ring x Ulysses) is not implemented; choose one")
     if sizes["sp_size"] > 1:
-        raise NotImplementedError(
-            f"{owner}.from_accelerate: `sp_size={sizes['sp_size']}` (DeepSpeed Ulysses sequence parallel) is not "
-            "implemented; ultrascale splits long sequences with context parallel: use `cp_size` instead"
-        )
+        sp_backend = _field(config, "sp_backend") or "deepspeed"
+        if sp_backend != "deepspeed":
+            raise ValueError(f"{owner}.from_accelerate: `sp_backend={sp_backend!r}`: only 'deepspeed' is known")
+        sp_handler = _field(config, "sp_handler")
+        kernel = _field(sp_handler, "sp_attn_implementation") if sp_handler is not None else None
+        if kernel not in (None, "sdpa"):
+            raise NotImplementedError(f"{owner}.from_accelerate: `sp_handler.sp_attn_implementation={kernel!r}`: "
+                                      "ultrascale's Ulysses attention runs torch's SDPA; leave it unset or 'sdpa'")
     backend = _field(config, "cp_backend") or "torch"
     if backend != "torch":
         raise ValueError(f"{owner}.from_accelerate: `cp_backend={backend!r}`: only 'torch' is known")
@@ -75,6 +87,9 @@ def knobs_from_accelerate(config: Any, owner: str = "UltraScaleStrategy",
         "tensor_parallel": sizes["tp_size"],
         "context_parallel": sizes["cp_size"],
     }
+    if sizes["sp_size"] > 1:  # DeepSpeed-Ulysses' sequence parallel is ultrascale's all-to-all context parallel
+        knobs["context_parallel"] = sizes["sp_size"]
+        knobs["context_parallel_method"] = "alltoall"
     cp_handler = _field(config, "cp_handler")
     strategy = _field(cp_handler, "cp_comm_strategy") if cp_handler is not None else None
     if sizes["cp_size"] > 1:

@@ -66,12 +66,11 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
         data_parallel_replicate: replicas of the sharded model (HSDP's replicate axis); 1 means off.
         data_parallel_shard: ranks that shard parameters, gradients and optimizer state (ZeRO-3); -1 means "the rest of the world
             size".
-        context_parallel: ranks that split the sequence of every batch (ring / all-gather attention); 1 means off. Sequence lengths
-            must be multiples of 2 * context_parallel (times tensor_parallel under sequence parallel). The built-in Llama and
-            Hugging Face Llama/Mistral/Qwen2/Qwen3 are supported.
-        context_parallel_method: "allgather" (one all-gather of K/V per layer; backward reduce-scatters dK/dV) or "ring" (K/V passed
-            around the cp ring with P2P, overlapped with the block in hand; no rank holds the whole sequence's K/V). Default "ring":
-            as fast as "allgather" in benchmarks/cp_scaling.py, with less memory per rank.
+        context_parallel: ranks that split the sequence of every batch; 1 means off. Sequence lengths must be multiples of 2 * cp
+            (times tensor_parallel under sequence parallel). The built-in Llama and HF Llama/Mistral/Qwen2/Qwen3 are supported.
+        context_parallel_method: "ring" (default: K/V passed around the cp ring with P2P, overlapped with the block in hand),
+            "allgather" (one all-gather of K/V per layer) or "alltoall" (Ulysses: all-to-alls trade heads for sequence around
+            SDPA; the query heads per tp rank must divide by cp). docs/strategies.md compares them.
         context_parallel_load_balance: zig-zag layout (rank r holds chunks r and 2cp-1-r of 2cp), so every rank does the same causal
             attention work. False: contiguous chunks (the last rank then computes about 2cp-1 times the attention of the first).
         tensor_parallel: tensor-parallel degree (Megatron column/row splits on DTensor); 1 means off. The model needs a TP plan: the
@@ -695,6 +694,8 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
         trainer = trainer_of(self.lightning_module)
         self.checkpoint_publisher.teardown(interrupted=trainer is not None and trainer.interrupted)
         self.finish_checkpoint()
+        if self._compiler is not None:
+            self._compiler.restore()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

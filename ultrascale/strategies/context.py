@@ -16,8 +16,8 @@ class ContextParallelStrategy(UltraScaleStrategy):
     ZeRO-3 over dp_shard x cp (cp ranks hold the same weights, so they shard them too).
 
     Registered as ``"ultrascale_cp"``. Every layer but attention is per token; attention of
-    the local queries over the whole sequence uses ring or all-gather K/V exchange
-    (`ultrascale.parallel.context`). Long-context fine-tuning: a sequence that does not fit
+    the local queries over the whole sequence uses ring or all-gather K/V exchange, or all-to-alls
+    that trade heads for sequence (Ulysses) (`ultrascale.parallel.context`). Long-context fine-tuning: a sequence that does not fit
     one device's activations fits `context_parallel` devices.
 
     Args:
