@@ -299,3 +299,52 @@ def test_hfcausallm_lora_errors(tmp_path, checkpoint):
         HFCausalLM(checkpoint, lora={**LORA, "not_a_field": 1})
     with pytest.raises(ValueError, match="set `lora` too"):
         HFCausalLM(checkpoint, lora_dir=str(tmp_path / "adapter"))
+
+
+# ----------------------------------------------------------------------------- pipeline parallel
+
+
+def _train_lora_pp(rank, world_size, path, strategy_kwargs, adapter_dir, merged_dir, own_module):
+    """LoRA under pipeline parallel: `HFCausalLM(lora=...)` (the adapter and the merged model written when fit
+    ends), or a user's PeftModel (`LoraLM`) saved by the functions, which every rank calls."""
+    from ultrascale.models.hf import HFCausalLM
+
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**strategy_kwargs), recorder, STEPS)
+    if own_module:
+        module = LoraLM(path, targets=tuple(LORA["target_modules"]))
+    else:
+        module = HFCausalLM(path, lora=LORA, lora_dir=adapter_dir, export_dir=merged_dir, **HP)
+    trainer.fit(module, ParityData(dataset(), GLOBAL_BATCH))
+    if own_module:
+        save_peft_adapter(trainer, adapter_dir)
+        export_merged_hf(module, merged_dir)
+    held = {n for n, _ in find_peft_model(module).named_parameters() if "lora_" in n}
+    return {"losses": recorder.losses, "held": held}
+
+
+@pytest.mark.parametrize("schedule, own_module", [("1F1B", False), ("ZBVZeroBubble", False), ("1F1B", True)],
+                         ids=["hf-lora-1f1b", "hf-lora-zbv", "own-peft-1f1b"])
+def test_lora_under_pipeline_parallel(tmp_path, schedule, own_module):
+    """pp=2: each rank trains the adapters of its stages only; the adapter folder rank 0 writes holds every stage's,
+    equal to one process trained on the same batches, reloads with peft, and the merged folder gives its logits."""
+    from ultrascale.models.hf import HFCausalLM
+
+    path = make_hf_checkpoint(tmp_path / "base", "llama", vocab_size=VOCAB, layers=4)  # ZBV: 4 stages of one layer
+    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
+    kwargs = {"pipeline_parallel": 2, "pipeline_schedule": schedule, "pipeline_microbatches": 4}
+    results = run_ranks(_train_lora_pp, 2, path, kwargs, str(adapter_dir), str(merged_dir), own_module)
+    assert results[0]["held"] and results[1]["held"] and not results[0]["held"] & results[1]["held"]  # split stages
+
+    alone = LoraLM(path, targets=tuple(LORA["target_modules"])) if own_module else HFCausalLM(path, lora=LORA, **HP)
+    reference = reference_run(alone, dataset(), global_batch=GLOBAL_BATCH, steps=STEPS)
+    assert_close(results[0]["losses"], reference["losses"], rtol=0, atol=1e-5)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    reloaded = peft.PeftModel.from_pretrained(base, adapter_dir)
+    trained = {name: value for name, value in reloaded.named_parameters() if "lora_" in name}
+    assert len(trained) == 4 * len(LORA["target_modules"]) * 2  # every layer's A and B, from both stages
+    for name, value in trained.items():
+        assert_close(value, reference["final_params"][f"model.{name}"], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, local_files_only=True)
+    with torch.no_grad():
+        assert_close(merged(input_ids=probe()).logits, reloaded(input_ids=probe()).logits, rtol=1e-5, atol=1e-5)

@@ -21,7 +21,9 @@ beside the target and renamed into place when complete, so a failed save leaves 
 Works the same with no process group (one process), under ZeRO-1/2 (replicated plain tensors) and ZeRO-3 /
 HSDP (FSDP2 DTensor shards) and tensor parallel (LoRA adapters split to follow their base layer's split,
 `ultrascale.parallel.tensor.lora_entries`); any DTensor is gathered with `full_tensor`, whatever its
-placements. Pipeline parallel is refused (each rank holds only its stages).
+placements. Under pipeline parallel each rank holds only its stages' parameters: they are gathered within
+the stage, then the first rank of every stage sends them to rank 0 (`ultrascale.parallel.pipeline.gather_stage_states`),
+so rank 0 writes the whole model's adapter (or merged model) under any schedule.
 Requires `pip install "ultrascale[peft]"`.
 """
 
@@ -103,32 +105,34 @@ def _on_rank0(fn: Callable[[], Any]) -> Any:
     return value
 
 
-def _check_not_pipelined(peft_model: Any, target: Any) -> None:
+def _stage_mesh(target: Any) -> Any:
+    """Under pipeline parallel, the mesh of the ranks that hold this rank's stages (`stage`), else None."""
+    from ultrascale.strategies.contract import attached_strategy
+
     module = target.lightning_module if isinstance(target, L.Trainer) else target
-    try:
-        strategy = module.trainer.strategy if isinstance(module, L.LightningModule) else None
-    except RuntimeError:  # not attached to a Trainer
-        strategy = None
-    dims = getattr(strategy, "parallel_dims", None)
-    if dims is not None and dims.pp_enabled:
-        raise NotImplementedError(
-            f"saving a PEFT adapter under pipeline parallel (`pipeline_parallel={dims.pp}`) is not supported: each rank "
-            "holds only its stages. Train PEFT models with ZeRO-1/2/3, HSDP or TP."
-        )
+    strategy = attached_strategy(module) if isinstance(module, L.LightningModule) else None
+    mesh = getattr(strategy, "parallel_mesh", None)
+    return mesh["stage"] if mesh is not None and mesh.dims.pp_enabled else None
 
 
-def _gather_full(local: dict[str, torch.Tensor], keys: Iterable[str]) -> Optional[dict[str, torch.Tensor]]:
+def _gather_full(local: dict[str, torch.Tensor], keys: Iterable[str],
+                 stage_mesh: Any = None) -> Optional[dict[str, torch.Tensor]]:
     """Full (un-sharded) CPU copies of `local[key]` on rank 0, None elsewhere. Every rank must call it with the
-    same keys in the same order: a DTensor's `full_tensor()` is a collective over its mesh (FSDP2 shards, TP)."""
-    rank0 = _is_rank0()
+    same keys in the same order within its stage: a DTensor's `full_tensor()` is a collective over its mesh (FSDP2
+    shards, TP). Under pipeline parallel (`stage_mesh`) each stage's keys then travel to rank 0."""
+    keep = _is_rank0() or stage_mesh is not None
     out: dict[str, torch.Tensor] = {}
     for key in keys:
         value = local[key]
         if isinstance(value, DTensor):
             value = value.full_tensor()
-        if rank0:
+        if keep:
             out[key] = value.detach().to("cpu", copy=True)
-    return out if rank0 else None
+    if stage_mesh is not None:
+        from ultrascale.parallel.pipeline import gather_stage_states
+
+        return gather_stage_states(out, stage_mesh)
+    return out if _is_rank0() else None
 
 
 def _adapter_keys(peft_model: Any, local: dict[str, torch.Tensor], adapters: Sequence[str],
@@ -231,17 +235,19 @@ def save_peft_adapter(
     Returns the folder (on every rank). Errors are raised on every rank.
     """
     peft_model = find_peft_model(target)
-    _check_not_pipelined(peft_model, target)
     names = _resolve_adapters(peft_model, adapters, list(peft_model.peft_config))
     final = _on_rank0(lambda: _check_target(out_dir, peft_model, overwrite))  # before any gather
     local = peft_model.state_dict()  # this rank's view: DTensor shards under FSDP2 / TP
     _refuse_unsupported(peft_model, local)
-    state = _gather_full(local, _adapter_keys(peft_model, local, names, save_embedding_layers))
+    stage_mesh = _stage_mesh(target)
+    state = _gather_full(local, _adapter_keys(peft_model, local, names, save_embedding_layers), stage_mesh)
 
     def write(folder: Path) -> None:
-        # PEFT selects, renames and writes: its own format, from the full tensors gathered above.
-        peft_model.save_pretrained(str(folder), state_dict=state, selected_adapters=names, safe_serialization=True,
-                                   save_embedding_layers=save_embedding_layers, is_main_process=True)
+        # PEFT selects, renames and writes: its own format, from the full tensors gathered above. It selects among
+        # the modules the model holds, so under pipeline parallel it is asked on a whole (meta) copy of the model.
+        writer = _meta_copy(peft_model) if stage_mesh is not None else peft_model
+        writer.save_pretrained(str(folder), state_dict=state, selected_adapters=names, safe_serialization=True,
+                               save_embedding_layers=save_embedding_layers, is_main_process=True)
 
     return _on_rank0(lambda: _publish(final, overwrite, write))
 
@@ -270,7 +276,6 @@ def export_merged_hf(
         max_shard_size: size of each safetensors shard.
     """
     peft_model = find_peft_model(target)
-    _check_not_pipelined(peft_model, target)
     names = _resolve_adapters(peft_model, adapters, list(peft_model.active_adapters))
     base = peft_model.get_base_model()
     if getattr(base, "config", None) is None or not hasattr(type(base), "_from_config"):
@@ -278,7 +283,7 @@ def export_merged_hf(
                          "(save the adapter with `save_peft_adapter` instead)")
     final = _on_rank0(lambda: _check_target(out_dir, peft_model, overwrite))
     local = peft_model.state_dict()
-    state = _gather_full(local, list(local))
+    state = _gather_full(local, list(local), _stage_mesh(target))
 
     def merge_and_write() -> Path:
         from ultrascale.models.hf import write_hf_folder
@@ -296,17 +301,15 @@ def _original_class(module: torch.nn.Module) -> type:
     return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
 
 
-@torch.no_grad()
-def _merged_state_dict(peft_model: Any, state: dict[str, torch.Tensor],
-                       adapters: Sequence[str]) -> dict[str, torch.Tensor]:
-    """HF-named weights of the base model with `adapters` merged, computed by PEFT on a CPU copy."""
+def _meta_copy(peft_model: Any) -> Any:
+    """The PEFT model rebuilt whole on the meta device from the base model's config, with every adapter: the trained
+    model's structure and keys, also where this rank's model holds only its pipeline stages (the others are gaps)."""
     from peft import get_peft_model
 
     base = peft_model.get_base_model()
-    # Every adapter, so the copy has the trained model's structure (and keys); only `adapters` are merged.
     configs = {name: copy.deepcopy(config) for name, config in peft_model.peft_config.items()}
     for config in configs.values():
-        if hasattr(config, "init_lora_weights"):  # the weights are assigned below: skip PiSSA/LoftQ-style init
+        if hasattr(config, "init_lora_weights"):  # the weights are assigned afterwards: skip PiSSA/LoftQ-style init
             config.init_lora_weights = True
         config.inference_mode = False
     with torch.device("meta"):
@@ -315,6 +318,14 @@ def _merged_state_dict(peft_model: Any, state: dict[str, torch.Tensor],
         copy_model = get_peft_model(fresh, configs[first], adapter_name=first)
         for name in rest:
             copy_model.add_adapter(name, configs[name])
+    return copy_model
+
+
+@torch.no_grad()
+def _merged_state_dict(peft_model: Any, state: dict[str, torch.Tensor],
+                       adapters: Sequence[str]) -> dict[str, torch.Tensor]:
+    """HF-named weights of the base model with `adapters` merged, computed by PEFT on a CPU copy."""
+    copy_model = _meta_copy(peft_model)  # every adapter, so the keys match; only `adapters` are merged
     expected = copy_model.state_dict()
     missing = sorted(set(expected) - set(state))
     if missing:
