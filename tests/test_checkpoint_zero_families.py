@@ -20,10 +20,11 @@ from ultrascale.parallel.zero import zero_engine_for
 TOTAL_STEPS, STOP_STEP, WORLD = 10, 5, 2
 
 
-def _strategy(stage):
-    if stage == 3:
+def _strategy(stage, tp=1):
+    if stage == 3 and tp == 1:
         return "ultrascale_zero3"
-    return ultrascale.UltraScaleStrategy(zero_stage=stage, zero_bucket_mb=0.03)  # several buckets
+    bucket = {} if stage == 3 else {"zero_bucket_mb": 0.03}  # several buckets
+    return ultrascale.UltraScaleStrategy(zero_stage=stage, tensor_parallel=tp, **bucket)
 
 
 class _FP32Weights(L.Callback):
@@ -43,17 +44,16 @@ class _FP32Weights(L.Callback):
         engine = zero_engine_for(trainer.optimizers[0])
         if engine is None or not engine.has_master_copies:
             return {n: full(p).float() for n, p in pl_module.named_parameters()}
-        state = engine.sharded_state_dict()["state"]
-        return {n: state[n]["master"].full_tensor().view(p.shape) for n, p in pl_module.named_parameters()}
+        return engine.full_master_weights()
 
 
-def _train(rank, world_size, max_steps, ckpt_dir, resume_from, stage, precision="32-true", vocab_size=258):
+def _train(rank, world_size, max_steps, ckpt_dir, resume_from, stage, precision="32-true", vocab_size=258, tp=1):
     recorder, weights = Recorder(), _FP32Weights()
     callbacks = [recorder, weights]
     if ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=STOP_STEP, save_top_k=-1))
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=_strategy(stage), max_steps=max_steps, logger=recorder.logger,
+        accelerator="cpu", devices=world_size, strategy=_strategy(stage, tp), max_steps=max_steps, logger=recorder.logger,
         log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         enable_checkpointing=bool(ckpt_dir), precision=precision,
     )
@@ -105,3 +105,41 @@ def test_mismatched_model_across_families_fails_clearly(tmp_path, saved_stage, r
     assert f"saved with {family}" in error and f"under zero_stage={resume_stage}" in error, error
     assert "resume under any zero_stage" in error, error
     assert "parameter 'model.output.weight'" in error or "parameter 'model.tok_embeddings.weight'" in error, error
+
+
+# (zero_stage, tensor_parallel) saved -> resumed, at world 4 (ZeRO-1/2 with tp keep a tp parameter's state
+# parameter-shaped, split in rows over the dp ranks; without tp flattened): every direction converts.
+TP_CASES = {
+    "zero1-tp2->zero2-tp1": ((1, 2), (2, 1)),
+    "zero2-tp1->zero1-tp2": ((2, 1), (1, 2)),
+    "zero1-tp2->zero3-tp2": ((1, 2), (3, 2)),
+    "zero3-tp2->zero2-tp2": ((3, 2), (2, 2)),
+}
+
+
+@pytest.mark.parametrize("case", list(TP_CASES))
+def test_resume_across_tensor_parallel_and_zero_families(tmp_path, case):
+    (saved_stage, saved_tp), (resume_stage, resume_tp) = TP_CASES[case]
+    run_ranks(_train, 4, STOP_STEP, str(tmp_path), None, saved_stage, "32-true", 258, saved_tp)
+    from ultrascale.parallel.safe_load import read_dcp_metadata
+
+    saved = read_dcp_metadata(_ckpt(tmp_path)).state_dict_metadata
+    moment = saved["optimizer_0.state.model.layers.0.attention.wq.weight.exp_avg"].size
+    assert len(moment) == (1 if (saved_stage, saved_tp) == (2, 1) else 2)  # the layout under test was written
+    uninterrupted = step_losses(run_ranks(_train, 4, TOTAL_STEPS, None, None, saved_stage, "32-true", 258, saved_tp))
+    results = run_ranks(_train, 4, TOTAL_STEPS, None, _ckpt(tmp_path), resume_stage, "32-true", 258, resume_tp)
+    assert "error" not in results[0], results[0]
+    resumed = step_losses(results)
+    assert len(resumed) == TOTAL_STEPS - STOP_STEP
+    assert_close(torch.tensor(resumed), torch.tensor(uninterrupted[STOP_STEP:]), rtol=0, atol=1e-5)
+
+
+def test_bf16_mixed_zero1_tp_resume_keeps_fp32_masters(tmp_path):
+    """ZeRO-1 x tp2 under bf16-mixed saves its fp32 masters parameter-shaped; ZeRO-2 without tp reads them back exactly."""
+    saved = run_ranks(_train, 4, STOP_STEP, str(tmp_path), None, 1, "bf16-mixed", 258, 2)[0]["end"]
+    results = run_ranks(_train, 2, STOP_STEP + 1, None, _ckpt(tmp_path), 2, "bf16-mixed")
+    loaded = results[0]["start"]
+    assert loaded.keys() == saved.keys()
+    for name, weight in saved.items():
+        assert torch.equal(loaded[name], weight), name
+    assert any(not torch.equal(w, w.bfloat16().float()) for w in saved.values())

@@ -70,6 +70,8 @@ CASES = {
     # name: (world, strategy kwargs, activation checkpointing, accumulation)
     "zero3-inductor": (2, {"data_parallel_shard": 2}, None, 2),
     "tp2xdp2": (4, {"tensor_parallel": 2, "data_parallel_shard": 2, "compile_backend": "aot_eager"}, None, 1),
+    "tp2xdp2-zero2": (4, {"tensor_parallel": 2, "data_parallel_shard": 2, "zero_stage": 2, "compile_backend": "aot_eager"},
+                      None, 2),
     "tp2-nosp-inductor": (2, {"tensor_parallel": 2, "data_parallel_shard": 1, "sequence_parallel": False}, None, 1),
     "hsdp2x1": (2, {"data_parallel_replicate": 2, "data_parallel_shard": 1, "compile_backend": "aot_eager"}, None, 1),
     "zero3-ac-full": (2, {"data_parallel_shard": 2, "compile_backend": "aot_eager"}, "full", 2),

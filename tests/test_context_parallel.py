@@ -142,8 +142,10 @@ LLAMA_LAYOUTS = {
     "cp2-alltoall": (2, lambda: ultrascale.ContextParallelStrategy(context_parallel=2, context_parallel_method="alltoall")),
     "dp2xcp2-alltoall": (4, lambda: ultrascale.UltraScaleStrategy(data_parallel_shard=2, context_parallel=2,
                                                                   context_parallel_method="alltoall")),
-    "cp2xtp2-alltoall": (4, lambda: ultrascale.ContextParallelStrategy(context_parallel=2, tensor_parallel=2,
-                                                                      context_parallel_method="alltoall")),
+    # ... and ZeRO-1 over the two cp ranks of each tp group (they hold the same weights).
+    "cp2xtp2-alltoall-zero1": (4, lambda: ultrascale.UltraScaleStrategy(
+        context_parallel=2, tensor_parallel=2, data_parallel_shard=1, context_parallel_method="alltoall", zero_stage=1,
+        zero_bucket_mb=0.05)),
     "accelerate-sp2": (2, lambda: ultrascale.UltraScaleStrategy.from_accelerate({"dp_shard_size": 1, "sp_size": 2})),
 }
 

@@ -67,6 +67,10 @@ LAYOUTS = {
     "zero3": (2, lambda: ultrascale.ZeRO3Strategy()),
     "hsdp2x2": (4, lambda: ultrascale.HSDPStrategy(data_parallel_replicate=2)),
     "tp2xdp2": (4, lambda: ultrascale.UltraScaleStrategy(data_parallel_shard=2, tensor_parallel=2)),
+    "tp2xdp2-zero1": (4, lambda: ultrascale.UltraScaleStrategy(data_parallel_shard=2, tensor_parallel=2, zero_stage=1,
+                                                               zero_bucket_mb=0.05)),
+    "tp2xdp2-zero2": (4, lambda: ultrascale.UltraScaleStrategy(data_parallel_shard=2, tensor_parallel=2, zero_stage=2,
+                                                               zero_bucket_mb=0.05)),
 }
 
 

@@ -73,8 +73,10 @@ def test_llama3_8b_world8_zero3_full_recompute():
         ({"zero_stage": 2}, lambda n, emb, layer: 2 * n),
         # pp=2, 1F1B: rank 0 holds stage 0 (embedding + first half of the layers), fp32 weights
         ({"pp": 2, "pipeline_microbatches": 4}, lambda n, emb, layer: 4 * (emb + 2 * layer)),
+        # ZeRO-1 over tp 2: each rank's bf16 tp shards (the norms, whole on both, are 0.1%)
+        ({"zero_stage": 1, "tp": 2}, lambda n, emb, layer: 2 * n / 2),
     ],
-    ids=["zero2", "pp2"],
+    ids=["zero2", "pp2", "zero1xtp2"],
 )
 def test_zero12_and_pipeline_paths(degrees, param_bytes):
     config = LlamaConfig.from_preset("small")

@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+import lightning as L
 import peft  # the `test` extra installs it
 import pytest
 import torch
@@ -14,7 +15,17 @@ from torch.testing import assert_close
 
 import ultrascale
 from tests._dist import run_ranks
-from tests._parity import ParityData, Recorder, TokenDataset, full, make_hf_checkpoint, parity_trainer, reference_run
+from tests._parity import (
+    ParityData,
+    Recorder,
+    TokenDataset,
+    assert_parity,
+    full,
+    make_hf_checkpoint,
+    parity_trainer,
+    reference_run,
+    step_losses,
+)
 from ultrascale.models.lm import CausalLMModule
 from ultrascale.models.peft import PeftAdapterExport, export_merged_hf, find_peft_model, save_peft_adapter
 
@@ -223,13 +234,74 @@ def test_lora_under_tensor_parallel(tmp_path, checkpoint, world):
         assert_close(reloaded(input_ids=probe()).logits, results[0]["logits"], rtol=1e-5, atol=1e-5)
 
 
-def test_lora_dropout_under_tensor_parallel_is_refused(checkpoint):
-    from tests._rules import check_layout
+class _DesyncRandomState(L.Callback):
+    """Every rank's default generator in another state when training starts (a user who never seeded)."""
 
-    module = LoraLM(checkpoint, targets=("q_proj",), dropout=0.1)
-    module.configure_model()
-    with pytest.raises(ValueError, match=r"lora_dropout=0.1 is not supported under tensor parallel"):
-        check_layout(module, tp=2)
+    def on_train_start(self, trainer, pl_module):
+        torch.manual_seed(100 + trainer.global_rank)
+
+
+def _train_tp_dropout(rank, world_size, path):
+    from ultrascale.parallel.tensor import TensorParallelDropout
+
+    drawn: dict[int, list[torch.Tensor]] = {}
+    draw = TensorParallelDropout.full_mask
+
+    def recording(self, shape, dtype, device):
+        mask = draw(self, shape, dtype, device)
+        drawn.setdefault(id(self), []).append(mask.clone())
+        return mask
+
+    TensorParallelDropout.full_mask = recording
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(tensor_parallel=2), recorder, STEPS,
+                             callbacks=[_DesyncRandomState()])
+    module = LoraLM(path, targets=TP_TARGETS, dropout=0.25)
+    trainer.fit(module, ParityData(dataset(), GLOBAL_BATCH))
+    names = {id(m): n for n, m in find_peft_model(module).named_modules()}
+    replaced = sorted(n for n, m in find_peft_model(module).named_modules() if isinstance(m, TensorParallelDropout))
+    return {**recorder.result(), "masks": {names[key]: masks for key, masks in drawn.items()}, "replaced": replaced}
+
+
+class _ReplayDropout(torch.nn.Module):
+    """The reference's LoRA dropout: the masks the tp run drew, in the order it drew them."""
+
+    def __init__(self, masks):
+        super().__init__()
+        self.masks = list(masks)
+
+    def forward(self, x):
+        return x * self.masks.pop(0)
+
+
+class _ReplayLoraLM(LoraLM):
+    def __init__(self, path, masks):
+        super().__init__(path, targets=TP_TARGETS, dropout=0.25)
+        self.masks = masks
+
+    def configure_model(self):
+        super().configure_model()
+        peft_model = find_peft_model(self)
+        for name, masks in self.masks.items():
+            owner, _, adapter = name.rpartition(".")
+            peft_model.get_submodule(owner)[adapter] = _ReplayDropout(masks)
+
+
+def test_lora_dropout_under_tensor_parallel_draws_one_mask(checkpoint):
+    """lora_dropout=0.25 on column-parallel (q, v: whole input) and row-parallel (o, down: split input) layers at
+    tp=2, the ranks' generators put out of step first: both ranks draw the same masks (synchronised each step),
+    and training equals one process applying those masks (loss, every gradient, weights)."""
+    results = run_ranks(_train_tp_dropout, 2, checkpoint)
+    masks = results[0]["masks"]
+    assert len(results[0]["replaced"]) == 2 * len(TP_TARGETS) and sorted(masks) == results[0]["replaced"]
+    assert all(len(drawn) == STEPS for drawn in masks.values())
+    for name, drawn in masks.items():
+        for mine, other in zip(drawn, results[1]["masks"][name]):
+            assert torch.equal(mine, other), name  # one mask on every tp rank
+    every = torch.cat([m.flatten() for drawn in masks.values() for m in drawn])
+    assert 0.2 < (every == 0).float().mean() < 0.3  # p = 0.25 really drops
+    reference = reference_run(_ReplayLoraLM(checkpoint, masks), dataset(), global_batch=GLOBAL_BATCH, steps=STEPS)
+    assert_parity(results[0], reference, step_losses(results))
 
 
 # --------------------------------------------------------------------------- HFCausalLM(lora=...)

@@ -120,6 +120,16 @@ def test_pp2_dp2_tp2_parity():
     _check(8, {"pipeline_parallel": 2, "data_parallel_shard": 2, "tensor_parallel": 2, "pipeline_microbatches": 2})
 
 
+@pytest.mark.slow
+def test_pp2_tp2_dp2_zero1_parity():
+    """World 8, Megatron's usual layout: TP inside each stage, ZeRO-1 (the distributed optimizer) over the
+    dp ranks of each tp group; the global norm sums over dp, tp and both stages."""
+    reference = reference_run(make_llama(), masked_data(), global_batch=BATCH, steps=STEPS, clip=0.05)
+    results = run_ranks(_train, 8, {"pipeline_parallel": 2, "data_parallel_shard": 2, "tensor_parallel": 2, "zero_stage": 1,
+                                    "zero_bucket_mb": 0.02, "pipeline_microbatches": 2}, BATCH, {"gradient_clip_val": 0.05})
+    assert_parity(merge_stages(results), reference, step_losses(results))
+
+
 def test_accumulation_and_clipping_parity():
     """Two Lightning micro-batches per step (gradients stashed across Lightning's zero_grad) and
     gradient-norm clipping over both stages' gradients (a clip that binds: max norm 0.05)."""

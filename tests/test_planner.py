@@ -202,7 +202,7 @@ def test_constraints():
     assert problems(dp_shard=4, tp=16) .count("tp=16 spans nodes") == 1
     assert "must divide n_kv_heads=8" in problems(dp_shard=4, tp=16)
     assert "= 128 stages, but the model has only 80 layers" in problems(pp=64, grad_accumulation=64, virtual_stages=2)
-    assert "ZeRO-1/2 over tensor-parallel (DTensor) parameters is not implemented" in problems(dp_shard=8, tp=8, zero_stage=1)
+    assert problems(dp_shard=8, tp=8, zero_stage=1) == ""  # Megatron's distributed optimizer inside each tp group
     assert "expert parallel (ep=2) needs a Mixture-of-Experts model" in problems(dp_shard=64, ep=2)
     assert "!= world size(64)" in problems(dp_shard=8)
     lay = planner.Layout(dp_shard=64, micro_batch=2)
@@ -647,3 +647,28 @@ def test_ulysses_is_priced_by_its_all_to_alls_searched_and_emitted(tmp_path, cap
     assert code == 0 and "cp_method=alltoall" in out.out
     init = yaml.safe_load(recipe.read_text())["trainer"]["strategy"]["init_args"]
     assert init["context_parallel"] == 8 and init["context_parallel_method"] == "alltoall"
+
+
+def test_zero12_with_tensor_parallel_is_searched_and_priced(tmp_path, capsys):
+    """Megatron's layout (TP x DP with the distributed optimizer): the search offers ZeRO-1/2 beside tp > 1 and
+    prices each rank's model state as the Playbook's formula over the tp shards: 2Ψ/tp + 2Ψ/tp + 12Ψ/(tp·dp)."""
+    import yaml
+
+    shape = model_shape("llama3_70b")
+    psi = sum(shape.param_counts().values())
+    cluster = planner.Cluster(planner.GPU_SPECS["h100"], 64)
+    work = planner.Workload(8192, 64)
+    for stage, grads in ((1, 2 * psi / 8), (2, 2 * psi / 64)):
+        state = planner.stage_model_state(shape, planner.Layout(dp_shard=8, tp=8, zero_stage=stage), work,
+                                          shape.n_layers, True, True)
+        assert state["params"] == pytest.approx(2 * psi / 8, rel=0.02)  # the norms, whole on every tp rank, are 0.01%
+        assert state["grads"] == pytest.approx(grads, rel=0.02)
+        assert state["optimizer"] == pytest.approx(12 * psi / 64, rel=0.02)
+    searched = planner.search(shape, cluster, work, {"tp": 8, "zero_stage": 1})
+    assert searched and all(row.problems == [] for row in searched if row.layout.tp == 8)
+    recipe = tmp_path / "plan.yaml"
+    code, out = _plan(capsys, "--preset", "llama3_70b", "--gpus", "64", "--seq-len", "8192", "--global-batch", "64",
+                      "--layout", "pp=4,dp_shard=2,tp=8,zero_stage=1", "--top", "1", "--emit-recipe", str(recipe))
+    assert code == 0 and "zero_stage=1" in out.out, out.out
+    init = yaml.safe_load(recipe.read_text())["trainer"]["strategy"]["init_args"]
+    assert init["tensor_parallel"] == 8 and init["zero_stage"] == 1

@@ -208,11 +208,13 @@ def test_accepted_layouts_parallelise_on_the_meta_device():
 
 
 def test_rules_explain_with_the_knob_names():
-    problem = rules.knob_problems(LayoutKnobs(tp=2, zero_stage=1))[0]
-    assert problem.not_implemented and problem.knobs == ("zero_stage=1", "tensor_parallel=2")
-    assert problem.text("UltraScaleStrategy").startswith("UltraScaleStrategy(`zero_stage=1`, `tensor_parallel=2`): ZeRO-1/2")
-    with pytest.raises(NotImplementedError, match="ZeRO-1/2 over tensor-parallel"):
+    problem = rules.knob_problems(LayoutKnobs(tp=2, ep=2))[0]
+    assert problem.not_implemented and problem.knobs == ("expert_parallel=2", "tensor_parallel=2")
+    assert problem.text("UltraScaleStrategy").startswith(
+        "UltraScaleStrategy(`expert_parallel=2`, `tensor_parallel=2`): expert parallel with tensor parallel")
+    with pytest.raises(NotImplementedError, match="expert parallel with tensor parallel is not implemented"):
         rules.raise_first([problem], "X")
+    assert rules.knob_problems(LayoutKnobs(tp=2, zero_stage=1)) == []  # ZeRO-1/2 over the tp shards
     dims, problems = rules.resolve(LayoutKnobs(dp_shard=3), 4)
     assert dims is None and "dp_shard(3)" in problems[0].text()
     assert rules.pipeline_problems(n_layers=4, pp=2, schedule="1F1B", microbatches=1)[0].message.startswith(

@@ -211,8 +211,9 @@ def _fit_hf_plan(rank, world_size, path, strategy_kwargs, dataset):
     module = make_hf(path)
     trainer.fit(module, ParityData(dataset, BATCH))
     prefix = "model.model.layers.0."
-    shapes = {n[len(prefix):]: tuple(p.to_local().shape) for n, p in module.named_parameters() if n.startswith(prefix)}
-    if strategy_kwargs["data_parallel_shard"] > 1:  # FSDP shards dim 0 of the local tp shard over dp
+    shapes = {n[len(prefix):]: tuple(getattr(p, "to_local", lambda: p)().shape)  # ZeRO-1/2 keep the norms plain tensors
+              for n, p in module.named_parameters() if n.startswith(prefix)}
+    if strategy_kwargs["data_parallel_shard"] > 1 and strategy_kwargs.get("zero_stage", 3) == 3:  # FSDP shards dim 0 of the local tp shard
         shapes = {n: (shape[0] * 2, *shape[1:]) for n, shape in shapes.items()}
     return {**recorder.result(), "local_shapes": shapes, "partial_grads": layouts.partial}
 
@@ -233,6 +234,20 @@ def test_hf_plan_styles_parity(tmp_path, arch, layout):
     # Gradients match to the harness's 1e-6; weights after step 1 within 3e-5 (1% of one Adam update, lr 3e-3)
     # instead of 1e-5: a few entries have gradients ~1e-7, where Adam's first update (slope lr/eps = 3e3)
     # turns the tp reduction order's 1e-8 into 2e-5 (as in test_context_parallel's HF parity).
+    assert_parity(results[0], reference, step_losses(results), param_atol=3e-5)
+
+
+@pytest.mark.parametrize("arch, zero_stage", [("qwen3", 1), ("phi3", 2), ("llama", 2)])
+def test_hf_zero12_with_tensor_parallel(tmp_path, arch, zero_stage):
+    """ZeRO-1/2 over the tp shards (whole weights per dp rank, optimizer state split over dp inside each tp
+    group): Qwen3's replicated per-head norms (gradient summed over tp), Phi3's fused projections."""
+    path = make_hf_checkpoint(tmp_path / "ckpt", arch, vocab_size=VOCAB, head_dim=16)
+    dataset = TokenDataset(STEPS * BATCH, SEQ, VOCAB, seed=11, masked=True)
+    reference = reference_run(make_hf(path), dataset, global_batch=BATCH, steps=STEPS)
+    kwargs = {"tensor_parallel": 2, "data_parallel_shard": 2, "zero_stage": zero_stage, "zero_bucket_mb": 0.01}
+    results = run_ranks(_fit_hf_plan, 4, path, kwargs, dataset)
+    for name, shape in HF_PLAN_SHAPES.get(arch, {}).items():
+        assert results[0]["local_shapes"][name] == shape, name  # tp shards, whole over dp
     assert_parity(results[0], reference, step_losses(results), param_atol=3e-5)
 
 

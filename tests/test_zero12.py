@@ -108,10 +108,11 @@ class MeasureModelState(L.Callback):
             self.measured = model_state_bytes(pl_module, [optimizer])
 
 
-def _memory(rank, world_size, stage):
+def _memory(rank, world_size, stage, tp=1):
     measure = MeasureModelState()
+    strategy = ultrascale.UltraScaleStrategy(zero_stage=stage, zero_bucket_mb=0.5, tensor_parallel=tp)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=ultrascale.UltraScaleStrategy(zero_stage=stage, zero_bucket_mb=0.5),
+        accelerator="cpu", devices=world_size, strategy=strategy,
         precision="bf16-mixed", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[measure],
     )
@@ -124,18 +125,21 @@ def _memory(rank, world_size, stage):
             "param_dtype": str(next(model.parameters()).dtype), "estimate": estimate.total}
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_model_state_bytes_match_playbook(stage):
+@pytest.mark.parametrize("stage, tp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_model_state_bytes_match_playbook(stage, tp):
+    """The Playbook's formulas; with tensor parallel each term divided by tp (Megatron's distributed
+    optimizer: ZeRO over the dp ranks of each tp group)."""
     world = 4
-    for result in run_ranks(_memory, world, stage):
-        psi, measured = result["psi"], result["bytes"]
+    dp = world // tp
+    for result in run_ranks(_memory, world, stage, tp):
+        psi, measured = result["psi"] / tp, result["bytes"]
         assert result["param_dtype"] == "torch.bfloat16"  # bf16 weights for compute, fp32 masters in the optimizer
-        expected = {1: 2 * psi + 2 * psi + 12 * psi / world, 2: 2 * psi + (2 + 12) * psi / world}[stage]
+        expected = {1: 2 * psi + 2 * psi + 12 * psi / dp, 2: 2 * psi + (2 + 12) * psi / dp}[stage]
         assert abs(measured.total - expected) / expected < 0.02, (stage, measured, expected)
         assert abs(measured.params - 2 * psi) / (2 * psi) < 0.02
-        grads = 2 * psi if stage == 1 else 2 * psi / world
+        grads = 2 * psi if stage == 1 else 2 * psi / dp
         assert abs(measured.grads - grads) / grads < 0.02
-        assert abs(measured.optimizer - 12 * psi / world) / (12 * psi / world) < 0.02
+        assert abs(measured.optimizer - 12 * psi / dp) / (12 * psi / dp) < 0.02
         assert abs(result["estimate"] - measured.total) / measured.total < 0.02  # MemoryMonitor's estimate agrees
 
 
@@ -147,11 +151,6 @@ def test_non_elementwise_optimizer_is_refused():
     module = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match=r"only exact for elementwise optimizers \(SGD, Adam, AdamW.*got Lamb"):
         zero_module.ZeroEngine(module, Lamb(module.parameters()), stage=2, dp_mesh=None)  # type: ignore[arg-type]
-
-
-def test_zero12_with_tensor_parallel_is_refused():
-    with pytest.raises(NotImplementedError, match="ZeRO-1/2 over tensor-parallel"):
-        ultrascale.UltraScaleStrategy(zero_stage=2, tensor_parallel=2)
 
 
 def _sgd_momentum(rank, world_size, stage):

@@ -329,6 +329,7 @@ def _measure(r: dict[str, Any]) -> dict[str, Any]:
     dims = _resolve(r)
     mesh = build_mesh(dims, "cpu")  # outside fake mode: the mesh holds real rank tensors
     precision, zero_stage, fsdp = r["precision"], r["zero_stage"], r["zero_stage"] == 3
+    state_mesh = mesh.zero_state_mesh if dims.tp_enabled and not fsdp else None  # a mesh too, built outside fake mode
     batch, seq_len = r["micro_batch"], r["seq_len"]
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # the DeviceMesh keeps real rank tensors
@@ -369,7 +370,8 @@ def _measure(r: dict[str, Any]) -> dict[str, Any]:
         engine = None
         if not fsdp:
             engine = ZeroEngine(module, optimizer, stage=zero_stage, dp_mesh=mesh.fsdp, bucket_bytes=100 * 2**20,
-                                compute_dtype=torch.bfloat16 if precision == "bf16-mixed" else None)
+                                compute_dtype=torch.bfloat16 if precision == "bf16-mixed" else None,
+                                state_mesh=state_mesh)
         microbatches = pipeline[1].microbatches if pipeline is not None else 1
         accumulation = r["grad_accumulation"]
         input_ids = torch.randint(0, vocab, (batch * microbatches, seq_len))

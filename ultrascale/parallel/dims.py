@@ -8,6 +8,7 @@ every flattened axis is defined here and nowhere else.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -210,6 +211,19 @@ class ParallelMesh:
     expert_fsdp: Optional[DeviceMesh] = None
     """Expert parallel: FSDP's mesh for expert weights, `ep_shard` (1-D) or (dp_replicate, ep_shard) for HSDP:
     the ranks that hold the same experts, over which their gradients are reduced."""
+
+    @functools.cached_property
+    def zero_state_mesh(self) -> DeviceMesh:
+        """Where ZeRO-1/2 checkpoints a tensor-parallel parameter's optimizer state: this stage's ranks as
+        ((dp_replicate,) tp, dp_shard x cp), tp *outside* the dp ranks, because each tp shard is split
+        over the dp ranks (placements (tp's, Shard(0)) nest in mesh order). Only DCP reads it (the
+        offsets of each rank's block), so it gets no process groups of its own."""
+        stage = self.world.mesh[self.world.get_coordinate()[0]]  # (dp_replicate, dp_shard, cp, tp)
+        grid = stage.permute(0, 3, 1, 2).reshape(self.dims.dp_replicate, self.dims.tp, self.dims.dp_shard_cp)
+        names: tuple[str, ...] = ("dp_replicate", "tp", "dp_shard_cp")
+        if self.fsdp.ndim == 1:
+            grid, names = grid[0], names[1:]
+        return DeviceMesh(self.world.device_type, grid.contiguous(), mesh_dim_names=names, _init_backend=False)
 
     def __getitem__(self, axis: str) -> DeviceMesh:
         if axis in MESH_AXES:

@@ -93,7 +93,7 @@ def _read_targets(
                             for k, v in tensors["state_dict"].items()
                         }
                 else:
-                    tensors[prefix] = engine.sharded_state_dict()
+                    tensors[prefix] = engine.flat_template(saved, prefix)
             else:
                 current = get_optimizer_state_dict(model, optimizer)
                 tensors[prefix] = flat_state_template(current, saved, prefix) if layout == "flat" else current

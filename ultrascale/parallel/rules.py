@@ -183,10 +183,6 @@ def knob_problems(k: LayoutKnobs) -> list[Problem]:
     if k.zero_stage not in ZERO_STAGES:
         plain = " (zero_stage=0, plain replicated data parallel, is not run by ultrascale)" if k.zero_stage == 0 else ""
         problems.append(Problem(f"choose 1, 2 or 3{plain}", (f"zero_stage={k.zero_stage!r}",)))
-    elif k.zero_stage != 3 and k.tp != 1:
-        problems.append(Problem(
-            "ZeRO-1/2 over tensor-parallel (DTensor) parameters is not implemented yet; use `zero_stage=3` with "
-            "tensor parallel.", (f"zero_stage={k.zero_stage}", f"tensor_parallel={k.tp}"), not_implemented=True))
     if k.accumulate_unsharded_grads and k.zero_stage != 3:
         problems.append(Problem(
             "accumulate_unsharded_grads chooses how ZeRO-3 (FSDP) accumulates gradients; ZeRO-1/2 always accumulate "

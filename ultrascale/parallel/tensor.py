@@ -466,6 +466,7 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
     """
     plan = lora_entries(module, split_parameter_entries(module, plan))
     tied = _tied_parameters(module)
+    _replace_lora_dropouts(module, plan, tp_mesh)
     parallelize_module(module, tp_mesh, dict(plan))
     _retie(module, tied)
 
@@ -486,9 +487,9 @@ def lora_entries(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[s
                                            B (out, r) whole
 
     Either way the adapters' gradients come out whole (A's input gradient is all-reduced by B's
-    column split; B's by A's row split) or in their split layout. Refused: LoRA dropout (a
-    column-parallel base's whole input would need the same dropout mask on every tp rank), DoRA,
-    and other styles on a LoRA layer."""
+    column split; B's by A's row split) or in their split layout. LoRA dropout is replaced by
+    `TensorParallelDropout` in `apply_tp` (the same mask on every tp rank). Refused: DoRA, and other
+    styles on a LoRA layer."""
     from fnmatch import fnmatch
 
     names = dict(module.named_modules())
@@ -503,12 +504,6 @@ def lora_entries(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[s
         if len(lora) != len(matched):
             raise ValueError(f"{where}: the entry also matches layers PEFT did not wrap; name them separately")
         for layer in lora:
-            dropouts = [d for d in getattr(layer, "lora_dropout", {}).values() if isinstance(d, nn.Dropout) and d.p > 0]
-            if dropouts:
-                raise ValueError(
-                    f"{where}: lora_dropout={dropouts[0].p} is not supported under tensor parallel (every tp rank "
-                    "would drop different entries of the same input); use lora_dropout=0"
-                )
             if any(getattr(layer, "use_dora", {}).values()):
                 raise ValueError(f"{where}: DoRA is not supported under tensor parallel")
         result[f"{path}.base_layer"] = style
@@ -530,6 +525,76 @@ def lora_entries(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[s
                 "supported (column- and row-parallel are)"
             )
     return result
+
+
+class TensorParallelDropout(nn.Module):
+    """LoRA's dropout on a tensor-parallel layer's input, the same mask on every tp rank.
+
+    A column-parallel base layer's input is whole on every tp rank; a row-parallel one's is this
+    rank's slice of the last dim. Either way the mask is drawn whole, (..., in_features), from the
+    default generator, exactly as `nn.Dropout` draws it on CPU (bernoulli(1 - p), divided by 1 - p),
+    and a row-parallel rank keeps its slice: one global mask. The tp ranks' default generators must
+    agree (`synchronize_dropout_rng`, once per step); activation checkpointing restores that
+    generator for its recomputation, so the recomputed mask is the same."""
+
+    def __init__(self, p: float, in_features: int, tp_mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.p, self.in_features, self.tp_mesh = p, in_features, tp_mesh
+
+    def full_mask(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device).bernoulli_(1 - self.p).div_(1 - self.p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        if isinstance(x, DTensor):
+            raise ValueError("TensorParallelDropout takes the layer's local input; LoRA under tensor parallel runs "
+                             "with sequence_parallel=False")
+        mask = self.full_mask((*x.shape[:-1], self.in_features), x.dtype, x.device)
+        features = x.shape[-1]
+        if features != self.in_features:  # a row-parallel base: this rank's columns of the one mask
+            mask = mask.narrow(-1, self.tp_mesh.get_local_rank() * features, features)
+        return x * mask
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, in_features={self.in_features}"
+
+
+def _replace_lora_dropouts(module: nn.Module, plan: Mapping[str, ParallelStyle], tp_mesh: DeviceMesh) -> None:
+    """Each LoRA layer whose base layer the plan splits gets `TensorParallelDropout` for its dropouts."""
+    from fnmatch import fnmatch
+
+    bases = [path[: -len(".base_layer")] for path in plan if path.endswith(".base_layer")]
+    for name, layer in module.named_modules():
+        if not _is_lora_layer(layer) or not any(fnmatch(name, base) for base in bases):
+            continue
+        dropouts = getattr(layer, "lora_dropout", None)
+        for adapter, dropout in list(getattr(dropouts, "items", dict)()):
+            if isinstance(dropout, nn.Dropout) and dropout.p > 0:
+                dropouts[adapter] = TensorParallelDropout(dropout.p, layer.base_layer.in_features, tp_mesh)
+
+
+def has_tensor_parallel_dropout(module: nn.Module) -> bool:
+    return any(isinstance(m, TensorParallelDropout) for m in module.modules())
+
+
+@torch.no_grad()
+def synchronize_dropout_rng(module: nn.Module, device: torch.device) -> None:
+    """Give every tp rank tp rank 0's default random state (CPU, and the device's), so that each
+    `TensorParallelDropout` of `module` draws one mask on all of them. tp rank 0 keeps its own stream, so
+    a run at tp=2 draws the masks one process with the same seed would. One broadcast of a few KiB."""
+    layer = next((m for m in module.modules() if isinstance(m, TensorParallelDropout)), None)
+    if layer is None or layer.tp_mesh.size() == 1:
+        return
+    group = layer.tp_mesh.get_group()
+    source = dist.get_global_rank(group, 0)
+    cpu = torch.get_rng_state().to(device)
+    dist.broadcast(cpu, src=source, group=group)
+    torch.set_rng_state(cpu.cpu())
+    if device.type == "cuda":
+        state = torch.cuda.get_rng_state(device).to(device)
+        dist.broadcast(state, src=source, group=group)
+        torch.cuda.set_rng_state(state.cpu(), device)
 
 
 def _tied_parameters(module: nn.Module) -> list[list[tuple[str, str]]]:

@@ -32,6 +32,15 @@ Checkpoints: the bucket layout depends on N, so state is saved per parameter (by
 name) as 1-D DTensors sharded over the dp ranks and re-laid out on load (one all-to-all),
 which makes a ZeRO-1/2 checkpoint loadable at any world size.
 
+Tensor parallel (parameters that are DTensors on a 1-D tp mesh): the engine works on each rank's
+local tp shard, so ZeRO-1 keeps 2Ψ/tp + 2Ψ/tp + 12Ψ/(tp·N) bytes (Megatron's distributed optimizer
+inside each tp group). A gradient whose placement is not its parameter's (Partial, from a
+sequence-parallel norm) is redistributed to it first (one all-reduce over tp). The reductions run
+over the dp ranks only; the global norm adds the tp ranks' sums, counting the parameters every tp
+rank holds whole (Replicate) once. In checkpoints a tp parameter's state is parameter-shaped: its
+local shard split by dim-0 rows over the dp ranks, a DTensor on `state_mesh` ((dp_replicate,) tp,
+dp_shard x cp) with placements (tp's, Shard(0)); DCP reshards it to any tp and dp degree.
+
 Across ZeRO families: ZeRO-3 (FSDP2) saves the same keys (`state.<name>.<key>`) but
 parameter-shaped, with the step per parameter rather than per group and without "master"
 (its fp32 weights are the model weights). `saved_optimizer_layout` tells the two apart from
@@ -104,6 +113,7 @@ class _Bucket:
     grad_shard: Optional[torch.Tensor] = None  # (shard,) reduced grads of this rank's slice
     accumulate_dtype: Optional[torch.dtype] = None
     master_is_view: bool = True
+    split_over_tp: bool = False  # tp ranks hold different parts of these parameters
     ready: int = 0
     pending: Optional[tuple[Any, torch.Tensor]] = None
     views: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -131,6 +141,9 @@ class ZeroEngine:
         compute_dtype: dtype of the model parameters during forward/backward (bf16 under bf16-mixed);
             master weights keep the parameters' current dtype.
         accumulate_dtype: dtype of the gradient buffers (fp32 to accumulate bf16 gradients in fp32).
+        norm_group: ranks holding other parameters (pipeline stages) whose gradients count in the global norm.
+        state_mesh: with tensor-parallel (DTensor) parameters, the ((dp_replicate,) tp, dp) mesh their
+            checkpointed state lives on (`ParallelMesh.zero_state_mesh`); unused otherwise.
     """
 
     def __init__(
@@ -144,6 +157,7 @@ class ZeroEngine:
         compute_dtype: Optional[torch.dtype] = None,
         accumulate_dtype: Optional[torch.dtype] = None,
         norm_group: Optional[dist.ProcessGroup] = None,
+        state_mesh: Optional[DeviceMesh] = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroEngine: `stage={stage}` must be 1 or 2 (stage 3 is FSDP)")
@@ -160,14 +174,24 @@ class ZeroEngine:
         self.norm_group = norm_group
         """Ranks holding other parameters (pipeline stages) whose gradients count in the global norm."""
         names = {id(p): name for name, p in module.named_parameters()}
+        tp_meshes = set()
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if id(p) not in names:
                     raise ValueError("ZeroEngine: the optimizer holds a parameter that is not in the module")
                 if isinstance(p, DTensor):
-                    raise NotImplementedError(
-                        "ZeRO-1/2 over DTensor (tensor-parallel) parameters is not implemented yet; use zero_stage=3"
-                    )
+                    tp_meshes.add(p.device_mesh)
+        if len(tp_meshes) > 1 or any(m.ndim != 1 for m in tp_meshes):
+            raise ValueError(
+                "ZeroEngine: DTensor parameters must all live on one 1-D (tensor-parallel) mesh; FSDP-sharded or "
+                "expert-parallel parameters are zero_stage=3's"
+            )
+        self.tp_mesh: Optional[DeviceMesh] = next(iter(tp_meshes), None)
+        if self.tp_mesh is not None and state_mesh is None:
+            raise ValueError("ZeroEngine: tensor-parallel parameters need `state_mesh` (ParallelMesh.zero_state_mesh)")
+        self.state_mesh = state_mesh
+        self.tp_group = self.tp_mesh.get_group() if self.tp_mesh is not None and self.tp_mesh.size() > 1 else None
+        self.tp_rank = self.tp_mesh.get_local_rank() if self.tp_mesh is not None else 0
         if dp_mesh.ndim not in (1, 2):
             raise ValueError(f"ZeroEngine: dp_mesh must be 1-D (shard) or 2-D (replicate, shard), got {dp_mesh.ndim}-D")
         for group in optimizer.param_groups:  # a previous engine over the same parameters (a second fit) steps down
@@ -228,15 +252,20 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ layout
     def _build_buckets(self, named, bucket_bytes, compute_dtype, accumulate_dtype) -> list[_Bucket]:
-        buckets, current, size = [], [], 0
-        for name, p in named:
-            current.append((name, p))
-            size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
+        # Parameters split over tp and those every tp rank holds whole go to separate buckets: the
+        # global norm counts the second kind once (`grad_norm`).
+        kinds = [[(n, p) for n, p in named if _split_over_tp(p)], [(n, p) for n, p in named if not _split_over_tp(p)]]
+        buckets = []
+        for kind in kinds:
+            current, size = [], 0
+            for name, p in kind:
+                current.append((name, p))
+                size += _local(p).numel() * p.element_size()
+                if size >= bucket_bytes:
+                    buckets.append(current)
+                    current, size = [], 0
+            if current:
                 buckets.append(current)
-                current, size = [], 0
-        if current:
-            buckets.append(current)
         return [self._make_bucket(chunk, compute_dtype, accumulate_dtype) for chunk in buckets]
 
     @torch.no_grad()
@@ -244,26 +273,34 @@ class ZeroEngine:
         params = [p for _, p in chunk]
         offsets = [0]
         for p in params:
-            offsets.append(offsets[-1] + p.numel())
+            offsets.append(offsets[-1] + _local(p).numel())
         numel = offsets.pop()
         shard = math.ceil(numel / self.world)
-        master_dtype, device = params[0].dtype, params[0].device
+        master_dtype, device = params[0].dtype, _local(params[0]).device
         dtype = compute_dtype or master_dtype
         param_buffer = torch.zeros(shard * self.world, dtype=dtype, device=device)
         full_master = torch.zeros(shard * self.world, dtype=master_dtype, device=device)
         for p, offset in zip(params, offsets):
-            full_master[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+            local = _local(p)
+            full_master[offset : offset + local.numel()].copy_(local.detach().reshape(-1))
         param_buffer.copy_(full_master)
         mine = slice(self.rank * shard, (self.rank + 1) * shard)
         # Same dtype: the optimizer steps this rank's slice of the weights in place (no copy).
         master_is_view = dtype == master_dtype
         master = param_buffer[mine] if master_is_view else full_master[mine].clone()
         for p, offset in zip(params, offsets):
-            p.data = param_buffer[offset : offset + p.numel()].view_as(p)
+            local = _local(p)
+            view = param_buffer[offset : offset + local.numel()].view(local.shape)
+            if isinstance(p, DTensor):
+                _rebind_local_tensor(p, view)
+            else:
+                p.data = view
             p.grad = None
+        split = _split_over_tp(params[0])
         bucket = _Bucket([n for n, _ in chunk], params, offsets, numel, shard, param_buffer, master.requires_grad_(True))
         bucket.accumulate_dtype = accumulate_dtype or dtype
         bucket.master_is_view = master_is_view
+        bucket.split_over_tp = split
         return bucket
 
     def _grad_view(self, bucket: _Bucket, p: nn.Parameter) -> torch.Tensor:
@@ -273,7 +310,8 @@ class ZeroEngine:
         view = bucket.views.get(id(p))
         if view is None:
             offset = bucket.offsets[next(i for i, q in enumerate(bucket.params) if q is p)]
-            view = bucket.views[id(p)] = bucket.grad_buffer[offset : offset + p.numel()].view_as(p)
+            local = _local(p)
+            view = bucket.views[id(p)] = bucket.grad_buffer[offset : offset + local.numel()].view(local.shape)
         return view
 
     # ------------------------------------------------------------------ backward
@@ -291,10 +329,10 @@ class ZeroEngine:
         bucket = self._bucket_of[id(p)]
         view = self._grad_view(bucket, p)
         if p.grad is not view:
-            view.add_(p.grad)
+            view.add_(_local_grad(p))
             # Keep accumulating in place in the bucket (DDP's gradient_as_bucket_view),
-            # unless the bucket accumulates in another dtype.
-            p.grad = view if view.dtype == p.dtype else None
+            # unless the bucket accumulates in another dtype (or the parameter is a DTensor).
+            p.grad = view if view.dtype == p.dtype and not isinstance(p, DTensor) else None
         bucket.ready += 1
         if self.stage == 2 and self.require_backward_grad_sync:
             self._launch_ready_buckets()
@@ -313,8 +351,8 @@ class ZeroEngine:
                     continue
                 if self._reduced:
                     raise RuntimeError("ZeroEngine: gradients were assigned after reduce_gradients() and before the step")
-                view.add_(p.grad)
-                p.grad = view if view.dtype == p.dtype else None
+                view.add_(_local_grad(p))
+                p.grad = view if view.dtype == p.dtype and not isinstance(p, DTensor) else None
                 self._unreduced = True
 
     def _launch_ready_buckets(self) -> None:
@@ -446,18 +484,23 @@ class ZeroEngine:
     @torch.no_grad()
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The global gradient norm: the slices are disjoint, so ||g||^p = all-reduce(sum |slice|^p)
-        (over the dp ranks, then over `norm_group`'s ranks, which hold the other pipeline stages)."""
-        shards = list(self.grad_shards())
+        over the dp ranks, then the tp ranks (each adds its own shards; the parameters every tp rank
+        holds whole count on tp rank 0 only), then `norm_group`'s ranks (the other pipeline stages)."""
         inf = math.isinf(norm_type)
-        if not shards:
-            total = torch.zeros(())
+        counted = [b.grad_shard for b in self.buckets
+                   if b.grad_shard is not None and (inf or b.split_over_tp or self.tp_rank == 0)]
+        has_shards = any(b.grad_shard is not None for b in self.buckets)
+        if not counted:
+            total = torch.zeros((), device=self.buckets[0].param_buffer.device if self.buckets else None)
         elif inf:
-            total = torch.stack([s.abs().max().float() for s in shards]).max()
+            total = torch.stack([s.abs().max().float() for s in counted]).max()
         else:
-            total = torch.stack([torch.linalg.vector_norm(s.float(), norm_type) ** norm_type for s in shards]).sum()
+            total = torch.stack([torch.linalg.vector_norm(s.float(), norm_type) ** norm_type for s in counted]).sum()
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-        if shards:
+        if has_shards:
             dist.all_reduce(total, op=op, group=self.group)
+            if self.tp_group is not None:
+                dist.all_reduce(total, op=op, group=self.tp_group)
         if self.norm_group is not None:
             dist.all_reduce(total, op=op, group=self.norm_group)
         return total if inf else total ** (1.0 / norm_type)
@@ -483,43 +526,63 @@ class ZeroEngine:
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """All reduced gradients, gathered and unflattened per parameter name (for tests and debugging)."""
+        return self._gathered({id(b): b.grad_shard for b in self.buckets if b.grad_shard is not None})
+
+    @torch.no_grad()
+    def full_master_weights(self) -> dict[str, torch.Tensor]:
+        """The weights the optimizer steps (fp32 masters under bf16-mixed), gathered per parameter name."""
+        return self._gathered({id(b): b.master.detach() for b in self.buckets})
+
+    def _gathered(self, slices: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
         for bucket in self.buckets:
-            if bucket.grad_shard is None:
+            if id(bucket) not in slices:
                 continue
-            full = torch.empty(bucket.shard * self.world, dtype=bucket.grad_shard.dtype, device=bucket.grad_shard.device)
-            _gather_for_inspection(full, bucket.grad_shard.contiguous(), group=self.group)
+            mine = slices[id(bucket)]
+            full = torch.empty(bucket.shard * self.world, dtype=mine.dtype, device=mine.device)
+            _gather_for_inspection(full, mine.contiguous(), group=self.group)
             for name, p, offset in zip(bucket.names, bucket.params, bucket.offsets):
-                out[name] = full[offset : offset + p.numel()].view_as(p).clone()
+                local = full[offset : offset + _local(p).numel()].view(_local(p).shape)
+                if isinstance(p, DTensor):
+                    local = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                               stride=p.stride()).full_tensor()
+                out[name] = local.clone()
         return out
 
     # ------------------------------------------------------------------ checkpoints
     def _chunk_layout(self) -> tuple[list[tuple[str, int]], dict[str, list[int]], list[int]]:
-        """The N-independent layout: each flattened parameter split like DTensor Shard(0)
-        (chunk = ceil(numel / N)); per rank, its chunks concatenated in parameter order.
-        Returns (name, numel) per parameter, each parameter's chunk offset on every rank, and each rank's total."""
-        params = [(name, p.numel()) for b in self.buckets for name, p in zip(b.names, b.params)]
+        """The N-independent layout: each flattened parameter (a tp parameter: its local shard) split like
+        DTensor Shard(0), in whole dim-0 rows for a tp parameter (`_row_numel`); per rank, its chunks
+        concatenated in parameter order. Returns (name, local numel) per parameter, each parameter's chunk
+        offset on every rank, and each rank's total."""
+        params = [(name, _local(p).numel()) for b in self.buckets for name, p in zip(b.names, b.params)]
+        rows = self._row_numels()
         bases: dict[str, list[int]] = {}
         totals = [0] * self.world
         for name, numel in params:
             bases[name] = list(totals)
             for q in range(self.world):
-                totals[q] += _chunk_size(numel, self.world, q)
+                totals[q] += _chunk_size(numel // rows[name], self.world, q) * rows[name]
         return params, bases, totals
+
+    def _row_numels(self) -> dict[str, int]:
+        return {name: _row_numel(p) for b in self.buckets for name, p in zip(b.names, b.params)}
 
     def _slice_to_chunks(self, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For every element of rank `rank`'s bucket slices (concatenated in bucket order): the rank
         holding it in the chunk layout, its position there, and whether it is real (not padding)."""
         _, bases, _ = self._chunk_layout()
+        rows = self._row_numels()
         owners, positions, reals = [], [], []
         for bucket in self.buckets:
             pos = torch.arange(rank * bucket.shard, (rank + 1) * bucket.shard)
             offsets = torch.tensor(bucket.offsets)
             index = (torch.searchsorted(offsets, pos, right=True) - 1).clamp(max=len(bucket.params) - 1)
             within = pos - offsets[index]
-            chunk = torch.tensor([math.ceil(p.numel() / self.world) for p in bucket.params])[index]
+            chunk = torch.tensor([math.ceil(_local(p).numel() / rows[n] / self.world) * rows[n]
+                                  for n, p in zip(bucket.names, bucket.params)])[index]
             real = pos < bucket.numel
-            owner = torch.where(real, within // chunk, 0)
+            owner = torch.where(real, within // chunk.clamp(min=1), 0)
             base = torch.tensor([bases[name] for name in bucket.names])[index, owner]
             owners.append(owner)
             positions.append(torch.where(real, base + within - owner * chunk, 0))
@@ -548,6 +611,28 @@ class ZeroEngine:
         placements = [Shard(0)] if self.dp_mesh.ndim == 1 else [Replicate(), Shard(0)]
         return DTensor.from_local(local, self.dp_mesh, placements, run_check=False, shape=torch.Size([numel]), stride=(1,))
 
+    def _state_dtensor(self, p: torch.Tensor, chunk: torch.Tensor) -> DTensor:
+        """This rank's chunk of a state of parameter `p` as the checkpoint holds it: 1-D over the dp ranks,
+        or, for a tp parameter, parameter-shaped on `state_mesh` (tp's placement, then dp rows)."""
+        if not isinstance(p, DTensor):
+            return self._to_dtensor(chunk, p.numel())
+        assert self.state_mesh is not None
+        local = chunk.view(-1, *_local(p).shape[1:])
+        placements = [*([Replicate()] * (self.state_mesh.ndim - 2)), *p.placements, Shard(0)]
+        return DTensor.from_local(local, self.state_mesh, placements, run_check=False, shape=p.shape,
+                                  stride=_contiguous_stride(p.shape))
+
+    def _in_saved_layout(self, p: torch.Tensor, value: Any) -> bool:
+        """Whether `value` (read from a checkpoint) is already in this engine's layout for `p`'s state."""
+        if not isinstance(value, DTensor):
+            return False
+        if isinstance(p, DTensor):
+            return value.device_mesh is self.state_mesh and value.shape == p.shape
+        return value.device_mesh is self.dp_mesh and value.dim() == 1
+
+    def _params_by_name(self) -> dict[str, torch.Tensor]:
+        return {name: p for b in self.buckets for name, p in zip(b.names, b.params)}
+
     def _elementwise_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's slices of every elementwise state (and the master weights if they are a copy), concatenated."""
         keys = sorted({k for b in self.buckets for k, v in self.optimizer.state.get(b.master, {}).items() if _elementwise(v, b)})
@@ -560,13 +645,14 @@ class ZeroEngine:
     def sharded_state_dict(self) -> dict[str, Any]:
         """Optimizer state per parameter name, as 1-D DTensors sharded over the dp ranks (N-independent)."""
         params, bases, totals = self._chunk_layout()
+        rows, by_name = self._row_numels(), self._params_by_name()
         rank_of, pos_of, real = self._slice_to_chunks(self.rank)
         state: dict[str, dict[str, Any]] = {name: {} for name, _ in params}
         for key, values in self._elementwise_tensors().items():
             laid = self._exchange(values[real], rank_of[real], pos_of[real], totals[self.rank])
             for name, numel in params:
-                base, size = bases[name][self.rank], _chunk_size(numel, self.world, self.rank)
-                state[name][key] = self._to_dtensor(laid[base : base + size].clone(), numel)
+                base, size = bases[name][self.rank], _chunk_size(numel // rows[name], self.world, self.rank) * rows[name]
+                state[name][key] = self._state_dtensor(by_name[name], laid[base : base + size].clone())
         groups = []
         for group, buckets in zip(self.optimizer.param_groups, self.group_buckets):
             first = self.optimizer.state.get(buckets[0].master, {}) if buckets else {}
@@ -590,8 +676,10 @@ class ZeroEngine:
             back_pos[pos_of[mine]] = torch.nonzero(mine).flatten()
         slice_numel = sum(b.shard for b in self.buckets)
         keys = sorted({k for entry in saved["state"].values() for k in entry})
+        by_name = self._params_by_name()
         for key in keys:
-            local = torch.cat([saved["state"][name][key].to_local().reshape(-1) for name, _ in params])
+            local = torch.cat([self._own_layout(by_name[name], saved["state"][name][key]).to_local().reshape(-1)
+                               for name, _ in params])
             laid = self._exchange(local, back_rank, back_pos, slice_numel)
             for bucket, piece in zip(self.buckets, laid.split([b.shard for b in self.buckets])):
                 if key == "master":
@@ -615,14 +703,19 @@ class ZeroEngine:
         """The optimizer steps fp32 copies of the weights (bf16-mixed): a checkpoint must provide them."""
         return bool(self.buckets) and not self.buckets[0].master_is_view
 
-    def _flat_dtensor(self, value: torch.Tensor, dtype: Optional[torch.dtype] = None) -> DTensor:
-        """Any tensor / DTensor of a parameter's state, flattened into this engine's 1-D chunk layout."""
-        full = (value.full_tensor() if isinstance(value, DTensor) else value).reshape(-1)
-        numel = full.numel()
-        chunk = math.ceil(numel / self.world)
-        start = min(numel, self.rank * chunk)
-        local = full[start : start + _chunk_size(numel, self.world, self.rank)]
-        return self._to_dtensor(local.to(dtype or local.dtype).clone(), numel)
+    def _own_layout(self, p: torch.Tensor, value: Any, dtype: Optional[torch.dtype] = None) -> DTensor:
+        """`value` (a state of parameter `p` in any shape and layout) in this engine's checkpoint layout: as it
+        is where it already is, else gathered whole (one parameter's state at a time) and this rank's chunk cut out."""
+        if self._in_saved_layout(p, value) and (dtype is None or value.dtype == dtype):
+            return value
+        full = (value.full_tensor() if isinstance(value, DTensor) else value)
+        if isinstance(p, DTensor):  # this tp rank's shard, then its dp rows
+            full = distribute_tensor(full.reshape(p.shape), p.device_mesh, p.placements, src_data_rank=None).to_local()
+        flat = full.reshape(-1)
+        row = _row_numel(p)
+        start = min(flat.numel(), self.rank * math.ceil(flat.numel() / row / self.world) * row)
+        local = flat[start : start + _chunk_size(flat.numel() // row, self.world, self.rank) * row]
+        return self._state_dtensor(p, local.to(dtype or local.dtype).clone())
 
     def _param_shaped_dtensor(self, shape: torch.Size, dtype: torch.dtype) -> DTensor:
         """An empty DTensor of `shape`, dim 0 sharded over the dp ranks (a DCP read target)."""
@@ -630,6 +723,32 @@ class ZeroEngine:
         local = torch.zeros((rows, *shape[1:]), dtype=dtype, device=self.buckets[0].param_buffer.device)
         placements = [Shard(0)] if self.dp_mesh.ndim == 1 else [Replicate(), Shard(0)]
         return DTensor.from_local(local, self.dp_mesh, placements, run_check=False, shape=shape, stride=_contiguous_stride(shape))
+
+    def flat_template(self, metadata: Any, prefix: str) -> dict[str, Any]:
+        """What to give DCP to read a ZeRO-1/2 optimizer state at `prefix`: this engine's own state dict,
+        except entries saved in the other shape (1-D where a tp run keeps tp parameters' states parameter-
+        shaped, or the reverse), which are read as saved and converted by `load_sharded_state_dict`."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        own = self.sharded_state_dict()
+        by_name = self._params_by_name()
+        for name, entry in own["state"].items():
+            p = by_name[name]
+            for key, value in entry.items():
+                md = metadata.get(f"{prefix}.state.{name}.{key}")
+                if not isinstance(md, TensorStorageMetadata) or tuple(md.size) == tuple(value.shape):
+                    continue
+                if tuple(md.size) == (p.numel(),):
+                    numel = p.numel()
+                    chunk = torch.zeros(_chunk_size(numel, self.world, self.rank), dtype=md.properties.dtype,
+                                        device=self.buckets[0].param_buffer.device)
+                    entry[key] = self._to_dtensor(chunk, numel)
+                elif tuple(md.size) == tuple(p.shape):
+                    entry[key] = self._param_shaped_dtensor(md.size, md.properties.dtype)
+                else:
+                    raise ValueError(f"checkpoint entry {prefix}.state.{name}.{key} has shape {tuple(md.size)}, "
+                                     f"parameter {name!r} has {tuple(p.shape)}")
+        return own
 
     def param_shaped_template(self, metadata: Any, prefix: str) -> dict[str, Any]:
         """What to give DCP to read an optimizer state saved parameter-shaped (ZeRO-3 / FSDP) at `prefix`.
@@ -676,6 +795,7 @@ class ZeroEngine:
                 f"{len(self.group_buckets)}"
             )
         weights = {_clean_name(k): v for k, v in (weights or {}).items()}
+        by_name = self._params_by_name()
         state: dict[str, dict[str, Any]] = {}
         groups = []
         for saved_group, buckets in zip(loaded["param_groups"], self.group_buckets):
@@ -685,16 +805,57 @@ class ZeroEngine:
                     entry = state[name] = {}
                     for key, value in loaded["state"][_clean_name(name)].items():
                         if isinstance(value, torch.Tensor) and value.dim() > 0:
-                            entry[key] = self._flat_dtensor(value, bucket.master.dtype)
+                            entry[key] = self._own_layout(by_name[name], value, bucket.master.dtype)
                         else:  # the step: one per parameter in ZeRO-3, one per group here
                             scalars.setdefault(key, value)
                     if self.has_master_copies:
                         if _clean_name(name) not in weights:
                             raise ValueError(f"the checkpoint holds no weights for {_clean_name(name)!r}")
-                        entry["master"] = self._flat_dtensor(weights[_clean_name(name)], bucket.master.dtype)
+                        entry["master"] = self._own_layout(by_name[name], weights[_clean_name(name)], bucket.master.dtype)
             hyper = {k: v for k, v in saved_group.items() if k != "params"}
             groups.append({"hyper": hyper, "scalars": scalars, "params": [n for b in buckets for n in b.names]})
         self.load_sharded_state_dict({"state": state, "param_groups": groups})
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: a tp DTensor's local shard, a plain tensor itself."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _split_over_tp(p: torch.Tensor) -> bool:
+    return isinstance(p, DTensor) and any(not placement.is_replicate() for placement in p.placements)
+
+
+def _local_grad(p: torch.Tensor) -> torch.Tensor:
+    """`p.grad` as this rank's part in `p`'s own layout: a Partial gradient (a sequence-parallel norm's,
+    each tp rank's tokens only) is summed over tp first."""
+    grad = p.grad
+    if not isinstance(grad, DTensor):
+        return grad
+    if tuple(grad.placements) != tuple(p.placements):
+        grad = grad.redistribute(p.device_mesh, p.placements)
+    return grad.to_local()
+
+
+def _rebind_local_tensor(p: nn.Parameter, local: torch.Tensor) -> None:
+    """Make DTensor parameter `p` (same object: the module, the optimizer and tied modules keep it) hold
+    `local` as its local shard, also in another dtype. A DTensor's `.data` cannot change its local tensor's
+    dtype, so the parameter is swapped in place with a new one (its Python attributes kept)."""
+    new = nn.Parameter(DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                          stride=p.stride()), requires_grad=p.requires_grad)
+    attributes = {k: v for k, v in vars(p).items() if k not in vars(new)}
+    torch.utils.swap_tensors(p, new)
+    for key, value in attributes.items():
+        setattr(p, key, value)
+
+
+def _row_numel(p: torch.Tensor) -> int:
+    """The unit a parameter's state is split over the dp ranks in: one element, or for a tp parameter
+    one dim-0 row of its local shard (so each rank's chunk is a parameter-shaped block DCP can place)."""
+    local = _local(p)
+    if not isinstance(p, DTensor) or local.dim() == 0 or local.shape[0] == 0:
+        return 1
+    return local.numel() // local.shape[0]
 
 
 def _chunk_size(numel: int, world: int, rank: int) -> int:
@@ -780,6 +941,15 @@ def _flat_read_target(numel: int, dtype: torch.dtype, like: Any) -> torch.Tensor
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size([numel]), stride=(1,))
 
 
+def _shaped_read_target(dtype: torch.dtype, like: Any) -> torch.Tensor:
+    """An empty tensor laid out like `like` (a parameter-shaped tensor / DTensor) to read a state into."""
+    if not isinstance(like, DTensor):
+        return torch.zeros(like.shape, dtype=dtype, device=like.device)
+    local = torch.zeros(like.to_local().shape, dtype=dtype, device=like.to_local().device)
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
 def relayout_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """`value` (a tensor / DTensor holding `like.numel()` elements in any shape and layout), gathered,
     reshaped to `like`'s shape and dtype and laid out like it (a collective when `value` is a DTensor)."""
@@ -807,6 +977,9 @@ def flat_state_template(current: dict[str, Any], metadata: Any, prefix: str) -> 
             raise ValueError(f"cannot convert the optimizer state of {fqn!r}: it has no parameter-shaped tensor")
         out: dict[str, Any] = {}
         for key, md in _saved_entries(metadata, f"{prefix}.state.{saved}."):
+            if isinstance(md, TensorStorageMetadata) and len(md.size) > 1 and tuple(md.size) == tuple(like.shape):
+                out[key] = _shaped_read_target(md.properties.dtype, like)  # a tp run's parameter-shaped state
+                continue
             if not isinstance(md, TensorStorageMetadata) or len(md.size) != 1 or md.size[0] != like.numel():
                 shape = tuple(md.size) if isinstance(md, TensorStorageMetadata) else "bytes"
                 raise ValueError(

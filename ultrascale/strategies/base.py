@@ -32,7 +32,7 @@ from ultrascale.parallel.fsdp import reshard
 from ultrascale.parallel.pipeline import PipelineLayout, PipelineRunner
 from ultrascale.parallel.resume import load_training_state
 from ultrascale.parallel.rules import LayoutKnobs, batch_problems, knob_problems, raise_first
-from ultrascale.parallel.tensor import maybe_loss_parallel, resolve_plan
+from ultrascale.parallel.tensor import has_tensor_parallel_dropout, maybe_loss_parallel, resolve_plan, synchronize_dropout_rng
 from ultrascale.parallel.transforms import ModelTransform
 from ultrascale.parallel.zero import ZeroEngine
 from ultrascale.strategies import checkpoint_io, collectives, model_setup, process_group
@@ -101,7 +101,7 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
             in `ultrascale.parallel.tensor.STYLE_NAMES` ("colwise", "rowwise", ...).
         zero_stage: 3 = parameters, gradients and optimizer state sharded (FSDP2); 2 = replicated parameters, sharded gradients and
             optimizer state; 1 = replicated parameters and gradients, sharded optimizer state. Stages 1/2 need an elementwise
-            optimizer (AdamW, SGD, ...) and no tensor parallel.
+            optimizer (AdamW, SGD, ...); with tensor parallel they shard each rank's tp shards (Megatron's distributed optimizer).
         zero_bucket_mb: ZeRO-1/2 gradient bucket size in MiB (one reduce-scatter per bucket; ZeRO-2 launches each as soon as its
             gradients are complete). None: 100 on GPU (the Playbook's figure), 4 on CPU.
         accumulate_grads_in_fp32: ZeRO-1/2 with bf16 parameters: accumulate gradients in fp32 buffers (twice the gradient memory, no
@@ -218,6 +218,7 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
         self.tp_plan = resolve_plan(tp_plan) if tp_plan is not None else None
         self._loss_parallel_active = False
         self._sequence_parallel_active: Optional[bool] = None  # known once the TP plan is chosen
+        self._tensor_parallel_dropout = False  # LoRA dropout on tp layers: the tp ranks' generators agree each step
         self._step = StepRunner(nonfinite, max_nonfinite_skips)
         self._step_groups: Optional[StepGroups] = None  # known once the mesh exists
         self._rollbacks = 0
@@ -449,6 +450,7 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
             sync_module_states=self.sync_module_states, owner=type(self).__name__)
         self._step.use_routers(sharded.routers, shape)
         self._pipeline = sharded.pipeline
+        self._tensor_parallel_dropout = has_tensor_parallel_dropout(module)
         if self._compiler is not None:
             self._compiler.stats.start()
 
@@ -495,6 +497,8 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
         assert module is not None
         self._pipeline_grads.start_step()
         self._step.start_micro_batch(module.trainer.accumulate_grad_batches)
+        if self._tensor_parallel_dropout:
+            synchronize_dropout_rng(self.model, self.root_device)
         with maybe_loss_parallel(self._loss_parallel_active):
             output = self._call_step("training_step", *args, **kwargs)
         check_step_output(module, output, pipeline_active=self._pipeline is not None, pipeline_ran=self._pipeline_grads.ran,

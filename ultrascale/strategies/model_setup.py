@@ -142,6 +142,7 @@ def make_zero_engine(
         compute_dtype=torch.bfloat16 if precision.precision == "bf16-mixed" else None,
         accumulate_dtype=torch.float32 if accumulate_in_fp32 else None,
         norm_group=mesh["pp"].get_group() if dims.pp_enabled else None,
+        state_mesh=mesh.zero_state_mesh if dims.tp_enabled else None,
     )
 
 
