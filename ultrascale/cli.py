@@ -183,6 +183,8 @@ train and evaluate (LightningCLI, with ultrascale's strategies registered):
 ultrascale's own:
   plan         rank the layouts for a model on a cluster, explain one, or check a recipe (--recipe)
   export-hf    write an HFCausalLM training checkpoint as a Hugging Face folder (safetensors)
+  prepare-data tokenize a corpus once (text, JSONL, Parquet, a saved dataset) into a folder every rank
+               memory-maps: ultrascale prepare-data --tokenizer DIR --out DIR [--workers N] INPUT...
 """
 
 
@@ -220,6 +222,39 @@ def quiet_known_noise() -> None:
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: "litlogger" not in record.getMessage())
 
 
+def prepare_data_main(args: list[str]) -> None:
+    """`ultrascale prepare-data`: argument parsing around `ultrascale.data.prepared.prepare_data`."""
+    import argparse
+
+    from ultrascale.data.prepared import prepare_data
+
+    parser = argparse.ArgumentParser(
+        prog="ultrascale prepare-data",
+        description="Tokenize a corpus once into a folder that CausalLMDataModule(data_path=FOLDER) memory-maps on "
+                    "every rank: text files (one document each), JSONL and Parquet (a field per record), folders of "
+                    "them, or a `datasets` dataset saved with save_to_disk.")
+    parser.add_argument("inputs", nargs="+", metavar="INPUT")
+    parser.add_argument("--tokenizer", required=True, help="local folder of a Hugging Face tokenizer")
+    parser.add_argument("--out", required=True, help="folder to write (written beside it, renamed when complete)")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
+    parser.add_argument("--text-field", default="text", help="JSONL / Parquet / dataset field with the text")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    parser.add_argument("--no-progress", action="store_true")
+    options = parser.parse_args(args)
+    try:
+        out = prepare_data(options.inputs, options.tokenizer, options.out, workers=options.workers,
+                           text_field=options.text_field, overwrite=options.overwrite, progress=not options.no_progress)
+    except (ValueError, FileNotFoundError, FileExistsError) as error:
+        print(f"ultrascale prepare-data: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    import json
+
+    metadata = json.loads((out / "metadata.json").read_text())
+    print(f"wrote {out}: {metadata['num_tokens']:,} tokens ({metadata['dtype']}), {metadata['num_documents']:,} documents "
+          f"in {metadata['seconds']:.1f} s ({metadata['num_tokens'] / max(metadata['seconds'], 1e-9):,.0f} tokens/s, "
+          f"{metadata['workers']} worker(s))")
+
+
 def main(args: list[str] | None = None) -> None:
     quiet_known_noise()
     given = args
@@ -229,6 +264,9 @@ def main(args: list[str] | None = None) -> None:
         return
     if args and args[0] == "export-hf":
         export_hf_main(args[1:])
+        return
+    if args and args[0] == "prepare-data":
+        prepare_data_main(args[1:])
         return
     if args and args[0] == "plan":
         from ultrascale.planner.app import plan_main

@@ -10,11 +10,13 @@ import os
 import sysconfig
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any, Literal, Optional, Union
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ultrascale.data.prepared import BlendedBlocks, PreparedTokens, Subset, is_prepared, tokenizer_fingerprint
 from ultrascale.data.sampling import BlockDataModule, split_blocks
 from ultrascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -149,51 +151,59 @@ class TokenBlockDataset(Dataset):
 
 
 class CausalLMDataModule(BlockDataModule):
-    """Next-token-prediction data from text files, the stdlib, or a saved ``datasets`` dataset.
+    """Next-token-prediction data from a prepared folder (or a blend of them), text files, the stdlib, or a
+    saved ``datasets`` dataset.
 
-    Every rank tokenizes the corpus itself in :meth:`setup` (deterministic and
-    cheap for the default byte tokenizer and ``max_tokens``), so there is no
-    cache to share. Batches are laid out by :class:`ResumableBlockSampler`.
+    A folder written by ``ultrascale prepare-data`` is memory-mapped on every rank (start-up time and
+    memory independent of the corpus size; sizes and tokenizer checked when the module is made, before
+    any process group). Raw text is tokenized by every rank itself in :meth:`setup` (deterministic and
+    cheap for the byte tokenizer and ``max_tokens``; for a real corpus prepare it once instead). Batches
+    are laid out by :class:`ResumableBlockSampler`: the same global batches at any dp size.
 
     Args:
-        data_path: ``"stdlib"`` (this interpreter's standard library sources, a
-            corpus present on every machine without downloads), a directory
-            (files matched by ``file_glob``) or a single text file.
+        data_path: a prepared folder; a list of ``{"path": folder, "weight": w}`` blending prepared folders
+            by weight (deterministic, resumable); ``"stdlib"`` (this interpreter's standard library sources, a
+            corpus present on every machine without downloads), a directory (files matched by
+            ``file_glob``) or a single text file.
         file_glob: Pattern for files under a ``data_path`` directory, e.g.
             ``"**/*.txt"``. Not used for ``"stdlib"`` (always ``*.py``).
         dataset_path: Folder of a ``datasets`` dataset written by ``save_to_disk``;
             when set it is used instead of ``data_path``.
         text_column: Column of ``dataset_path`` holding the documents.
         tokenizer_path: Local folder of a Hugging Face tokenizer; ``None`` uses the
-            byte tokenizer (vocabulary of 258).
+            byte tokenizer (vocabulary of 258). With prepared data, optional: when given it must be the
+            tokenizer the data was prepared with (compared by the SHA-256 of its files).
         seq_len: Tokens per training sequence (blocks hold ``seq_len + 1`` tokens
             for the shifted labels).
         global_batch_size: Sequences per micro-step summed over all data-parallel
             ranks; must be divisible by the data-parallel size.
         max_tokens: Cap on the corpus size in tokens, so CPU runs stay quick;
-            ``None`` uses the whole corpus.
+            ``None`` uses the whole corpus; ``"auto"``: 2,000,000 for raw text, the whole of prepared data.
         val_fraction: Fraction of blocks (taken from the end of the stream) held
             out for validation; 0 disables validation.
         seed: Seed of the per-epoch shuffle (epoch ``e`` uses ``seed + e``).
         num_workers: DataLoader worker processes; 0 loads in the main process.
+        document_positions: (prepared data) give each block ``position_ids`` restarting at every document,
+            so that attention stays inside documents (document masking, as packed SFT data does).
     """
 
-    train_dataset: TokenBlockDataset | None
-    val_dataset: TokenBlockDataset | None
+    train_dataset: Any
+    val_dataset: Any
 
     def __init__(
         self,
-        data_path: str = "stdlib",
+        data_path: Union[str, list[dict[str, Any]]] = "stdlib",
         file_glob: str = "**/*.py",
-        dataset_path: str | None = None,
+        dataset_path: Optional[str] = None,
         text_column: str = "text",
-        tokenizer_path: str | None = None,
+        tokenizer_path: Optional[str] = None,
         seq_len: int = 128,
         global_batch_size: int = 8,
-        max_tokens: int | None = 2_000_000,
+        max_tokens: Union[int, None, Literal["auto"]] = "auto",
         val_fraction: float = 0.05,
         seed: int = 1234,
         num_workers: int = 0,
+        document_positions: bool = False,
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -201,8 +211,8 @@ class CausalLMDataModule(BlockDataModule):
             raise ValueError(f"{name}: `seq_len={seq_len}` must be >= 1")
         if global_batch_size < 1:
             raise ValueError(f"{name}: `global_batch_size={global_batch_size}` must be >= 1")
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"{name}: `max_tokens={max_tokens}` must be >= 1 or None (no cap)")
+        if max_tokens != "auto" and max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"{name}: `max_tokens={max_tokens!r}` must be >= 1, None (no cap) or 'auto'")
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"{name}: `val_fraction={val_fraction}` must be in [0, 1)")
         if num_workers < 0:
@@ -218,14 +228,36 @@ class CausalLMDataModule(BlockDataModule):
         self.val_fraction = val_fraction
         self.seed = seed
         self.num_workers = num_workers
-        # Loaded eagerly: `vocab_size` must be readable right after construction,
-        # when LightningCLI links it to the model's arguments.
-        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.document_positions = document_positions
+        # Opened and checked eagerly, before any process group: `vocab_size` must be readable right after
+        # construction, when LightningCLI links it to the model's arguments.
+        self.prepared = _prepared_sources(name, data_path, dataset_path, tokenizer_path)
+        if self.prepared is None and document_positions:
+            raise ValueError(f"{name}: `document_positions=True` needs prepared data (`ultrascale prepare-data`), "
+                             f"which records where documents start; got `data_path={data_path!r}`")
+        self.tokenizer = load_tokenizer(tokenizer_path) if self.prepared is None or tokenizer_path else None
 
     @property
     def vocab_size(self) -> int:
         """Vocabulary size of the tokenizer (special tokens included)."""
+        if self.prepared is not None:
+            return self.prepared[0][0].vocab_size
+        assert self.tokenizer is not None
         return self.tokenizer.vocab_size
+
+    def check_model(self, module: Any) -> None:
+        """ValueError if the data's vocabulary does not fit the model's embedding (ids past it would index out
+        of range); the strategies call it before any process group."""
+        config = getattr(module, "config", None)
+        model_vocab = getattr(config, "vocab_size", None)
+        if isinstance(model_vocab, int) and self.vocab_size > model_vocab:
+            source = (f"prepared with tokenizer {self.prepared[0][0].metadata['tokenizer']['name']!r}"
+                      if self.prepared is not None else f"tokenized with {self.tokenizer!r}")
+            raise ValueError(
+                f"{type(self).__name__}: the data is {source}, vocabulary {self.vocab_size:,}, but the model "
+                f"{type(module).__name__} has vocab_size={model_vocab:,}: use the model's tokenizer (or a model "
+                "with that vocabulary)"
+            )
 
     # ---------------------------------------------------------------- corpus
 
@@ -238,11 +270,19 @@ class CausalLMDataModule(BlockDataModule):
         return f"`dataset_path={self.dataset_path!r}`" if self.dataset_path else f"`data_path={self.data_path!r}`"
 
     def setup(self, stage: str | None = None) -> None:
-        """Tokenize the corpus and split its blocks into train/val (once; later calls are no-ops)."""
+        """Map (prepared data) or tokenize the corpus and split its blocks into train/val (once; later calls are no-ops)."""
         if self.train_dataset is not None:
             return
+        module = getattr(getattr(self, "trainer", None), "lightning_module", None)
+        if module is not None:  # again here for strategies that are not ultrascale's
+            self.check_model(module)
+        if self.prepared is not None:
+            self._setup_prepared()
+            return
         name = type(self).__name__
-        tokens = tokenize_corpus(self._texts(), self.tokenizer, self.max_tokens)
+        max_tokens = 2_000_000 if self.max_tokens == "auto" else self.max_tokens
+        assert self.tokenizer is not None
+        tokens = tokenize_corpus(self._texts(), self.tokenizer, max_tokens)
         if tokens.size == 0:
             raise ValueError(f"{name}: the corpus {self._source()} is empty (no documents or no text)")
         num_blocks = tokens.size // (self.seq_len + 1)
@@ -253,3 +293,53 @@ class CausalLMDataModule(BlockDataModule):
         )
         self.train_dataset = TokenBlockDataset(tokens, self.seq_len, 0, num_train)
         self.val_dataset = TokenBlockDataset(tokens, self.seq_len, num_train, num_val)
+
+    def _setup_prepared(self) -> None:
+        assert self.prepared is not None
+        sources, weights = [s for s, _ in self.prepared], [w for _, w in self.prepared]
+        cap = None if self.max_tokens in ("auto", None) else int(self.max_tokens) // (self.seq_len + 1)
+        blocks = BlendedBlocks(sources, weights, self.seq_len, max_blocks=cap, document_positions=self.document_positions)
+        described = ", ".join(f"{s.path} ({s.metadata['num_tokens']:,} tokens)" for s in sources)
+        num_train, num_val = split_blocks(
+            type(self).__name__, len(blocks), self.val_fraction, self.global_batch_size,
+            what=f"the prepared data {described} gives {len(blocks)} blocks of `seq_len={self.seq_len}`+1",
+            remedy="Use more data, a smaller `seq_len` or a smaller `global_batch_size`.",
+        )
+        self.train_dataset = Subset(blocks, 0, num_train)
+        self.val_dataset = Subset(blocks, num_train, num_val)
+
+
+def _prepared_sources(owner: str, data_path: Any, dataset_path: Optional[str],
+                      tokenizer_path: Optional[str]) -> Optional[list[tuple[PreparedTokens, float]]]:
+    """The prepared folders `data_path` names, opened and checked, with their weights; None for raw text."""
+    if isinstance(data_path, (list, tuple)):
+        entries = []
+        for entry in data_path:
+            if not isinstance(entry, dict) or "path" not in entry:
+                raise ValueError(f"{owner}: a blend is a list of {{path: folder, weight: w}}; got {entry!r}")
+            entries.append((entry["path"], float(entry.get("weight", 1.0))))
+        if not entries:
+            raise ValueError(f"{owner}: `data_path=[]` names no data")
+    elif is_prepared(data_path):
+        entries = [(data_path, 1.0)]
+    else:
+        return None
+    if dataset_path is not None:
+        raise ValueError(f"{owner}: `dataset_path` reads raw text; with prepared data (`data_path={data_path!r}`) leave it unset")
+    sources = []
+    for path, weight in entries:
+        if not is_prepared(path):
+            raise ValueError(f"{owner}: blend entry {path!r} is not a prepared folder (`ultrascale prepare-data`)")
+        if weight <= 0:
+            raise ValueError(f"{owner}: blend entry {path!r} has weight {weight}; weights must be positive")
+        sources.append((PreparedTokens.open(path), weight))
+    fingerprints = {s.tokenizer_sha256 for s, _ in sources}
+    if len(fingerprints) > 1:
+        names = [f"{s.path}: {s.metadata['tokenizer']['name']}" for s, _ in sources]
+        raise ValueError(f"{owner}: the blended folders were prepared with different tokenizers ({names})")
+    if tokenizer_path is not None and tokenizer_fingerprint(tokenizer_path) != sources[0][0].tokenizer_sha256:
+        raise ValueError(
+            f"{owner}: `tokenizer_path={tokenizer_path!r}` is not the tokenizer {sources[0][0].path} was prepared with "
+            f"({sources[0][0].metadata['tokenizer']['name']!r}); leave tokenizer_path unset or prepare the data with it"
+        )
+    return sources

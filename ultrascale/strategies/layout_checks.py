@@ -101,6 +101,9 @@ class LayoutChecks:
             raise_first(model_problems(dims, knobs, facts), owner)
         if not with_data:
             return
+        check_against_model = getattr(getattr(trainer_of(module), "datamodule", None), "check_model", None)
+        if callable(check_against_model) and module is not None:
+            check_against_model(module)  # the data's vocabulary fits the model's
         if dims.tp_enabled and facts is None and self.sequence_parallel is None:
             return  # sequence parallel is decided by the built model's plan: checked in `setup`
         self._check_data(sequence_parallel=sequence_parallel_of(knobs, facts) if facts is not None

@@ -1,0 +1,408 @@
+"""Pretraining data tokenized once, offline, and read by memory map on every rank.
+
+`prepare_data` (the `ultrascale prepare-data` command) tokenizes text files, JSONL, Parquet or a saved
+`datasets` dataset with a Hugging Face tokenizer in N worker processes and writes one folder:
+
+    tokens.bin      every document's tokens followed by EOS, concatenated (uint16 when the vocabulary
+                    fits in 65,536 ids, else uint32): the layout of nanoGPT's memmap and Megatron's .bin
+    documents.npy   int64 start offset of every document, and the total at the end (n_documents + 1)
+    metadata.json   format, dtype, token and document counts, the tokenizer (name, SHA-256 of its files,
+                    vocabulary size, EOS id), the sources
+
+The folder is written beside the target under a hidden name and renamed when complete, so a reader
+never sees half of one. `PreparedTokens` opens it: the sizes are checked against the metadata (a
+truncated copy fails at once) and the tokens are a read-only `np.memmap`, so a rank's start-up time
+and memory do not grow with the corpus. `BlendedBlocks` mixes several folders by weight.
+
+Why a memmap of our own and not LitData's `optimize` / `StreamingDataset`: the token stream must be
+cut into the same global batches at any dp size and resumed mid-epoch by ultrascale's
+`ResumableBlockSampler` (which indexes blocks); LitData's streaming dataset brings its own shuffling,
+chunk cache and distributed sampling, and is not among ultrascale's dependencies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+__all__ = ["BlendedBlocks", "PreparedTokens", "is_prepared", "prepare_data"]
+
+FORMAT = "ultrascale-tokens"
+FORMAT_VERSION = 1
+METADATA, TOKENS, DOCUMENTS = "metadata.json", "tokens.bin", "documents.npy"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                    "tokenizer.model", "added_tokens.json")
+_BATCH_DOCUMENTS = 256  # documents per task sent to a tokenizing worker
+
+
+# --------------------------------------------------------------------------- reading the inputs
+
+
+def _saved_dataset(folder: Path) -> bool:
+    return (folder / "dataset_info.json").is_file() or (folder / "dataset_dict.json").is_file()
+
+
+def _input_files(inputs: Sequence[str]) -> list[tuple[Path, str]]:
+    """(file or saved-dataset folder, kind) for every input, folders expanded in sorted order."""
+    found: list[tuple[Path, str]] = []
+    for given in inputs:
+        path = Path(given)
+        if not path.exists():
+            raise FileNotFoundError(f"prepare-data: input {given!r} does not exist")
+        if path.is_dir() and _saved_dataset(path):
+            found.append((path, "dataset"))
+        elif path.is_dir():
+            files = sorted(p for p in path.rglob("*")
+                           if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            found.extend((p, _kind(p)) for p in files)
+        else:
+            found.append((path, _kind(path)))
+    if not found:
+        raise ValueError(f"prepare-data: no input files under {list(inputs)}")
+    return found
+
+
+def _kind(path: Path) -> str:
+    suffix = path.suffix.lower()
+    return {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}.get(suffix, "text")
+
+
+def iter_documents(inputs: Sequence[str], text_field: str = "text") -> Iterator[str]:
+    """The documents of `inputs` in order: a text file is one document; a JSONL line, a Parquet row or a
+    saved dataset's row is one (its `text_field`)."""
+    for path, kind in _input_files(inputs):
+        if kind == "text":
+            yield path.read_text(encoding="utf-8", errors="replace")
+        elif kind == "jsonl":
+            with path.open(encoding="utf-8") as lines:
+                for number, line in enumerate(lines, 1):
+                    if line.strip():
+                        yield _field(json.loads(line), text_field, f"{path}:{number}")
+        elif kind == "parquet":
+            import pyarrow.parquet as pq
+
+            parquet = pq.ParquetFile(path)
+            if text_field not in parquet.schema_arrow.names:
+                raise ValueError(f"prepare-data: {path} has no column {text_field!r} (columns: {parquet.schema_arrow.names})")
+            for batch in parquet.iter_batches(columns=[text_field], batch_size=1024):
+                yield from batch.column(0).to_pylist()
+        else:
+            import datasets
+
+            dataset = datasets.load_from_disk(str(path))
+            if isinstance(dataset, datasets.DatasetDict):
+                if "train" not in dataset:
+                    raise ValueError(f"prepare-data: {path} holds splits {sorted(dataset)} and no 'train'")
+                dataset = dataset["train"]
+            if text_field not in dataset.column_names:
+                raise ValueError(f"prepare-data: {path} has no column {text_field!r} (columns: {dataset.column_names})")
+            for batch in dataset.select_columns([text_field]).iter(batch_size=1024):
+                yield from batch[text_field]
+
+
+def _field(record: Any, text_field: str, where: str) -> str:
+    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+        raise ValueError(f"prepare-data: {where} has no string field {text_field!r}")
+    return record[text_field]
+
+
+def _batched(documents: Iterable[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for document in documents:
+        batch.append(document)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+# --------------------------------------------------------------------------- tokenizing
+
+_worker_tokenizer: Any = None
+
+
+def _load(tokenizer_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"prepare-data: the tokenizer in {tokenizer_dir} has no eos_token (it separates documents)")
+    return tokenizer
+
+
+def _init_worker(tokenizer_dir: str) -> None:
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+    _worker_tokenizer = _load(tokenizer_dir)
+
+
+def _encode(batch: list[str], dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """One batch of documents: their tokens, each followed by EOS, and each document's length (with EOS).
+    Empty documents are dropped (they would only add a stray EOS)."""
+    tokenizer = _worker_tokenizer
+    encoded = tokenizer(batch, add_special_tokens=False)["input_ids"]
+    encoded = [ids for ids in encoded if ids]
+    lengths = np.array([len(ids) + 1 for ids in encoded], dtype=np.int64)
+    eos = tokenizer.eos_token_id
+    flat = np.fromiter((t for ids in encoded for t in (*ids, eos)), dtype=dtype, count=int(lengths.sum()))
+    return flat, lengths
+
+
+def tokenizer_fingerprint(tokenizer_dir: str | Path) -> str:
+    """SHA-256 over the tokenizer's files (names and bytes): two folders with the same vocabulary and
+    rules give the same fingerprint wherever they live."""
+    digest = hashlib.sha256()
+    folder = Path(tokenizer_dir)
+    for name in _TOKENIZER_FILES:
+        path = folder / name
+        if path.is_file():
+            digest.update(name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def prepare_data(
+    inputs: Sequence[str],
+    tokenizer_dir: str | Path,
+    out: str | Path,
+    *,
+    workers: int = 1,
+    text_field: str = "text",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Tokenize `inputs` once into the folder `out` (see the module docstring); returns its path.
+
+    `workers` processes tokenize batches of documents in parallel; the output is the same for any number
+    of them (batches are written in input order)."""
+    out = Path(out).resolve()
+    if workers < 1:
+        raise ValueError(f"prepare-data: --workers={workers} must be >= 1")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"prepare-data: {out} exists and is not empty (pass --overwrite to replace it)")
+    if not Path(tokenizer_dir).is_dir():
+        raise FileNotFoundError(f"prepare-data: tokenizer folder {tokenizer_dir} does not exist")
+    files = _input_files(inputs)  # every input checked before any work
+    tokenizer = _load(str(tokenizer_dir))
+    vocab_size = len(tokenizer)
+    dtype = token_dtype(vocab_size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    lengths: list[np.ndarray] = []
+    total, started = 0, time.perf_counter()
+    bar = _progress(progress)
+    try:
+        batches = _batched(iter_documents(inputs, text_field), _BATCH_DOCUMENTS)
+        with (staging / TOKENS).open("wb") as sink:
+            if workers == 1:
+                _init_worker(str(tokenizer_dir))
+                results: Iterable[tuple[np.ndarray, np.ndarray]] = (_encode(b, dtype.str) for b in batches)
+                total = _write(results, sink, lengths, bar)
+            else:
+                context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+                with context.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer_dir),)) as pool:
+                    results = pool.imap(_encode_batch_star, ((b, dtype.str) for b in batches), chunksize=1)
+                    total = _write(results, sink, lengths, bar)
+        if total == 0:
+            raise ValueError(f"prepare-data: the inputs {list(inputs)} hold no text")
+        counts = np.concatenate(lengths)
+        np.save(staging / DOCUMENTS, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+        seconds = time.perf_counter() - started
+        metadata = {
+            "format": FORMAT, "version": FORMAT_VERSION, "dtype": dtype.name, "num_tokens": int(total),
+            "num_documents": int(counts.size),
+            "tokenizer": {"name": getattr(tokenizer, "name_or_path", str(tokenizer_dir)),
+                          "sha256": tokenizer_fingerprint(tokenizer_dir), "vocab_size": vocab_size,
+                          "eos_id": int(tokenizer.eos_token_id)},
+            "sources": [str(path) for path, _ in files], "text_field": text_field,
+            "seconds": round(seconds, 2), "workers": workers,
+        }
+        (staging / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return out
+
+
+def _encode_batch_star(task: tuple[list[str], str]) -> tuple[np.ndarray, np.ndarray]:
+    return _encode(*task)
+
+
+def _progress(enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(unit=" tokens", unit_scale=True, desc="prepare-data", file=sys.stderr)
+
+
+def _write(results: Iterable[tuple[np.ndarray, np.ndarray]], sink: Any, lengths: list[np.ndarray], bar: Any) -> int:
+    total = 0
+    for tokens, counts in results:
+        sink.write(tokens.tobytes())
+        lengths.append(counts)
+        total += tokens.size
+        if bar is not None:
+            bar.update(tokens.size)
+    return total
+
+
+# --------------------------------------------------------------------------- reading a prepared folder
+
+
+def is_prepared(path: Any) -> bool:
+    """Whether `path` is a folder written by `prepare_data`."""
+    return isinstance(path, (str, os.PathLike)) and (Path(path) / METADATA).is_file()
+
+
+@dataclass
+class PreparedTokens:
+    """A prepared folder, checked and memory-mapped (`open`)."""
+
+    path: Path
+    metadata: dict[str, Any]
+    tokens: np.ndarray  # read-only np.memmap
+    document_starts: np.ndarray  # (n_documents + 1,) int64, memory-mapped
+
+    @classmethod
+    def open(cls, path: str | Path) -> "PreparedTokens":
+        path = Path(path)
+        try:
+            metadata = json.loads((path / METADATA).read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{path} is not a prepared data folder (`ultrascale prepare-data`): {error}") from None
+        if metadata.get("format") != FORMAT or metadata.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{path}: format {metadata.get('format')!r} v{metadata.get('version')}; this ultrascale reads "
+                             f"{FORMAT!r} v{FORMAT_VERSION} (prepare it again)")
+        dtype = np.dtype(metadata["dtype"])
+        expected = metadata["num_tokens"] * dtype.itemsize
+        tokens_file = path / TOKENS
+        found = tokens_file.stat().st_size if tokens_file.is_file() else None
+        if found != expected:
+            raise ValueError(
+                f"{tokens_file} holds {found if found is not None else 'no'} bytes, its metadata says "
+                f"{metadata['num_tokens']:,} tokens of {dtype.name} = {expected:,} bytes: the copy is truncated or "
+                "incomplete; copy or prepare it again"
+            )
+        starts = np.load(path / DOCUMENTS, mmap_mode="r")
+        if starts.shape != (metadata["num_documents"] + 1,) or int(starts[-1]) != metadata["num_tokens"]:
+            raise ValueError(f"{path / DOCUMENTS} does not match {METADATA} (documents or tokens differ): prepare it again")
+        tokens = np.memmap(tokens_file, dtype=dtype, mode="r", shape=(metadata["num_tokens"],))
+        return cls(path, metadata, tokens, starts)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.metadata["tokenizer"]["vocab_size"])
+
+    @property
+    def tokenizer_sha256(self) -> str:
+        return str(self.metadata["tokenizer"]["sha256"])
+
+    def positions(self, start: int, stop: int) -> np.ndarray:
+        """Positions of tokens [start, stop) as a packed block's: 0 at `start` (the block's piece of the document
+        it starts in) and again at every document that starts inside the block."""
+        index = np.arange(start, stop, dtype=np.int64)
+        document = np.searchsorted(self.document_starts, index, side="right") - 1
+        return index - np.maximum(np.asarray(self.document_starts[document]), start)
+
+
+class BlendedBlocks(Dataset):
+    """Blocks of `seq_len + 1` tokens from one or several prepared folders, mixed by weight.
+
+    Source s contributes its k-th block at "time" (k + 1/2) / w_s; sorting all blocks by time
+    interleaves them so that among the first n samples source s has n·w_s of them within one
+    (deterministic, the same on every rank, resumable by index). The blend is as long as the
+    weights allow without repeating a block: n = min over sources of blocks_s / w_s. One source
+    needs no index at all; a blend holds two arrays of n entries (9 bytes a block).
+
+    Item i: `input_ids`, `labels` (int64), and with `document_positions` `position_ids` restarting
+    at every document (document masking for pretraining).
+    """
+
+    def __init__(self, sources: Sequence[PreparedTokens], weights: Sequence[float], seq_len: int, *,
+                 max_blocks: Optional[int] = None, document_positions: bool = False) -> None:
+        if len(sources) != len(weights) or not sources:
+            raise ValueError("BlendedBlocks: one weight per source")
+        if any(w <= 0 for w in weights):
+            raise ValueError(f"BlendedBlocks: weights must be positive, got {list(weights)}")
+        self.sources, self.seq_len, self.document_positions = list(sources), seq_len, document_positions
+        total = float(sum(weights))
+        self.weights = [w / total for w in weights]
+        blocks = [s.tokens.size // (seq_len + 1) for s in sources]
+        if len(sources) == 1:
+            self.source_of = self.block_of = None
+            self.length = blocks[0] if max_blocks is None else min(blocks[0], max_blocks)
+            return
+        length = int(min(b / w for b, w in zip(blocks, self.weights)))
+        if max_blocks is not None:
+            length = min(length, max_blocks)
+        takes = [int(np.ceil(length * w)) + 1 for w in self.weights]
+        times = np.concatenate([(np.arange(min(t, b)) + 0.5) / w for t, b, w in zip(takes, blocks, self.weights)])
+        source = np.concatenate([np.full(min(t, b), s, dtype=np.int8) for s, (t, b) in enumerate(zip(takes, blocks))])
+        block = np.concatenate([np.arange(min(t, b), dtype=np.int64) for t, b in zip(takes, blocks)])
+        order = np.argsort(times, kind="stable")[:length]
+        self.source_of, self.block_of, self.length = source[order], block[order], length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < self.length:
+            raise IndexError(f"block {index} out of range for {self.length} blocks")
+        if self.source_of is None:
+            source, block = self.sources[0], index
+        else:
+            source, block = self.sources[int(self.source_of[index])], int(self.block_of[index])
+        start = block * (self.seq_len + 1)
+        ids = torch.from_numpy(np.asarray(source.tokens[start : start + self.seq_len + 1], dtype=np.int64))
+        item = {"input_ids": ids[:-1], "labels": ids[1:]}
+        if self.document_positions:
+            item["position_ids"] = torch.from_numpy(source.positions(start, start + self.seq_len))
+        return item
+
+    def source_counts(self, count: int) -> list[int]:
+        """How many of the first `count` samples come from each source."""
+        if self.source_of is None:
+            return [min(count, self.length)]
+        return np.bincount(self.source_of[:count], minlength=len(self.sources)).tolist()
+
+
+class Subset(Dataset):
+    """Items [first, first + length) of `dataset` (the train / validation split of blended blocks)."""
+
+    def __init__(self, dataset: Dataset, first: int, length: int) -> None:
+        self.dataset, self.first, self.length = dataset, first, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < self.length:
+            raise IndexError(f"block {index} out of range for {self.length} blocks")
+        return self.dataset[self.first + index]
