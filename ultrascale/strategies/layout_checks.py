@@ -101,13 +101,13 @@ class LayoutChecks:
             raise_first(model_problems(dims, knobs, facts), owner)
         if not with_data:
             return
+        # Without facts under tp, sequence parallel is decided by the built model's plan: checked in `setup`.
+        if not (dims.tp_enabled and facts is None and self.sequence_parallel is None):
+            self._check_data(sequence_parallel=sequence_parallel_of(knobs, facts) if facts is not None
+                             else bool(self.sequence_parallel) and dims.tp_enabled)
         check_against_model = getattr(getattr(trainer_of(module), "datamodule", None), "check_model", None)
         if callable(check_against_model) and module is not None:
             check_against_model(module)  # the data's vocabulary fits the model's
-        if dims.tp_enabled and facts is None and self.sequence_parallel is None:
-            return  # sequence parallel is decided by the built model's plan: checked in `setup`
-        self._check_data(sequence_parallel=sequence_parallel_of(knobs, facts) if facts is not None
-                         else bool(self.sequence_parallel) and dims.tp_enabled)
 
     def check_model(self, module: torch.nn.Module, dims: Optional[ParallelDims] = None) -> ModelPlan:
         """The rulebook's checks on the built model (real or meta) before any weight is communicated, for `dims`
