@@ -45,7 +45,8 @@ def format_table(rows: list[PlanRow], top: int) -> str:
 def describe_search(shape: ModelShape, fixed: dict[str, Any]) -> str:
     """One line: the dimensions searched, what was fixed, and what was left out."""
     dims = "pp x dp_replicate x dp_shard x cp x tp" + (" x ep" if shape.n_experts else "")
-    text = (f"{dims}; ZeRO-1/2/3 (ZeRO-0 when asked: it runs as dp_replicate alone); recompute none/selective/full; micro-batch 1-8; pipeline 1F1B and Interleaved1F1B (v=2); "
+    text = (f"{dims}; ZeRO-1/2/3 (ZeRO-0 when asked: it runs as dp_replicate alone); "
+            "recompute none/selective/full; micro-batch 1-8; pipeline 1F1B and Interleaved1F1B (v=2); "
             "ZeRO-3 accumulation with sharded or whole gradients (acc 'w'); context parallel by ring or all-to-all "
             "(Ulysses, cp 'u')")
     if fixed:
