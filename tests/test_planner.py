@@ -355,7 +355,8 @@ def test_plan_json_rows_have_the_documented_keys(capsys):
             "fits", "memory_gib", "step_time_s", "tokens_per_s_per_gpu", "mfu"}
     for row in rows:
         assert keys <= set(row)
-        assert set(row["memory_gib"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
+        assert set(row["memory_gib"]) == {"params", "grads", "optimizer", "transient", "activations", "buffers", "total"}
+        assert set(row["model_state_gib"]) == {"params", "grads", "optimizer", "total"}
         assert set(row["step_time_s"]) == {"compute", "communication", "bubble", "total"}
         assert row["fits"] and row["memory_gib"]["total"] == pytest.approx(
             sum(v for k, v in row["memory_gib"].items() if k != "total"), abs=1e-3)
@@ -672,3 +673,32 @@ def test_zero12_with_tensor_parallel_is_searched_and_priced(tmp_path, capsys):
     assert code == 0 and "zero_stage=1" in out.out, out.out
     init = yaml.safe_load(recipe.read_text())["trainer"]["strategy"]["init_args"]
     assert init["tensor_parallel"] == 8 and init["zero_stage"] == 1
+
+
+def test_cs336_zero_ladder_from_the_command_line(tmp_path, capsys):
+    """CS336's ladder for a 7.5B model on 64 GPUs (bf16 weights and gradients, fp32 Adam state with master
+    weights: 16 bytes per parameter): params + grads + optimizer of 120 / 31.4 / 16.6 / 1.875 GB for ZeRO-0/1/2/3.
+    ZeRO-0 is priced as ultrascale runs it (dp_replicate alone); the foreach step temporary is its own key."""
+    import json
+
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                      num_key_value_heads=32, intermediate_size=12800, vocab_size=32000,
+                                      tie_word_embeddings=False)
+    config.save_pretrained(tmp_path)
+    psi = sum(model_shape(str(tmp_path)).param_counts().values())
+    assert abs(psi - 7.5e9) / 7.5e9 < 0.01
+    expected_gb = {0: 120, 1: 31.4, 2: 16.6, 3: 1.875}
+    for stage, gb in expected_gb.items():
+        code, out = _plan(capsys, "--hf-config", str(tmp_path), "--gpus", "64", "--seq-len", "4096",
+                          "--layout", f"dp_shard=64,zero_stage={stage},recompute=full", "--json")
+        assert code in (0, 1), out.err
+        (row,) = json.loads(out.out)
+        memory, model_state = row["memory_gib"], row["model_state_gib"]
+        assert model_state["total"] * 2**30 / 1e9 == pytest.approx(gb, rel=0.03), (stage, model_state)
+        assert model_state["optimizer"] == pytest.approx(memory["optimizer"])  # the formula's, the temporary apart
+        assert memory["total"] == pytest.approx(sum(v for k, v in memory.items() if k != "total"), abs=1e-3)
+        assert row["zero_stage"] == stage and "problems" not in row
+        if stage == 0:  # plain data parallel is HSDP without sharding: 64 replicas
+            assert row["runs_as"] == {"dp_replicate": 64, "dp_shard": 1, "zero_stage": 3}

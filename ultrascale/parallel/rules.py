@@ -181,7 +181,8 @@ def knob_problems(k: LayoutKnobs) -> list[Problem]:
         problems.append(Problem(f"choose one of {CONTEXT_PARALLEL_METHODS}",
                                 (f"context_parallel_method={k.context_parallel_method!r}",)))
     if k.zero_stage not in ZERO_STAGES:
-        plain = " (zero_stage=0, plain replicated data parallel, is not run by ultrascale)" if k.zero_stage == 0 else ""
+        plain = (" (plain replicated data parallel, ZeRO-0, is `data_parallel_replicate=N, data_parallel_shard=1`: HSDP "
+                 "without sharding)") if k.zero_stage == 0 else ""
         problems.append(Problem(f"choose 1, 2 or 3{plain}", (f"zero_stage={k.zero_stage!r}",)))
     if k.accumulate_unsharded_grads and k.zero_stage != 3:
         problems.append(Problem(

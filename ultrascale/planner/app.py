@@ -114,7 +114,8 @@ def plan_main(args: list[str]) -> str:
     # Single-degree options of the first `plan` (kept: each fixes that value of the layout).
     parser.add_argument("--dp-replicate", type=_positive(int), default=None)
     parser.add_argument("--tp", type=_positive(int), default=None)
-    parser.add_argument("--zero-stage", type=int, default=None, choices=(1, 2, 3))
+    parser.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3),
+                        help="0: plain data parallel (runs as dp_replicate alone)")
     parser.add_argument("--micro-batch", type=_positive(int), default=None)
     parser.add_argument("--recompute", default=None, choices=RECOMPUTE_MODES)
     parser.add_argument("--full-recompute", action="store_true", help="same as --recompute full")

@@ -9,7 +9,7 @@ from typing import Any
 
 from ultrascale.estimate import STATE_BYTES, ActivationModel, ModelShape
 from ultrascale.planner.hardware import COMPILE_SPEEDUP, GIB, Cluster
-from ultrascale.planner.layouts import Layout, layout_problems, model_facts_of
+from ultrascale.planner.layouts import Layout, layout_problems, model_facts_of, runs_as
 
 __all__ = ["PlanRow", "Workload", "evaluate", "stage_model_state"]
 
@@ -21,20 +21,30 @@ class PlanRow:
     layout: Layout
     fits: bool
     memory: dict[str, float]
-    """Bytes per GPU: params, grads, optimizer, activations, buffers, total (the worst pipeline stage)."""
+    """Bytes per GPU: params, grads, optimizer (model state: the formulas), transient (foreach AdamW's temporary
+    at the step), activations, buffers, total (the worst pipeline stage)."""
     step_time: dict[str, float]
     """Seconds per optimizer step: compute, communication (exposed), bubble, total."""
     tokens_per_s_per_gpu: float
     mfu: float
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    model_state: dict[str, float] = field(default_factory=dict)
+    """Bytes per GPU of weights, gradients and optimizer state as the ZeRO formulas give them (that stage's), whatever
+    exists at the peak moment `memory` describes (FSDP's gradients, for one, do not exist during the forward)."""
 
     def to_json(self) -> dict[str, Any]:
         row: dict[str, Any] = {key: value for key, value in asdict(self.layout).items()}
         row["schedule"] = self.layout.schedule
         row["fits"] = self.fits
         row["memory_gib"] = {key: round(value / GIB, 4) for key, value in self.memory.items()}
+        if self.model_state:
+            state = {key: round(value / GIB, 4) for key, value in self.model_state.items()}
+            row["model_state_gib"] = {**state, "total": round(sum(self.model_state.values()) / GIB, 4)}
         row["step_time_s"] = {key: round(value, 6) for key, value in self.step_time.items()}
+        ran = runs_as(self.layout)
+        if ran != self.layout:  # ZeRO-0: what ultrascale runs for it
+            row["runs_as"] = {"dp_replicate": ran.dp_replicate, "dp_shard": ran.dp_shard, "zero_stage": ran.zero_stage}
         row["tokens_per_s_per_gpu"] = round(self.tokens_per_s_per_gpu, 2)
         row["mfu"] = round(self.mfu, 4)
         if self.problems:
@@ -94,11 +104,12 @@ def stage_model_state(shape: ModelShape, layout: Layout, work: Workload, layers:
     gradients, ZeRO-3 also the weights (Rajbhandari et al. 2020); the bytes per parameter are
     ultrascale's (`STATE_BYTES`). Experts are split over ep first, and their shards over the
     n/ep ranks that hold the same experts."""
+    layout = runs_as(layout)
     family = "fsdp" if layout.zero_stage == 3 else "zero12"
     w_bytes, g_bytes, o_bytes = STATE_BYTES[(work.precision, family)]
     n = layout.dp_shard * layout.cp
     dense, experts = _stage_params(shape, layout, layers, first, last)
-    # ZeRO-0 (plain data parallel) is priced, though the rulebook refuses it: everything replicated.
+    # ZeRO-0 runs as unsharded HSDP (`runs_as`); with cp it is refused but still priced: everything replicated.
     div = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[layout.zero_stage]
     expert_div = (max(n // layout.ep, 1),) * 3 if layout.zero_stage == 3 else div
     return {
@@ -130,8 +141,9 @@ def _ring(kind: str, nbytes: float, n: int, bandwidth: float) -> float:
 
 
 def evaluate(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload, hf_config: Any = None) -> PlanRow:
-    """Memory and time per GPU of one layout (also for a refused one: `problems` then says why)."""
-    lay = layout
+    """Memory and time per GPU of one layout (also for a refused one: `problems` then says why). ZeRO-0 is priced
+    as ultrascale runs it (`runs_as`: HSDP without sharding); the row keeps the layout as asked."""
+    lay = runs_as(layout)
     problems = layout_problems(lay, shape, cluster, work.seq_len, work.global_batch, hf_config)
     acts = ActivationModel(shape, work.seq_len // lay.cp, lay.micro_batch, tp=lay.tp,
                            sequence_parallel=lay.tp > 1 and model_facts_of(shape, hf_config).sequence_parallel,
@@ -140,13 +152,14 @@ def evaluate(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload
                            attention_scores_saved=work.attention_scores_saved)
     first_layers, last_layers = _stage_layers(shape.n_layers, lay.pp)
     stages = [(first_layers, True, lay.pp == 1)] + ([(last_layers, False, True)] if lay.pp > 1 else [])
-    memory = max((_peak_memory(shape, lay, work, acts, *stage) for stage in stages), key=lambda mem: mem["total"])
+    memory, state = max(((_peak_memory(shape, lay, work, acts, *stage), stage_model_state(shape, lay, work, *stage))
+                         for stage in stages), key=lambda pair: pair[0]["total"])
     step_time = _step_time(shape, lay, cluster, work, acts)
     peak = cluster.gpu.peak_tflops * 1e12
     tokens_per_s_per_gpu = work.tokens / step_time["total"] / cluster.gpus
     mfu = shape.flops_per_token(work.seq_len) * work.tokens / (step_time["total"] * cluster.gpus * peak)
     fits = not problems and memory["total"] <= cluster.usable_bytes
-    return PlanRow(lay, fits, memory, step_time, tokens_per_s_per_gpu, mfu, problems)
+    return PlanRow(layout, fits, memory, step_time, tokens_per_s_per_gpu, mfu, problems, model_state=state)
 
 
 def _peak_memory(shape: ModelShape, lay: Layout, work: Workload, acts: ActivationModel, layers: int, first: bool,
@@ -195,9 +208,9 @@ def _peak_memory(shape: ModelShape, lay: Layout, work: Workload, acts: Activatio
     optimizer_bytes = STATE_BYTES[(work.precision, "fsdp" if lay.zero_stage == 3 else "zero12")][2]
     step_temporary = optimizer * 4 / optimizer_bytes
     if activations + grads_in_forward >= grads + step_temporary:
-        moment = {"grads": grads_in_forward, "optimizer": optimizer, "activations": activations}
-    else:
-        moment = {"grads": grads, "optimizer": optimizer + step_temporary, "activations": 0.0}
+        moment = {"grads": grads_in_forward, "optimizer": optimizer, "transient": 0.0, "activations": activations}
+    else:  # the step's peak: model state as the formulas have it, plus the temporary on its own
+        moment = {"grads": grads, "optimizer": optimizer, "transient": step_temporary, "activations": 0.0}
     memory = {"params": params, **moment, "buffers": buffers}
     return {**memory, "total": sum(memory.values())}
 

@@ -3,6 +3,7 @@ that say whether ultrascale runs it for a model on a cluster (`layout_problems`)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -11,7 +12,7 @@ from ultrascale.parallel import rules
 from ultrascale.parallel.rules import CONTEXT_PARALLEL_METHODS, LayoutKnobs, ModelFacts, Problem
 from ultrascale.planner.hardware import Cluster
 
-__all__ = ["LAYOUT_KEYS", "Layout", "RECOMPUTE_MODES", "layout_problems", "parse_layout"]
+__all__ = ["LAYOUT_KEYS", "Layout", "RECOMPUTE_MODES", "layout_problems", "parse_layout", "runs_as"]
 
 
 @dataclass(frozen=True)
@@ -138,8 +139,19 @@ def _model_facts_of(shape: ModelShape, config: Any) -> ModelFacts:
     return config_facts(config)
 
 
+def runs_as(layout: Layout) -> Layout:
+    """The layout ultrascale runs for `layout`. ZeRO-0 (plain data parallel: weights, gradients and optimizer
+    state replicated, gradients all-reduced) is HSDP without sharding: every data-parallel rank a replica
+    (dp_replicate = dp, dp_shard = 1 under zero_stage=3). With context parallel the cp ranks would share
+    FSDP's shard axis, so ZeRO-0 x cp stays as asked (and is refused by the rulebook)."""
+    if layout.zero_stage != 0 or layout.cp > 1:
+        return layout
+    return dataclasses.replace(layout, dp_replicate=layout.dp, dp_shard=1, zero_stage=3, accumulate_unsharded_grads=False)
+
+
 def layout_knobs(layout: Layout) -> LayoutKnobs:
     """The strategy knobs a planner layout stands for (its recipe: `ultrascale.planner.recipe.recipe_yaml`)."""
+    layout = runs_as(layout)
     return LayoutKnobs(
         dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, cp=layout.cp, tp=layout.tp, pp=layout.pp,
         ep=layout.ep, zero_stage=layout.zero_stage, pipeline_schedule=layout.schedule or "1F1B",

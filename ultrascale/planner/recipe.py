@@ -5,13 +5,14 @@ from __future__ import annotations
 from ultrascale.estimate import ModelShape
 from ultrascale.planner.cost import PlanRow, Workload
 from ultrascale.planner.hardware import COMPILE_SPEEDUP, GIB, Cluster
+from ultrascale.planner.layouts import runs_as
 
 __all__ = ["recipe_yaml"]
 
 
 def recipe_yaml(row: PlanRow, model: str, shape: ModelShape, cluster: Cluster, work: Workload) -> str:
     """A LightningCLI recipe running `row`'s layout (`ultrascale fit --config PATH` under torchrun / SLURM)."""
-    lay = row.layout
+    lay = runs_as(row.layout)  # ZeRO-0: unsharded HSDP
     nodes = max(cluster.gpus // cluster.gpus_per_node, 1)
     devices = min(cluster.gpus, cluster.gpus_per_node)
     pipeline = lay.pp > 1

@@ -35,7 +35,7 @@ def format_table(rows: list[PlanRow], top: int) -> str:
         lines.append(
             f"{i:>3} {lay.pp:>3} {lay.dp_replicate:>4} {lay.dp_shard:>4} {cp:>4} {lay.tp:>3} {lay.ep:>3} {lay.zero_stage:>4} "
             f"{recompute:>9} {lay.micro_batch:>3} {accumulation:>4} | {mem['params']:>7.2f} {mem['grads']:>6.2f} "
-            f"{mem['optimizer']:>6.2f} {mem['activations']:>6.2f} {mem['buffers']:>5.2f} {mem['total']:>6.2f} "
+            f"{mem['optimizer'] + mem['transient']:>6.2f} {mem['activations']:>6.2f} {mem['buffers']:>5.2f} {mem['total']:>6.2f} "
             f"{'yes' if row.fits else 'NO':>4} | {t['compute']:>7.3f} {t['communication']:>7.3f} {t['bubble']:>7.3f} "
             f"{t['total']:>7.3f} | {row.tokens_per_s_per_gpu:>9,.0f} {row.mfu:>5.1%}"
         )
@@ -45,12 +45,13 @@ def format_table(rows: list[PlanRow], top: int) -> str:
 def describe_search(shape: ModelShape, fixed: dict[str, Any]) -> str:
     """One line: the dimensions searched, what was fixed, and what was left out."""
     dims = "pp x dp_replicate x dp_shard x cp x tp" + (" x ep" if shape.n_experts else "")
-    text = (f"{dims}; ZeRO-1/2/3; recompute none/selective/full; micro-batch 1-8; pipeline 1F1B and Interleaved1F1B (v=2); "
+    text = (f"{dims}; ZeRO-1/2/3 (ZeRO-0 when asked: it runs as dp_replicate alone); "
+            "recompute none/selective/full; micro-batch 1-8; pipeline 1F1B and Interleaved1F1B (v=2); "
             "ZeRO-3 accumulation with sharded or whole gradients (acc 'w'); context parallel by ring or all-to-all "
             "(Ulysses, cp 'u')")
     if fixed:
         text += "; fixed " + ", ".join(f"{key}={value}" for key, value in fixed.items())
-    left_out = ["ZeRO-0 (ultrascale has no plain replicated data parallel)", "GPipe and zero-bubble schedules", "Float8"]
+    left_out = ["GPipe and zero-bubble schedules", "Float8"]
     if not shape.n_experts:
         left_out.append("ep (a dense model)")
     return text + ". Not searched: " + ", ".join(left_out)
@@ -66,7 +67,8 @@ def explain(row: PlanRow, cluster: Cluster) -> list[str]:
         verdict = f"{'fits' if row.fits else 'does NOT fit'} in the {cluster.usable_bytes / GIB:.1f} GiB planned for"
     return [
         f"per GPU    parameters {mem['params']:.2f} + gradients {mem['grads']:.2f} + optimizer {mem['optimizer']:.2f} + "
-        f"activations {mem['activations']:.2f} + buffers {mem['buffers']:.2f} = {mem['total']:.2f} GiB: {verdict}",
+        + (f"step temporary {mem['transient']:.2f} + " if mem.get("transient") else "")
+        + f"activations {mem['activations']:.2f} + buffers {mem['buffers']:.2f} = {mem['total']:.2f} GiB: {verdict}",
         f"step       compute {t['compute']:.3f} s + exposed communication {t['communication']:.3f} s + bubble "
         f"{t['bubble']:.3f} s = {t['total']:.3f} s; {row.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {row.mfu:.1%}",
     ]
