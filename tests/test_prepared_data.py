@@ -204,21 +204,32 @@ def test_errors_before_any_process_group(tmp_path, prepared, tokenizer):
         CausalLMDataModule(data_path=[{"path": prepared[0]}, {"path": str(tmp_path)}])
 
 
-def test_a_vocabulary_larger_than_the_model_fails_before_the_process_group(prepared):
-    """Under an ultrascale strategy the data is checked against the model in `setup_environment`, before the
-    process group (a rank would otherwise index past the embedding on its first batch)."""
+def _fit_refused(rank, world_size, path, model_vocab):
     import lightning as L
 
     import ultrascale
     from ultrascale.models.lm import LlamaLM
 
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ultrascale.UltraScaleStrategy(), max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    data = CausalLMDataModule(data_path=path, seq_len=16, global_batch_size=8, val_fraction=0.0)
+    try:
+        trainer.fit(LlamaLM(preset="tiny", vocab_size=model_vocab), data)
+    except ValueError as error:
+        return str(error), torch.distributed.is_initialized()
+    return None, torch.distributed.is_initialized()
+
+
+def test_a_vocabulary_larger_than_the_model_fails_before_the_process_group(prepared):
+    """Under an ultrascale strategy the data is checked against the model in `setup_environment`, before the
+    process group (a rank would otherwise index past the embedding on its first batch). In forked ranks: a
+    fit that stops in setup_environment leaves the launch environment behind."""
+    from tests._dist import run_ranks
+
     vocab = PreparedTokens.open(prepared[0]).vocab_size
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ultrascale.UltraScaleStrategy(), max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    data = CausalLMDataModule(data_path=prepared[0], seq_len=16, global_batch_size=8, val_fraction=0.0)
-    with pytest.raises(ValueError, match=rf"vocabulary {vocab:,}, but the model LlamaLM has vocab_size={vocab - 1:,}"):
-        trainer.fit(LlamaLM(preset="tiny", vocab_size=vocab - 1), data)
-    assert not torch.distributed.is_initialized()
+    for error, initialised in run_ranks(_fit_refused, 2, prepared[0], vocab - 1):
+        assert error is not None and f"vocabulary {vocab:,}, but the model LlamaLM has vocab_size={vocab - 1:,}" in error
+        assert not initialised
 
 
 def test_trainer_resume_mid_epoch_from_a_prepared_folder(tmp_path, prepared):
