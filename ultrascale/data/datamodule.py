@@ -14,9 +14,9 @@ from typing import Any, Literal, Optional, Union
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
-from ultrascale.data.prepared import BlendedBlocks, PreparedTokens, Subset, is_prepared, tokenizer_fingerprint
+from ultrascale.data.prepared import BlendedBlocks, PreparedTokens, is_prepared, tokenizer_fingerprint
 from ultrascale.data.sampling import BlockDataModule, split_blocks
 from ultrascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -305,8 +305,8 @@ class CausalLMDataModule(BlockDataModule):
             what=f"the prepared data {described} gives {len(blocks)} blocks of `seq_len={self.seq_len}`+1",
             remedy="Use more data, a smaller `seq_len` or a smaller `global_batch_size`.",
         )
-        self.train_dataset = Subset(blocks, 0, num_train)
-        self.val_dataset = Subset(blocks, num_train, num_val)
+        self.train_dataset = Subset(blocks, range(num_train))
+        self.val_dataset = Subset(blocks, range(num_train, num_train + num_val))
 
 
 def _prepared_sources(owner: str, data_path: Any, dataset_path: Optional[str],

@@ -136,12 +136,10 @@ _worker_tokenizer: Any = None
 
 
 def _load(tokenizer_dir: str) -> Any:
-    from transformers import AutoTokenizer
+    """The Hugging Face tokenizer in `tokenizer_dir` (`load_tokenizer` checks it has the EOS that ends documents)."""
+    from ultrascale.data.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"prepare-data: the tokenizer in {tokenizer_dir} has no eos_token (it separates documents)")
-    return tokenizer
+    return load_tokenizer(tokenizer_dir).tokenizer
 
 
 def _init_worker(tokenizer_dir: str) -> None:
@@ -391,18 +389,3 @@ class BlendedBlocks(Dataset):
         if self.source_of is None:
             return [min(count, self.length)]
         return np.bincount(self.source_of[:count], minlength=len(self.sources)).tolist()
-
-
-class Subset(Dataset):
-    """Items [first, first + length) of `dataset` (the train / validation split of blended blocks)."""
-
-    def __init__(self, dataset: Dataset, first: int, length: int) -> None:
-        self.dataset, self.first, self.length = dataset, first, length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if not 0 <= index < self.length:
-            raise IndexError(f"block {index} out of range for {self.length} blocks")
-        return self.dataset[self.first + index]

@@ -21,13 +21,8 @@ import torch
 import torch.nn as nn
 
 from ultrascale.parallel.checkpoint import load_sharded_checkpoint
-from ultrascale.parallel.zero import (
-    flat_state_template,
-    param_shaped_from_flat,
-    relayout_like,
-    saved_optimizer_layout,
-    zero_engine_for,
-)
+from ultrascale.parallel.zero import zero_engine_for
+from ultrascale.parallel.zero_layouts import flat_state_template, param_shaped_from_flat, relayout_like, saved_optimizer_layout
 
 
 def load_training_state(
