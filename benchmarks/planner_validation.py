@@ -14,9 +14,15 @@ fills it and says so in the `assumed` column:
   data rank (pp micro-batches under pipeline parallel) where unstated; 8 GPUs per node;
 - the GPT-3 175B vocabulary: 50257.
 
-The planner has no Float8 model: an fp8 run is priced at the bf16 peak, so its ratio is
-expected below 1 (torchtitan measured Float8 at 1.2-1.5x bf16). Ratios "inside 25%" are
-counted over all runs and over the bf16 runs alone.
+An fp8 run is priced as `ultrascale plan --fp8` prices it (compiled blocks with Float8 matmuls:
+torchtitan's published gains, `ultrascale.planner.hardware`). A run whose source gives MFU or TFLOP/s
+rather than tokens/s is compared by MFU: model FLOPs over the bf16 peak (hardware FLOPs converted with
+the source's own formula; an MFU against the fp8 peak doubled; a stated FLOP count per sequence
+rescaled to the planner's 6N + 12·L·h·s). The summary reports the median ratio,
+the share within 25% and within 1.35x, for all runs, bf16 (without and with a pipeline), fp8 and
+pipelined runs. Pipelines are priced as laid out: the stated schedule and virtual stages (v = 2 where
+a paper names interleaving without a count), the balanced split where the source states lighter
+first and last stages or where no even split exists.
 
 With `--measure` it also sets the planner's memory beside `ultrascale.measure` (the real model
 under FakeTensorMode and FSDPMemTracker, about 20 s per layout) for the 8B preset at world 8.
@@ -39,6 +45,7 @@ from _common import write_results  # noqa: E402
 
 from ultrascale import planner  # noqa: E402
 from ultrascale.estimate import ModelShape, model_shape  # noqa: E402
+from ultrascale.planner.pipeline import balanced_layers  # noqa: E402
 
 PUBLISHED = runpy.run_path(str(Path(__file__).resolve().parent / "planner_published.py"))["PUBLISHED_RUNS"]
 GIB = 2**30
@@ -61,10 +68,14 @@ def _shape(model) -> tuple[ModelShape, list[str]]:
     return shape, assumed
 
 
+MEGATRON_STYLE = ("NeMo", "Megatron", "dgxc", "Narayanan", "Korthikanti", "GLM", "Llama 3 paper")
+"""Sources whose data parallelism is Megatron's (the distributed optimizer: ZeRO-1) rather than FSDP."""
+
+
 def predict(run: dict, efficiency: float) -> dict:
     shape, assumed = _shape(run["model"])
     lay = dict(run["layout"])
-    lay.pop("schedule", None)
+    schedule = lay.pop("schedule", None)
     gpus = run["gpus"]
     seq = run["seq_len"]
     if seq is None:
@@ -73,13 +84,28 @@ def predict(run: dict, efficiency: float) -> dict:
     if run["gpus_per_node"] is None:
         assumed.append("8 GPUs/node")
     if "zero_stage" not in lay:
-        megatron = "NeMo" in run["source"] or "Megatron" in run["source"]
+        megatron = any(name in run["source"] for name in MEGATRON_STYLE)
         lay["zero_stage"] = 1 if megatron else 3
         assumed.append(f"ZeRO-{lay['zero_stage']}")
+    if "dp" in lay:
+        lay["dp_shard"] = lay.pop("dp")
     tp, pp, cp, dpr = (lay.get(k, 1) for k in ("tp", "pp", "cp", "dp_replicate"))
     lay.setdefault("dp_shard", gpus // (tp * pp * cp * dpr))
-    lay.pop("dp", None)
     dp = lay["dp_shard"] * dpr
+    if pp > 1:
+        if schedule is None:
+            schedule = "Interleaved1F1B" if lay.get("virtual_stages", 1) > 1 else "1F1B"
+            assumed.append(f"schedule {schedule}")
+        lay["pipeline_schedule"] = schedule
+        if schedule == "Interleaved1F1B" and "virtual_stages" not in lay:
+            lay["virtual_stages"] = 2
+            assumed.append("v=2")
+        stages = pp * lay.get("virtual_stages", 1)
+        if run.get("pipeline_layers"):  # the sources that state one describe the first and last stage one layer lighter
+            lay["pipeline_layers"] = balanced_layers(shape.n_layers, stages)
+        elif shape.n_layers % stages and lay.get("virtual_stages", 1) > 1:
+            lay["pipeline_layers"] = balanced_layers(shape.n_layers, stages)
+            assumed.append("balanced split")
     mbs = run["micro_batch"]
     if mbs is None:
         mbs, _ = 1, assumed.append("micro-batch 1")
@@ -88,7 +114,10 @@ def predict(run: dict, efficiency: float) -> dict:
         global_batch = dp * mbs * pp
         assumed.append(f"{pp} micro-batches per data rank" if pp > 1 else "one micro-batch per data rank")
     recompute = run["recompute"]
-    if recompute is None:
+    if recompute is None and run.get("recompute_assumed"):
+        recompute, why = run["recompute_assumed"]
+        assumed.append(f"recompute {recompute} ({why})")
+    elif recompute is None:
         recompute = "selective" if "torchtitan" in run["source"] else "none"
         assumed.append(f"recompute {recompute}")
     accumulation = max(global_batch // (mbs * dp), 1)
@@ -96,9 +125,38 @@ def predict(run: dict, efficiency: float) -> dict:
                             **{k: v for k, v in lay.items() if k in planner.LAYOUT_KEYS})
     spec = planner.GPU_SPECS[run["gpu"].lower()]
     cluster = planner.Cluster(spec, gpus, per_node, efficiency=efficiency)
-    work = planner.Workload(seq, mbs * accumulation * dp, "bf16-mixed")
+    fp8 = run["precision"] == "fp8"  # priced as `plan --fp8`: compiled blocks with Float8 matmuls
+    work = planner.Workload(seq, mbs * accumulation * dp, "bf16-mixed", compiled=fp8, float8=fp8)
     row = planner.evaluate(shape, layout, cluster, work)
     return {"row": row, "shape": shape, "assumed": assumed, "layout": layout}
+
+
+def published_mfu(run: dict, shape: ModelShape) -> tuple[float | None, str]:
+    """The source's utilisation as model FLOPs over the bf16 peak (what the planner predicts), and how it was read.
+
+    Hardware FLOPs (the recomputed forward counted) become model FLOPs with Narayanan et al. 2021's own formulas:
+    model / hardware = 72(1 + s/6h + V/12lh) / 96(1 + s/6h + V/16lh). An fp8 MFU stated against the fp8 peak
+    (the DGX-Cloud tables say so) is doubled: the fp8 peak is twice the bf16 one."""
+    how = []
+    if run["mfu"] is not None:
+        mfu = run["mfu"]
+        how.append("stated MFU")
+    elif run["tflops_per_gpu"] is not None:
+        mfu = run["tflops_per_gpu"] / planner.GPU_SPECS[run["gpu"].lower()].peak_tflops
+        how.append("TFLOP/s over the bf16 peak")
+    else:
+        return None, ""
+    if run.get("flops_include_recompute"):
+        s, h, L, V = run["seq_len"], shape.hidden, shape.n_layers, shape.vocab
+        mfu *= 72 * (1 + s / (6 * h) + V / (12 * L * h)) / (96 * (1 + s / (6 * h) + V / (16 * L * h)))
+        how.append("hardware to model FLOPs")
+    if run["precision"] == "fp8" and run["mfu"] is not None and "1979" in run["notes"]:
+        mfu *= 2
+        how.append("fp8 peak to bf16 peak")
+    if run.get("flops_per_sequence"):  # the source's own FLOP count, stated: rescaled to the planner's (6N + 12·L·h·s)
+        mfu *= shape.flops_per_token(run["seq_len"]) * run["seq_len"] / run["flops_per_sequence"]
+        how.append("the source's FLOPs per sequence to the planner's")
+    return mfu, ", ".join(how)
 
 
 def _ratio(a, b) -> str:
@@ -114,51 +172,70 @@ def main() -> None:
 
     lines = [
         f"Planner predictions for published layouts (achievable fraction of peak {options.efficiency}); "
-        "ratio = predicted / published.",
+        "ratio = predicted / published tokens/s per GPU, or predicted / published MFU (model FLOPs over the bf16 peak) "
+        "where the source gives no tokens/s. fp8 runs are priced as `plan --fp8` (compiled, Float8 matmuls).",
         "",
-        "| source | model | GPUs | layout | prec. | published tok/s/GPU | predicted | ratio | published MFU | predicted MFU "
+        "| source | model | GPUs | layout | prec. | published tok/s/GPU | predicted | published MFU | predicted MFU | ratio "
         "| published GiB | predicted GiB | ratio | assumed |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    speed_ratios: dict[str, list[float]] = {"all": [], "bf16": []}
+    groups: dict[str, list[float]] = {"all": [], "bf16": [], "bf16, no pipeline": [], "bf16, pipelined": [], "fp8": [],
+                                      "pipelined": []}
     memory_ratios: list[float] = []
+    worst_bf16_pipelined: list[tuple[float, str]] = []
     for run in PUBLISHED:
         got = predict(run, options.efficiency)
         row, lay = got["row"], got["layout"]
         degrees = " ".join(f"{k}{getattr(lay, k)}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if getattr(lay, k) > 1)
         degrees += f" z{lay.zero_stage} mbs{lay.micro_batch} acc{lay.grad_accumulation} {lay.recompute}"
-        if lay.virtual_stages > 1:
-            degrees += f" v{lay.virtual_stages}"
+        if lay.pp > 1:
+            degrees += f" {lay.schedule}" + (f" v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+            degrees += " balanced" if lay.pipeline_layers is not None else ""
         published = run["tokens_per_s_per_gpu"]
-        predicted = row.tokens_per_s_per_gpu
-        speed_ratios["all"].append(predicted / published)
-        if run["precision"] in ("bf16", None):
-            speed_ratios["bf16"].append(predicted / published)
+        mfu, how = published_mfu(run, got["shape"])
+        if published is not None:
+            ratio = row.tokens_per_s_per_gpu / published
+        elif mfu is not None:
+            ratio = row.mfu / mfu
+        else:
+            continue
+        name = run["model"] if isinstance(run["model"], str) else got["shape"].name
+        bf16 = run["precision"] in ("bf16", None)
+        for group, member in (("all", True), ("bf16", bf16), ("bf16, no pipeline", bf16 and lay.pp == 1),
+                              ("bf16, pipelined", bf16 and lay.pp > 1), ("fp8", not bf16), ("pipelined", lay.pp > 1)):
+            if member:
+                groups[group].append(ratio)
+        if bf16 and lay.pp > 1:
+            worst_bf16_pipelined.append((ratio, f"{run['source']}, {name} on {run['gpus']}"))
         memory = row.memory["total"] / GIB
         if run["memory_gib"]:
             memory_ratios.append(memory / run["memory_gib"])
-        name = run["model"] if isinstance(run["model"], str) else got["shape"].name
         refused = " (ultrascale refuses: " + "; ".join(row.problems) + ")" if row.problems else ""
+        mfu_text = f"{mfu:.3f}" + (f" ({how})" if how and how != "stated MFU" else "") if mfu is not None else "-"
         lines.append(
             f"| {run['source']} | {name} | {run['gpus']} x {run['gpu']} | {degrees} | {run['precision'] or '?'} "
-            f"| {published:,} | {predicted:,.0f} | {_ratio(predicted, published)} "
-            f"| {run['mfu'] if run['mfu'] is not None else '-'} | {row.mfu:.3f} "
+            f"| {f'{published:,}' if published else '-'} | {row.tokens_per_s_per_gpu:,.0f} "
+            f"| {mfu_text} | {row.mfu:.3f} | {ratio:.2f} "
             f"| {run['memory_gib'] if run['memory_gib'] else '-'} | {memory:.1f} | {_ratio(memory, run['memory_gib'])} "
             f"| {', '.join(got['assumed']) or '-'}{refused} |"
         )
 
-    def inside(values: list[float]) -> str:
-        n = sum(1 for v in values if 0.75 <= v <= 1.25)
+    def inside(values: list[float], within: float = 0.25) -> str:
+        n = sum(1 for v in values if 1 / (1 + within) <= v <= 1 + within)
         return f"{n} of {len(values)}"
 
+    lines += ["", "| runs | count | median ratio | inside 25% | inside 1.35x |", "|---|---|---|---|---|"]
+    for group, values in groups.items():
+        lines.append(f"| {group} | {len(values)} | {statistics.median(values):.2f} | {inside(values)} | {inside(values, 0.35)} |")
+    worst = min(worst_bf16_pipelined, key=lambda pair: min(pair[0], 1 / pair[0]))
     lines += [
         "",
-        f"tokens/s per GPU inside 25%: {inside(speed_ratios['all'])} runs ({inside(speed_ratios['bf16'])} bf16 runs); "
-        f"median ratio {statistics.median(speed_ratios['all']):.2f} (bf16 runs {statistics.median(speed_ratios['bf16']):.2f}).",
+        "Inside 25%: ratio in [1/1.25, 1.25]; inside 1.35x: in [1/1.35, 1.35]. Farthest bf16 pipelined run: "
+        f"{worst[1]} at {worst[0]:.2f}.",
         f"peak memory inside 25%: {inside(memory_ratios)} runs with a published figure; median ratio "
         f"{statistics.median(memory_ratios):.2f}.",
         f"The achievable fraction that would centre the bf16 runs: "
-        f"{options.efficiency / statistics.median(speed_ratios['bf16']):.2f} (the default stays {planner.Cluster.efficiency}).",
+        f"{options.efficiency / statistics.median(groups['bf16']):.2f} (the default stays {planner.Cluster.efficiency}).",
     ]
     if options.measure:
         lines += ["", *measured_table()]

@@ -86,6 +86,7 @@ from _common import machine as machine_line
 
 from ultrascale.launch import init_gloo  # noqa: E402
 from ultrascale.parallel.device import tune_cpu_allocator  # noqa: E402
+from ultrascale.planner.pipeline import compute_actions, makespan  # noqa: E402
 
 MiB = 2**20
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -185,36 +186,6 @@ def stage_ids(schedule: str, rank: int, p: int) -> list[int]:
 # ----------------------------------------------------------------------------- the bubble
 
 
-def makespan(orders: dict[int, list[tuple[int, str, int, float]]], num_stages: int) -> float:
-    """Length of a step whose ranks run their (stage, kind, micro-batch, duration) actions in the given
-    order, each rank on its own core, an action starting when its rank is free and its input exists:
-    F(s, i) needs F(s-1, i); B or I (s, i) needs B or I (s+1, i). The rest (B after F, W after I)
-    happens on the same rank, earlier in its order."""
-    ends: dict[tuple[str, int, int], float] = {}
-    free = dict.fromkeys(orders, 0.0)
-    next_action = dict.fromkeys(orders, 0)
-    while any(next_action[r] < len(orders[r]) for r in orders):
-        progressed = False
-        for r, actions in orders.items():
-            while next_action[r] < len(actions):
-                stage, kind, mb, duration = actions[next_action[r]]
-                if kind == "F":
-                    needs = ("F", stage - 1, mb) if stage > 0 else None
-                elif kind in "BI":
-                    needs = ("B", stage + 1, mb) if stage < num_stages - 1 else None
-                else:
-                    needs = None
-                if needs is not None and needs not in ends:
-                    break
-                free[r] = max(free[r], ends.get(needs, 0.0)) + duration
-                ends[("B" if kind in "BI" else kind, stage, mb)] = free[r]
-                next_action[r] += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("the actions' dependencies form a cycle: not a valid pipeline order")
-    return max(free.values())
-
-
 def bubble(p: int, length: float, compute: float) -> float:
     """Idle over compute for p ranks busy `compute` in all during a step of `length`."""
     return (p * length - compute) / compute
@@ -228,17 +199,8 @@ def _span(indices: list[int]) -> str:
 def torch_actions_bubble(schedule, m: int) -> float | str:
     """The bubble of torch's action lists for all ranks, played with unit costs (see module docstring),
     or what is wrong with the lists when they do not run every micro-batch through every stage once."""
-    orders: dict[int, list[tuple[int, str, int, float]]] = {}
-    for rank, actions in schedule.pipeline_order.items():
-        flat = []
-        for action in actions:
-            if action is None:
-                continue
-            for a in action.sub_actions or (action,):  # OVERLAP_F_B runs its sub-actions one after the other
-                kind = a.computation_type.value
-                if kind in UNIT_COST:
-                    flat.append((a.stage_index, kind, a.microbatch_index, UNIT_COST[kind]))
-        orders[rank] = flat
+    orders = {rank: [(stage, kind, mb, UNIT_COST[kind]) for stage, kind, mb in actions]
+              for rank, actions in compute_actions(schedule.pipeline_order).items()}
     num_stages = 1 + max(s for flat in orders.values() for s, *_ in flat)
     for rank, flat in orders.items():
         for stage in {s for s, *_ in flat}:

@@ -299,6 +299,13 @@ class ModelShape:
 
     def param_counts(self) -> dict[str, int]:
         """Parameters of the whole model per component (embedding, head, and each per-layer kind x layers)."""
+        counts = self.__dict__.get("_param_counts")  # a planner search asks hundreds of thousands of times
+        if counts is None:
+            counts = self._count_params()
+            object.__setattr__(self, "_param_counts", counts)
+        return dict(counts)
+
+    def _count_params(self) -> dict[str, int]:
         dense_layers = self.n_layers - self.moe_layers
         return {
             "embedding": self.vocab * self.hidden,

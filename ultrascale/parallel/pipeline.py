@@ -51,6 +51,13 @@ from ultrascale.parallel.rules import (  # the rulebook owns the schedule names 
 )
 
 
+def even_layers(n_layers: int, num_stages: int) -> tuple[int, ...]:
+    """The default split: n_layers // num_stages each, the remainder to the first stages (the last one also runs
+    the head and the loss)."""
+    base, extra = divmod(n_layers, num_stages)
+    return tuple(base + (1 if s < extra else 0) for s in range(num_stages))
+
+
 @dataclass(frozen=True)
 class PipelineLayout:
     """Which layers each stage holds and which stages each pipeline rank runs."""
@@ -88,9 +95,7 @@ class PipelineLayout:
         if layers_per_stage is not None:
             layers = tuple(int(n) for n in layers_per_stage)
         else:
-            base, extra = divmod(n_layers, num_stages)
-            # The remainder goes to the first stages: the last one also runs the head and the loss.
-            layers = tuple(base + (1 if s < extra else 0) for s in range(num_stages))
+            layers = even_layers(n_layers, num_stages)
         return cls(pp=pp, schedule=schedule, virtual_stages=virtual_stages, microbatches=microbatches, layers_per_stage=layers)
 
     @property

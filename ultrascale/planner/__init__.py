@@ -10,21 +10,23 @@ ultrascale's strategy accepts for this model, and `evaluate` prices each one:
   schedule keeps alive, communication buffers;
 - step time: compute at an achievable fraction of the GPU's peak, the communication each
   method needs over intra- or inter-node links minus what it can hide behind compute, and
-  the pipeline bubble (p-1)/(v·m);
+  the pipeline's bubble and held activations from torch's own schedule order, played with each stage's
+  times (`pipeline`: uneven splits, every schedule, any virtual stages);
 - predicted MFU and tokens/s per GPU.
 
-Plain arithmetic, no torch.distributed: a 70B search over 256 GPUs takes well under a second.
+Arithmetic and torch's schedule constructors, no torch.distributed.
 
 Modules: `hardware` (the GPU table, `GpuSpec`, `Cluster`), `layouts` (`Layout`, `--layout` parsing,
-`layout_problems`), `cost` (`evaluate`), `search`, `report` (what `plan` prints), `recipe`
+`layout_problems`), `pipeline` (schedules played), `cost` (`evaluate`), `search`, `report` (what `plan` prints), `recipe`
 (`--emit-recipe`), and `app`, the `ultrascale plan` command (imported on its own: it needs Lightning).
 """
 
 from ultrascale.planner.cost import (
     PlanRow,
     Workload,
-    _stage_layers,  # noqa: F401  (tests/test_planner.py reads planner._stage_layers)
     evaluate,
+    pipeline_of,
+    rank_parts,
     stage_model_state,
 )
 from ultrascale.planner.hardware import (
@@ -45,6 +47,7 @@ from ultrascale.planner.search import candidate_layouts, search, why_not
 __all__ = [
     "Cluster", "GIB", "GPU_SPECS", "GPU_TABLE", "GpuFigures", "GpuSpec", "LAYOUT_KEYS", "Layout", "PEAK_TFLOPS", "PlanRow",
     "RECOMPUTE_MODES", "Workload", "candidate_layouts", "describe_search", "evaluate", "explain", "find_peak_tflops",
-    "format_table", "layout_problems", "parse_layout", "recipe_yaml", "search", "stage_model_state", "what_would_fit",
+    "format_table", "layout_problems", "parse_layout", "pipeline_of", "rank_parts", "recipe_yaml", "search",
+    "stage_model_state", "what_would_fit",
     "why_not",
 ]

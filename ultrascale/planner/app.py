@@ -22,7 +22,7 @@ from ultrascale.parallel import rules
 from ultrascale.parallel.dims import ParallelDims
 from ultrascale.parallel.rules import LayoutKnobs, batch_problems, raise_first
 from ultrascale.planner.cost import PlanRow, Workload, evaluate
-from ultrascale.planner.hardware import COMPILE_SPEEDUP, GIB, GPU_SPECS, Cluster, GpuSpec
+from ultrascale.planner.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, GPU_SPECS, Cluster, GpuSpec
 from ultrascale.planner.layouts import RECOMPUTE_MODES, Layout, model_facts_of, parse_layout
 from ultrascale.planner.recipe import recipe_yaml
 from ultrascale.planner.report import compile_assumption, describe_search, explain, format_table, what_would_fit
@@ -76,7 +76,8 @@ def _cluster(spec: GpuSpec, gpus: int, gpus_per_node: int, efficiency: Optional[
 
 # `plan` options that a recipe fixes itself.
 _RECIPE_FIXES = ("seq_len", "global_batch_tokens", "global_batch", "precision", "layout", "why_not", "top", "emit_recipe",
-                 "measure", "dp_replicate", "tp", "zero_stage", "micro_batch", "recompute", "full_recompute", "compile")
+                 "measure", "dp_replicate", "tp", "zero_stage", "micro_batch", "recompute", "full_recompute", "compile",
+                 "fp8")
 
 
 def plan_main(args: list[str]) -> str:
@@ -125,6 +126,10 @@ def plan_main(args: list[str]) -> str:
                         help=f"price every layout with each block compiled (the strategies' `compile=True`): compute "
                              f"time / {COMPILE_SPEEDUP:.3f}, torchtitan's published speed-up; with --recipe, the "
                              "strategy's `compile` decides")
+    parser.add_argument("--fp8", action="store_true",
+                        help=f"price every layout with Float8 matmuls (the `Float8Training` callback), compiled: compute time "
+                             f"/ {COMPILE_SPEEDUP:.3f} / {FLOAT8_SPEEDUP:.3f}, torchtitan's published gains; with --recipe, "
+                             "its callbacks decide")
     parser.add_argument("--device-memory-gib", type=_positive(float), default=None, help="memory of one GPU (default: the GPU's)")
     parser.add_argument("--peak-tflops", type=_positive(float), default=None, help="dense bf16 peak of one GPU (default: the GPU's)")
     parser.add_argument("--intra-node-gbps", type=_positive(float), default=None,
@@ -174,7 +179,7 @@ def plan_main(args: list[str]) -> str:
     else:
         global_batch = options.global_batch or options.gpus
     work = Workload(options.seq_len, global_batch, options.precision, attention_scores_saved=options.eager_attention,
-                    compiled=options.compile)
+                    compiled=options.compile or options.fp8, float8=options.fp8)
 
     if options.why_not is not None:
         reasons = why_not(shape, cluster, work, {**fixed, **parse_layout(options.why_not)}, hf_config)
@@ -335,11 +340,9 @@ def _recipe_strategy(value: Any) -> Any:
 
 def _recompute_mode(callbacks: list[Any], notes: list[str]) -> str:
     """The planner's recompute mode for the recipe's ActivationCheckpointing callback ("none" without one)."""
-    from ultrascale.callbacks import ActivationCheckpointing, Float8Training
+    from ultrascale.callbacks import ActivationCheckpointing
 
     modes = [cb for cb in callbacks if isinstance(cb, ActivationCheckpointing)]
-    if any(isinstance(cb, Float8Training) for cb in callbacks):
-        notes.append("Float8Training is not priced: memory and time are those of bf16 matmuls")
     if not modes:
         return "none"
     callback = modes[-1]
@@ -441,10 +444,6 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
                       f"per rank, within dp_shard x cp = {dims.dp_shard * dims.cp}")
     if pipeline is not None:
         checks.append(f"pipeline {pipeline.describe()}")
-        if pipeline.schedule not in ("1F1B", "Interleaved1F1B"):
-            priced = "1F1B" if pipeline.virtual_stages == 1 else "Interleaved1F1B"
-            notes.append(f"{pipeline.schedule} is priced as {priced} (the planner's schedules); GPipe keeps all "
-                         "micro-batches' activations, more than priced")
     if dims.tp_enabled:
         sizes = ", ".join(f"{name}={size}" for name, size in adapter.tp_sizes.items())
         experts = f"; each of the {adapter.num_experts} experts split on its width" if adapter.num_experts else ""
@@ -488,11 +487,23 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
                     accumulate_unsharded_grads=bool(strategy.accumulate_unsharded_grads and strategy.zero_stage == 3
                                                 and pipeline is None and grad_accumulation > 1),
                     virtual_stages=pipeline.virtual_stages if pipeline is not None else 1,
+                    pipeline_schedule=pipeline.schedule if pipeline is not None else None,
+                    pipeline_layers=(pipeline.layers_per_stage if pipeline is not None and strategy.pipeline_layers is not None
+                                     else None),
                     cp_method=strategy.context_parallel_method)
     cluster = _cluster(spec or GPU_SPECS[gpu], world, per_node, efficiency)
     # The strategy's `compile` knob: each block compiled, priced with the published speed-up (`COMPILE_SPEEDUP`).
+    from ultrascale.callbacks import Float8Training
+
+    compiled = bool(getattr(strategy, "compile", False))
+    float8 = any(isinstance(cb, Float8Training) for cb in trainer_args.get("callbacks") or [])
+    if float8 and not compiled:
+        notes.append("Float8Training without the strategy's `compile`: priced as bf16 (Float8's published gain is compiled)")
+    elif float8:
+        notes.append(f"Float8Training: compute / {FLOAT8_SPEEDUP:.3f} on top of compile (torchtitan's published gain); "
+                     "memory as bf16")
     work = Workload(seq_len, global_batch * accumulate, precision, attention_scores_saved=eager_attention,
-                    compiled=bool(getattr(strategy, "compile", False)))
+                    compiled=compiled, float8=float8 and compiled)
     row = evaluate(shape, layout, cluster, work, hf_config)
     if row.problems:  # the planner's copy of the strategy's remaining rules (TP inside a node, ZeRO-1/2 limits, ...)
         raise ValueError(f"{owner} layout {layout.describe()}: " + "; ".join(row.problems))

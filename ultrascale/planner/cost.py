@@ -3,15 +3,18 @@ time (compute, exposed communication, pipeline bubble), with the predicted MFU (
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ultrascale.estimate import STATE_BYTES, ActivationModel, ModelShape
-from ultrascale.planner.hardware import COMPILE_SPEEDUP, GIB, Cluster
+from ultrascale.parallel.pipeline import PipelineLayout, even_layers
+from ultrascale.planner.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, Cluster
 from ultrascale.planner.layouts import Layout, layout_problems, model_facts_of, runs_as
+from ultrascale.planner.pipeline import PipelinePlay, play
 
-__all__ = ["PlanRow", "Workload", "evaluate", "stage_model_state"]
+__all__ = ["PlanRow", "Workload", "evaluate", "pipeline_of", "rank_parts", "stage_model_state"]
 
 
 @dataclass
@@ -61,6 +64,18 @@ class Workload:
     attention_scores_saved: bool = False
     compiled: bool = False
     """Each block under torch.compile (the strategies' `compile=True`): compute time divided by `COMPILE_SPEEDUP`."""
+    float8: bool = False
+    """Float8 matmuls (`Float8Training`) in compiled blocks: compute time also divided by `FLOAT8_SPEEDUP`."""
+
+    def __post_init__(self) -> None:
+        if self.float8 and not self.compiled:
+            raise ValueError("Float8 is priced compiled only (its published gain is on top of torch.compile): "
+                             "Workload(float8=True) needs compiled=True")
+
+    @property
+    def speedup(self) -> float:
+        """Compute time eager bf16 / as run."""
+        return (COMPILE_SPEEDUP if self.compiled else 1.0) * (FLOAT8_SPEEDUP if self.float8 else 1.0)
 
     @property
     def tokens(self) -> int:
@@ -71,10 +86,44 @@ class Workload:
         return 4 if self.precision == "32-true" else 2
 
 
-def _stage_layers(n_layers: int, pp: int) -> tuple[int, int]:
-    """Layers on the first and on the last stage (the strategy gives the remainder to the first stages)."""
-    base, extra = divmod(n_layers, pp)
-    return base + (1 if extra else 0), base
+def pipeline_of(shape: ModelShape, lay: Layout) -> PipelineLayout | None:
+    """The strategy's pipeline for `lay` (None without one): its schedule, stages and layer split (`pipeline_layers`
+    when it fits the stages, else the strategy's even split)."""
+    if lay.pp == 1:
+        return None
+    stages = lay.pp * lay.virtual_stages
+    layers = lay.pipeline_layers
+    if layers is None or len(layers) != stages or sum(layers) != shape.n_layers:
+        layers = even_layers(shape.n_layers, stages)
+    return PipelineLayout(pp=lay.pp, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
+                          microbatches=lay.grad_accumulation, layers_per_stage=tuple(layers))
+
+
+def _played(pipe: PipelineLayout, times: tuple[list[float], list[float], list[float]]) -> PipelinePlay:
+    """`play`, in units of the first stage's forward: a search asks for the same few pipelines at many scales."""
+    unit = times[0][0] or 1.0
+    scaled = tuple(tuple(t / unit for t in kind) for kind in times)
+    result = _played_in_units(pipe, scaled)
+    return PipelinePlay(step=result.step * unit, busiest=result.busiest * unit, peak_layers=result.peak_layers)
+
+
+@functools.lru_cache(maxsize=4096)
+def _played_in_units(pipe: PipelineLayout, times: tuple[tuple[float, ...], ...]) -> PipelinePlay:
+    return play(pipe.schedule, pipe, *times)
+
+
+def rank_parts(shape: ModelShape, pipe: PipelineLayout | None) -> list[tuple[int, bool, bool]]:
+    """Per pipeline rank: (its layers over all its stages, whether it holds the embedding, whether the head)."""
+    if pipe is None:
+        return [(shape.n_layers, True, True)]
+    return list(_pipeline_ranks(pipe))
+
+
+@functools.lru_cache(maxsize=4096)
+def _pipeline_ranks(pipe: PipelineLayout) -> tuple[tuple[int, bool, bool], ...]:
+    last = pipe.num_stages - 1
+    return tuple((sum(pipe.layers_per_stage[s] for s in ids), 0 in ids, last in ids)
+                 for ids in (pipe.stage_ids(r) for r in range(pipe.pp)))
 
 
 def _stage_params(shape: ModelShape, layout: Layout, layers: int, first: bool, last: bool) -> tuple[float, float]:
@@ -150,11 +199,13 @@ def evaluate(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload
                            loss_parallel=lay.tp > 1 and lay.pp == 1,
                            compute_bytes=work.compute_bytes, recompute=lay.recompute,
                            attention_scores_saved=work.attention_scores_saved)
-    first_layers, last_layers = _stage_layers(shape.n_layers, lay.pp)
-    stages = [(first_layers, True, lay.pp == 1)] + ([(last_layers, False, True)] if lay.pp > 1 else [])
-    memory, state = max(((_peak_memory(shape, lay, work, acts, *stage), stage_model_state(shape, lay, work, *stage))
-                         for stage in stages), key=lambda pair: pair[0]["total"])
-    step_time = _step_time(shape, lay, cluster, work, acts)
+    pipe = pipeline_of(shape, lay)
+    times = _stage_times(shape, lay, cluster, work, acts, pipe)
+    played = _played(pipe, times) if pipe is not None else None
+    ranks = [(*part, played.peak_layers[r] if played else None) for r, part in enumerate(rank_parts(shape, pipe))]
+    memory, state = max(((_peak_memory(shape, lay, work, acts, *rank), stage_model_state(shape, lay, work, *rank[:3]))
+                         for rank in _undominated(ranks)), key=lambda pair: pair[0]["total"])
+    step_time = _step_time(shape, lay, cluster, work, acts, pipe, times, played)
     peak = cluster.gpu.peak_tflops * 1e12
     tokens_per_s_per_gpu = work.tokens / step_time["total"] / cluster.gpus
     mfu = shape.flops_per_token(work.seq_len) * work.tokens / (step_time["total"] * cluster.gpus * peak)
@@ -162,22 +213,30 @@ def evaluate(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload
     return PlanRow(layout, fits, memory, step_time, tokens_per_s_per_gpu, mfu, problems, model_state=state)
 
 
+def _undominated(ranks: list[tuple]) -> list[tuple]:
+    """The ranks whose (layers, embedding, head, held activations) no other rank has all of, at least: a rank's
+    memory grows with each, so the peak is among these (1F1B: the first rank and the head's)."""
+    distinct = list(dict.fromkeys(ranks))
+    return [a for a in distinct
+            if not any(b != a and all(x is None or x <= y for x, y in zip(a, b)) for b in distinct)]
+
+
 def _peak_memory(shape: ModelShape, lay: Layout, work: Workload, acts: ActivationModel, layers: int, first: bool,
-                 last: bool) -> dict[str, float]:
-    """Bytes per GPU of one pipeline stage at its peak, by category (they sum to `total`)."""
+                 last: bool, held_layers: float | None) -> dict[str, float]:
+    """Bytes per GPU of one pipeline rank at its peak, by category (they sum to `total`). `held_layers`: the
+    most layer-micro-batches of activations the rank's schedule holds at once (`PipelinePlay.peak_layers`)."""
     c, m = work.compute_bytes, lay.grad_accumulation
     n_shard = lay.dp_shard * lay.cp
     moe_fraction = shape.moe_layers / shape.n_layers
     dense, experts = _stage_params(shape, lay, layers, first, last)
     states = stage_model_state(shape, lay, work, layers, first, last)
     params, grads, optimizer = states["params"], states["grads"], states["optimizer"]
-    # Activations alive at the peak: 1F1B's first stage holds p micro-batches, GPipe all m,
-    # interleaving adds (p-1)/(p·v) (Narayanan et al. 2021); the last stage also the logits.
-    in_flight = 1.0
-    if lay.pp > 1 and first:
-        interleaving = 1 + (lay.pp - 1) / (lay.pp * lay.virtual_stages) if lay.virtual_stages > 1 else 1.0
-        in_flight = min(m, lay.pp) * interleaving
-    activations = acts.peak_bytes(layers, in_flight=in_flight, with_loss=last, moe_fraction=moe_fraction)
+    # Activations alive at the peak: one micro-batch of every layer without a pipeline; under one, what the
+    # schedule's order holds (1F1B's rank r: p - r micro-batches, GPipe: all m); the head's rank also the logits.
+    if held_layers is None:
+        activations = acts.peak_bytes(layers, with_loss=last, moe_fraction=moe_fraction)
+    else:
+        activations = acts.peak_bytes(1, in_flight=held_layers, with_loss=last, moe_fraction=moe_fraction)
     # Buffers (FSDP keeps compute-dtype copies of gathered units). Without PP, at the peak (the
     # loss): the root unit (embedding, norm, head; never resharded after forward) and the last
     # block and the one before it (FSDPMemTracker on the 8B preset shows root + about one unit).
@@ -215,32 +274,52 @@ def _peak_memory(shape: ModelShape, lay: Layout, work: Workload, acts: Activatio
     return {**memory, "total": sum(memory.values())}
 
 
-def _step_time(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workload, acts: ActivationModel) -> dict[str, float]:
-    """Seconds per optimizer step of the slowest stage: compute, exposed communication, bubble."""
-    c, m = work.compute_bytes, lay.grad_accumulation
-    rate = cluster.gpu.peak_tflops * 1e12 * cluster.efficiency
-    first_layers, last_layers = _stage_layers(shape.n_layers, lay.pp)
-    flops_token = shape.flops_per_token(work.seq_len)
-    extra_token = 0.0
+def _stage_times(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workload, acts: ActivationModel,
+                 pipe: PipelineLayout | None) -> tuple[list[float], list[float], list[float]]:
+    """Seconds per micro-batch of each stage (one without a pipeline): forward, backward, and the backward's
+    weight-gradient half (the W of a zero-bubble schedule; its I is the rest, recomputation included).
+
+    A layer's forward is a third of its 6N + attention FLOPs per token, its backward two; full recomputation runs
+    the forward again in the backward; the head (6·V·h per token) is on the last stage."""
+    rate = cluster.gpu.peak_tflops * 1e12 * cluster.efficiency * lay.tp * work.speedup
+    tokens_mb = acts.seq_len * lay.micro_batch  # tokens of one micro-batch on this rank
+    head_token = 6 * shape.vocab * shape.hidden
+    layer_forward = (shape.flops_per_token(work.seq_len) - head_token) / (3 * shape.n_layers)
+    recompute_token = 0.0
     if lay.recompute == "full":  # the forward again: 2N of the blocks + 4·L·h·s of attention
         blocks_n = shape.active_matmul_params() - shape.vocab * shape.hidden
-        extra_token = 2 * blocks_n + 4 * shape.n_layers * shape.q_width * work.seq_len
-    # Work per GPU of the slowest stage: its layers' share plus the head on the last stage.
-    head_token = 6 * shape.vocab * shape.hidden
-    layer_token = (flops_token - head_token + extra_token) / shape.n_layers
-    stage_tokens = work.tokens / (lay.dp * lay.cp * lay.tp)  # tokens one rank's stage processes per step
-    stage_flops = max(first_layers * layer_token + (head_token if lay.pp == 1 else 0.0), last_layers * layer_token + head_token)
-    compute = stage_tokens * stage_flops / rate
+        recompute_token = (2 * blocks_n + 4 * shape.n_layers * shape.q_width * work.seq_len) / shape.n_layers
+    rerun = 0.0
     if lay.recompute == "selective":  # norms, SiLU and products re-run: memory-bound, read + write once more
-        rerun = (acts.layer_bytes(False) - acts.kept_layer_bytes(False)) * 2
-        compute += m * first_layers * rerun / (cluster.gpu.hbm_gbps * 1e9)
-    if work.compiled:
-        # torch.compile per block: the compute alone is divided by torchtitan's published speed-up (hardware.py);
-        # the collectives are priced as eager, though less of them hides behind the shorter compute (below).
-        # Memory is not changed: torchtitan's compiled run also used less (82.4 -> 77.0 GiB), which is not modelled.
-        compute /= COMPILE_SPEEDUP
-    bubble = (lay.pp - 1) / lay.virtual_stages * compute / m if lay.pp > 1 else 0.0
+        rerun = (acts.layer_bytes(False) - acts.kept_layer_bytes(False)) * 2 / (cluster.gpu.hbm_gbps * 1e9) / work.speedup
+    layers = pipe.layers_per_stage if pipe is not None else (shape.n_layers,)
+    forward, backward, weight = [], [], []
+    for s, n in enumerate(layers):
+        head = head_token / 3 if s == len(layers) - 1 else 0.0
+        forward.append(tokens_mb * (n * layer_forward + head) / rate)
+        weight.append(tokens_mb * (n * layer_forward + head) / rate)
+        backward.append(tokens_mb * (n * (2 * layer_forward + recompute_token) + 2 * head) / rate + n * rerun)
+    return forward, backward, weight
 
+
+def _step_time(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workload, acts: ActivationModel,
+               pipe: PipelineLayout | None, times: tuple[list[float], list[float], list[float]],
+               played: PipelinePlay | None) -> dict[str, float]:
+    """Seconds per optimizer step of the busiest rank: compute, exposed communication, bubble.
+
+    Under a pipeline the schedule's order is played with the stages' times (`ultrascale.planner.pipeline`): the
+    bubble is the busiest rank's idle time, uneven stages included. torch.compile (`COMPILE_SPEEDUP`) and Float8
+    (`FLOAT8_SPEEDUP`) divide the compute alone; the collectives are priced as eager, though less of them hides
+    behind the shorter compute (below). Memory is not changed by either (torchtitan's compiled and Float8 runs
+    used less: 82.4 -> 77.0 -> 76.8 GiB)."""
+    c, m = work.compute_bytes, lay.grad_accumulation
+    rate = cluster.gpu.peak_tflops * 1e12 * cluster.efficiency
+    if played is None:
+        forward, backward, _ = times
+        compute, bubble = m * (forward[0] + backward[0]), 0.0
+    else:
+        compute, bubble = played.busiest, played.step - played.busiest
+    layers, first, last = rank_parts(shape, pipe)[0]  # the first rank: embedding, the most layers of the even split
     n_shard = lay.dp_shard * lay.cp
     n_expert_shard = max(n_shard // lay.ep, 1)
     w_bytes, g_bytes, _ = STATE_BYTES[(work.precision, "fsdp" if lay.zero_stage == 3 else "zero12")]
@@ -252,9 +331,9 @@ def _step_time(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workload,
     bw_ep = _group_bandwidth(cluster, cp_stride, lay.ep)
     bw_dpr = _group_bandwidth(cluster, dpr_stride, lay.dp_replicate)
     bw_pp = _group_bandwidth(cluster, dpr_stride * lay.dp_replicate, lay.pp)
-    dense, experts = _stage_params(shape, lay, first_layers, True, lay.pp == 1)
+    dense, experts = _stage_params(shape, lay, layers, first, last)
     tokens_mb = acts.seq_len * lay.micro_batch  # tokens of one micro-batch on this rank
-    layers, lat = first_layers, cluster.latency_s
+    lat = cluster.latency_s
     moe_fraction = shape.moe_layers / shape.n_layers
     hidden_comm = 0.0  # communication that overlaps compute (FSDP prefetch, ZeRO-2 buckets, CP ring)
     exposed = 0.0
@@ -301,9 +380,9 @@ def _step_time(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workload,
     if lay.ep > 1 and shape.moe_layers:  # dispatch and combine, forward and backward, not overlapped
         routed = tokens_mb * shape.top_k * shape.hidden * c
         exposed += m * layers * moe_fraction * 4 * (_ring("all_to_all", routed, lay.ep, bw_ep) + lat)
-    if lay.pp > 1:  # boundary sends: on the critical path while the pipeline fills and drains
+    if pipe is not None:  # boundary sends: on the critical path while the pipeline fills and drains, every stage
         boundary = tokens_mb * shape.hidden * c / (lay.tp if acts.sequence_parallel else 1)
-        exposed += 2 * (lay.pp - 1) * (_ring("p2p", boundary, 2, bw_pp) + lat)
+        exposed += 2 * (pipe.num_stages - 1) * (_ring("p2p", boundary, 2, bw_pp) + lat)
     # What the compute cannot hide (FSDP prefetch ahead of a short layer, a slow ring) is exposed.
     exposed += max(hidden_comm - compute, 0.0)
     return {"compute": compute, "communication": exposed, "bubble": bubble, "total": compute + exposed + bubble}

@@ -9,10 +9,18 @@ from typing import Any, Optional
 
 from ultrascale.estimate import ModelShape
 from ultrascale.parallel import rules
-from ultrascale.parallel.rules import CONTEXT_PARALLEL_METHODS, LayoutKnobs, ModelFacts, Problem
+from ultrascale.parallel.rules import (
+    CONTEXT_PARALLEL_METHODS,
+    SCHEDULES,
+    SINGLE_STAGE_SCHEDULES,
+    LayoutKnobs,
+    ModelFacts,
+    Problem,
+)
 from ultrascale.planner.hardware import Cluster
 
-__all__ = ["LAYOUT_KEYS", "Layout", "RECOMPUTE_MODES", "layout_problems", "parse_layout", "runs_as"]
+__all__ = ["LAYOUT_KEYS", "Layout", "PIPELINE_SPLITS", "RECOMPUTE_MODES", "format_layers", "layout_problems",
+           "parse_layout", "runs_as"]
 
 
 @dataclass(frozen=True)
@@ -32,12 +40,23 @@ class Layout:
     under pipeline parallel the schedule's micro-batches (m)."""
     recompute: str = "none"
     virtual_stages: int = 1
-    """Pipeline stages per rank (1: 1F1B; 2 or more: Interleaved1F1B)."""
+    """Pipeline stages per rank (1: GPipe / 1F1B; 2 or more: the multi-stage schedules; the V ones exactly 2)."""
+    pipeline_schedule: Optional[str] = None
+    """The torch schedule (`rules.SCHEDULES`); None: 1F1B, or Interleaved1F1B with virtual stages."""
+    pipeline_layers: Optional[tuple[int, ...]] = None
+    """Layers of stage 0, 1, ... (the strategy's `pipeline_layers`); None: its default, even split."""
     accumulate_unsharded_grads: bool = False
     """ZeRO-3 accumulation without PP: whole fp32 gradients accumulate over the micro-batches and are
     reduce-scattered once per step (the strategy's `accumulate_unsharded_grads=True`), not every one."""
     cp_method: str = "ring"
     """The strategy's `context_parallel_method` under cp > 1: "ring", "allgather" or "alltoall" (Ulysses)."""
+
+    def __post_init__(self) -> None:
+        # A multi-stage schedule named without virtual stages gets the strategy's default for it (2).
+        if self.pipeline_schedule not in (None, *SINGLE_STAGE_SCHEDULES) and self.virtual_stages == 1:
+            object.__setattr__(self, "virtual_stages", 2)
+        if self.pipeline_layers is not None:
+            object.__setattr__(self, "pipeline_layers", tuple(int(n) for n in self.pipeline_layers))
 
     @property
     def world(self) -> int:
@@ -51,7 +70,7 @@ class Layout:
     def schedule(self) -> Optional[str]:
         if self.pp == 1:
             return None
-        return "Interleaved1F1B" if self.virtual_stages > 1 else "1F1B"
+        return self.pipeline_schedule or ("Interleaved1F1B" if self.virtual_stages > 1 else "1F1B")
 
     def describe(self) -> str:
         parts = [f"pp={self.pp}", f"dp_replicate={self.dp_replicate}", f"dp_shard={self.dp_shard}", f"cp={self.cp}",
@@ -59,6 +78,8 @@ class Layout:
                  f"grad_accumulation={self.grad_accumulation}", f"recompute={self.recompute}"]
         if self.pp > 1:
             parts.append(f"schedule={self.schedule}" + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else ""))
+            if self.pipeline_layers is not None:
+                parts.append(f"pipeline_layers={format_layers(self.pipeline_layers)}")
         if self.accumulate_unsharded_grads:
             parts.append("accumulate_unsharded_grads=True")
         if self.cp > 1:
@@ -67,14 +88,24 @@ class Layout:
 
 
 LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero_stage", "micro_batch", "grad_accumulation",
-               "recompute", "virtual_stages", "accumulate_unsharded_grads", "cp_method")
+               "recompute", "virtual_stages", "accumulate_unsharded_grads", "cp_method", "pipeline_schedule",
+               "pipeline_layers")
+PIPELINE_SPLITS = ("even", "balanced")
+"""`pipeline_layers` by name: the strategy's default split, or the embedding and the loss counted as a layer each
+(`ultrascale.planner.pipeline.balanced_layers`)."""
+
+
+def format_layers(layers: tuple[int, ...]) -> str:
+    """(7, 8, 8, 8, 7) -> "7:8:8:8:7", as `--layout pipeline_layers=...` takes it."""
+    return ":".join(str(n) for n in layers)
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def parse_layout(text: str) -> dict[str, Any]:
     """`"pp=4,dp_shard=8,tp=8,zero_stage=1"` -> {"pp": 4, ...}; unknown keys and bad values are errors."""
     fixed: dict[str, Any] = {}
-    aliases = {"dp": "dp_shard", "zero": "zero_stage", "mbs": "micro_batch", "acc": "grad_accumulation", "v": "virtual_stages"}
+    aliases = {"dp": "dp_shard", "zero": "zero_stage", "mbs": "micro_batch", "acc": "grad_accumulation", "v": "virtual_stages",
+               "schedule": "pipeline_schedule", "layers": "pipeline_layers"}
     for item in filter(None, (part.strip() for part in text.replace(" ", ",").split(","))):
         if "=" not in item:
             raise ValueError(f"layout item {item!r} is not key=value; keys: {', '.join(LAYOUT_KEYS)}")
@@ -91,6 +122,21 @@ def parse_layout(text: str) -> dict[str, Any]:
             if value not in CONTEXT_PARALLEL_METHODS:
                 raise ValueError(f"cp_method={value!r}: choose one of {', '.join(CONTEXT_PARALLEL_METHODS)}")
             fixed[key] = value
+            continue
+        if key == "pipeline_schedule":
+            if value not in SCHEDULES:
+                raise ValueError(f"schedule={value!r}: choose one of {', '.join(SCHEDULES)}")
+            fixed[key] = value
+            continue
+        if key == "pipeline_layers":
+            if value in PIPELINE_SPLITS:
+                fixed[key] = value
+                continue
+            try:
+                fixed[key] = tuple(int(n) for n in value.split(":"))
+            except ValueError:
+                raise ValueError(f"pipeline_layers={value!r}: give {' or '.join(PIPELINE_SPLITS)}, or the layers of each "
+                                 "stage as 7:8:8:7") from None
             continue
         if key == "recompute":
             if value not in RECOMPUTE_MODES:
@@ -155,6 +201,7 @@ def layout_knobs(layout: Layout) -> LayoutKnobs:
     return LayoutKnobs(
         dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, cp=layout.cp, tp=layout.tp, pp=layout.pp,
         ep=layout.ep, zero_stage=layout.zero_stage, pipeline_schedule=layout.schedule or "1F1B",
+        pipeline_layers=layout.pipeline_layers,
         pipeline_virtual_stages=layout.virtual_stages if layout.pp > 1 or layout.virtual_stages != 1 else None,
         pipeline_microbatches=layout.grad_accumulation if layout.pp > 1 else None,
         accumulate_unsharded_grads=layout.accumulate_unsharded_grads, context_parallel_method=layout.cp_method,

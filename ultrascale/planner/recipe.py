@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ultrascale.estimate import ModelShape
 from ultrascale.planner.cost import PlanRow, Workload
-from ultrascale.planner.hardware import COMPILE_SPEEDUP, GIB, Cluster
+from ultrascale.planner.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, Cluster
 from ultrascale.planner.layouts import runs_as
 
 __all__ = ["recipe_yaml"]
@@ -25,6 +25,8 @@ def recipe_yaml(row: PlanRow, model: str, shape: ModelShape, cluster: Cluster, w
         init.update(pipeline_schedule=lay.schedule, pipeline_microbatches=lay.grad_accumulation)
         if lay.virtual_stages > 1:
             init["pipeline_virtual_stages"] = lay.virtual_stages
+        if lay.pipeline_layers is not None:
+            init["pipeline_layers"] = list(lay.pipeline_layers)
     if lay.cp > 1:
         init["context_parallel_method"] = lay.cp_method
     if lay.accumulate_unsharded_grads:
@@ -36,6 +38,8 @@ def recipe_yaml(row: PlanRow, model: str, shape: ModelShape, cluster: Cluster, w
     if lay.recompute != "none":
         callbacks = ("    - class_path: ultrascale.callbacks.ActivationCheckpointing\n"
                      f"      init_args:\n        mode: {lay.recompute}\n")
+    if work.float8:  # priced with Float8 matmuls (`plan --fp8`)
+        callbacks += "    - class_path: ultrascale.callbacks.Float8Training\n"
     if shape.builtin:
         model_block = f"  class_path: ultrascale.models.LlamaLM\n  init_args:\n    preset: {model}\n    max_seq_len: {work.seq_len}\n"
     else:
@@ -44,6 +48,8 @@ def recipe_yaml(row: PlanRow, model: str, shape: ModelShape, cluster: Cluster, w
     local_batch = lay.micro_batch * (lay.grad_accumulation if pipeline else 1)
     mem, t = row.memory, row.step_time
     compiled = f"; each block compiled (compute time priced / {COMPILE_SPEEDUP:.3f})" if work.compiled else ""
+    if work.float8:
+        compiled += f", Float8 matmuls (/ {FLOAT8_SPEEDUP:.3f})"
     return f"""# Written by `ultrascale plan`: {shape.name} on {cluster.gpus} x {cluster.gpu.name} ({cluster.gpus_per_node} per node).
 # Layout: {lay.describe()}{compiled}
 # Predicted per GPU: {mem['total'] / GIB:.1f} GiB, step {t['total']:.2f} s, {row.tokens_per_s_per_gpu:,.0f} tokens/s, MFU {row.mfu:.1%}.

@@ -8,33 +8,41 @@ from typing import Any
 
 from ultrascale.estimate import ModelShape
 from ultrascale.planner.cost import PlanRow, Workload
-from ultrascale.planner.hardware import COMPILE_SOURCE, COMPILE_SPEEDUP, GIB, Cluster
+from ultrascale.planner.hardware import COMPILE_SOURCE, COMPILE_SPEEDUP, FLOAT8_SOURCE, FLOAT8_SPEEDUP, GIB, Cluster
 from ultrascale.planner.search import search
 
 __all__ = ["compile_assumption", "describe_search", "explain", "format_table", "what_would_fit"]
 
 
 def compile_assumption(work: Workload) -> str:
-    """What the cluster line adds for a compiled plan ("" for an eager one): the factor and where it comes from."""
+    """What the cluster line adds for a compiled (or Float8) plan ("" for an eager one): the factors and their sources."""
     if not work.compiled:
         return ""
-    return (f"; compiled (torch.compile per block): compute time / {COMPILE_SPEEDUP:.3f} ({COMPILE_SOURCE}), "
-            "communication and memory as eager")
+    text = f"; compiled (torch.compile per block): compute time / {COMPILE_SPEEDUP:.3f} ({COMPILE_SOURCE})"
+    if work.float8:
+        text += f"; Float8 matmuls: / {FLOAT8_SPEEDUP:.3f} more ({FLOAT8_SOURCE})"
+    return text + ", communication and memory as eager bf16"
+
+
+_SHORT_SCHEDULES = {"GPipe": "G", "1F1B": "1F", "Interleaved1F1B": "I", "LoopedBFS": "L", "InterleavedZeroBubble": "IZ",
+                    "ZBVZeroBubble": "ZV", "DualPipeV": "DV"}
+"""The table's recompute column carries the schedule and its virtual stages: "none/I4" is Interleaved1F1B, v=4."""
 
 
 def format_table(rows: list[PlanRow], top: int) -> str:
-    header = (f"{'#':>3} {'pp':>3} {'dpr':>4} {'dps':>4} {'cp':>4} {'tp':>3} {'ep':>3} {'zero':>4} {'recomp':>9} "
+    header = (f"{'#':>3} {'pp':>3} {'dpr':>4} {'dps':>4} {'cp':>4} {'tp':>3} {'ep':>3} {'zero':>4} {'recomp/pp':>12} "
               f"{'mbs':>3} {'acc':>4} | {'params':>7} {'grads':>6} {'optim':>6} {'acts':>6} {'bufs':>5} {'total':>6} {'fits':>4} | "
               f"{'comp s':>7} {'comm s':>7} {'bubble':>7} {'step s':>7} | {'tok/s/GPU':>9} {'MFU':>5}")
     lines = [header, "-" * len(header)]
     for i, row in enumerate(rows[:top], 1):
         lay, mem, t = row.layout, {k: v / GIB for k, v in row.memory.items()}, row.step_time
-        recompute = lay.recompute + (f"/v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+        recompute = lay.recompute + (f"/{_SHORT_SCHEDULES[lay.schedule]}{lay.virtual_stages if lay.virtual_stages > 1 else ''}"
+                                     if lay.pp > 1 else "")
         accumulation = f"{lay.grad_accumulation}{'w' if lay.accumulate_unsharded_grads else ''}"  # w: whole gradients
         cp = f"{lay.cp}{'u' if lay.cp > 1 and lay.cp_method == 'alltoall' else ''}"  # u: Ulysses (all-to-all)
         lines.append(
             f"{i:>3} {lay.pp:>3} {lay.dp_replicate:>4} {lay.dp_shard:>4} {cp:>4} {lay.tp:>3} {lay.ep:>3} {lay.zero_stage:>4} "
-            f"{recompute:>9} {lay.micro_batch:>3} {accumulation:>4} | {mem['params']:>7.2f} {mem['grads']:>6.2f} "
+            f"{recompute:>12} {lay.micro_batch:>3} {accumulation:>4} | {mem['params']:>7.2f} {mem['grads']:>6.2f} "
             f"{mem['optimizer'] + mem['transient']:>6.2f} {mem['activations']:>6.2f} {mem['buffers']:>5.2f} {mem['total']:>6.2f} "
             f"{'yes' if row.fits else 'NO':>4} | {t['compute']:>7.3f} {t['communication']:>7.3f} {t['bubble']:>7.3f} "
             f"{t['total']:>7.3f} | {row.tokens_per_s_per_gpu:>9,.0f} {row.mfu:>5.1%}"
@@ -46,12 +54,13 @@ def describe_search(shape: ModelShape, fixed: dict[str, Any]) -> str:
     """One line: the dimensions searched, what was fixed, and what was left out."""
     dims = "pp x dp_replicate x dp_shard x cp x tp" + (" x ep" if shape.n_experts else "")
     text = (f"{dims}; ZeRO-1/2/3 (ZeRO-0 when asked: it runs as dp_replicate alone); "
-            "recompute none/selective/full; micro-batch 1-8; pipeline 1F1B and Interleaved1F1B (v=2); "
+            "recompute none/selective/full; micro-batch 1-8; pipeline 1F1B (even and balanced splits), "
+            "Interleaved1F1B (v=2 and the most the layers allow, up to 16) and ZBVZeroBubble; "
             "ZeRO-3 accumulation with sharded or whole gradients (acc 'w'); context parallel by ring or all-to-all "
             "(Ulysses, cp 'u')")
     if fixed:
         text += "; fixed " + ", ".join(f"{key}={value}" for key, value in fixed.items())
-    left_out = ["GPipe and zero-bubble schedules", "Float8"]
+    left_out = ["GPipe, LoopedBFS, InterleavedZeroBubble and DualPipeV (priced with --layout schedule=NAME)"]
     if not shape.n_experts:
         left_out.append("ep (a dense model)")
     return text + ". Not searched: " + ", ".join(left_out)

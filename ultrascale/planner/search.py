@@ -8,9 +8,12 @@ from collections.abc import Iterable
 from typing import Any, Optional
 
 from ultrascale.estimate import ModelShape
+from ultrascale.parallel.pipeline import even_layers
+from ultrascale.parallel.rules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 from ultrascale.planner.cost import PlanRow, Workload, evaluate
 from ultrascale.planner.hardware import GIB, Cluster
 from ultrascale.planner.layouts import RECOMPUTE_MODES, Layout, layout_problems
+from ultrascale.planner.pipeline import balanced_layers
 
 __all__ = ["candidate_layouts", "search", "why_not"]
 
@@ -52,14 +55,61 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, work: Workload, fixed
                 acc = local // mbs
                 if "grad_accumulation" in fixed and fixed["grad_accumulation"] != acc:
                     continue
-                vs = [fixed["virtual_stages"]] if "virtual_stages" in fixed else ([1, 2] if pp > 1 else [1])
                 unsharded = ([fixed["accumulate_unsharded_grads"]] if "accumulate_unsharded_grads" in fixed
                              else [False, True] if zero == 3 and pp == 1 and acc > 1 else [False])
                 methods = [fixed["cp_method"]] if "cp_method" in fixed else (["ring", "alltoall"] if cp > 1 else ["ring"])
-                for v, whole, method in itertools.product(vs, unsharded, methods):
+                for (schedule, v, layers), whole, method in itertools.product(
+                        _pipelines(shape, pp, fixed), unsharded, methods):
                     yield Layout(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, ep=ep, zero_stage=zero,
                                  micro_batch=mbs, grad_accumulation=acc, recompute=recompute, virtual_stages=v,
-                                 accumulate_unsharded_grads=whole, cp_method=method)
+                                 accumulate_unsharded_grads=whole, cp_method=method, pipeline_schedule=schedule,
+                                 pipeline_layers=layers)
+
+
+SEARCHED_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+"""The schedules the search tries. The others are priced when asked (`--layout schedule=NAME`): GPipe has 1F1B's
+bubble and holds all m micro-batches; LoopedBFS holds more than Interleaved1F1B for its bubble; torch's
+InterleavedZeroBubble and DualPipeV lists leave about ZBVZeroBubble's bubble (benchmarks/pp_bubble.py)."""
+SEARCHED_VIRTUAL_STAGES = (2,)
+"""Virtual stages per rank the search tries for Interleaved1F1B, with the most the model allows (up to 16, at least
+one layer per stage); `--layout v=N` prices any count the strategy accepts."""
+
+
+def _pipelines(shape: ModelShape, pp: int, fixed: dict[str, Any]) -> list[tuple[Optional[str], int, Optional[tuple[int, ...]]]]:
+    """(schedule, virtual stages, pipeline_layers) for `pp` pipeline ranks. A fixed `pipeline_layers` ("even",
+    "balanced" or the counts) is taken as given; otherwise 1F1B tries the strategy's even split (None) and
+    `balanced_layers`, and the multi-stage schedules the even split where the strategy accepts it (the stages
+    divide the layers), else the balanced one."""
+    if pp == 1:
+        return [(None, 1, None)]
+    wanted = fixed.get("pipeline_layers")
+    options = []
+    for schedule in [fixed["pipeline_schedule"]] if "pipeline_schedule" in fixed else SEARCHED_SCHEDULES:
+        if "virtual_stages" in fixed:
+            vs = [fixed["virtual_stages"]]
+        elif schedule in SINGLE_STAGE_SCHEDULES:
+            vs = [1]
+        elif schedule in V_SCHEDULES:
+            vs = [2]
+        else:
+            splits_exist = [v for v in range(2, 17) if pp * v <= shape.n_layers
+                            and (shape.n_layers % (pp * v) == 0 or balanced_layers(shape.n_layers, pp * v))]
+            vs = sorted({v for v in SEARCHED_VIRTUAL_STAGES if v in splits_exist} | set(splits_exist[-1:])) or [2]
+        for v in vs:
+            stages = pp * v
+            balanced = balanced_layers(shape.n_layers, stages)
+            if isinstance(wanted, tuple):
+                splits = [wanted]
+            elif wanted == "even":
+                splits = [None]
+            elif wanted == "balanced":
+                splits = [balanced] if balanced is not None else []
+            elif v == 1:
+                splits = [None] + ([balanced] if balanced not in (None, even_layers(shape.n_layers, stages)) else [])
+            else:
+                splits = [None if shape.n_layers % stages == 0 or balanced is None else balanced]
+            options += [(schedule, v, split) for split in splits]
+    return options
 
 
 def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[dict[str, Any]] = None,
