@@ -784,3 +784,65 @@ def test_cs336_zero_ladder_from_the_command_line(tmp_path, capsys):
         assert row["zero_stage"] == stage and "problems" not in row
         if stage == 0:  # plain data parallel is HSDP without sharding: 64 replicas
             assert row["runs_as"] == {"dp_replicate": 64, "dp_shard": 1, "zero_stage": 3}
+
+
+# --------------------------------------------------------------------------- pipelines and Float8 from the command line
+
+
+def test_plan_fp8_divides_compiled_compute_by_the_published_gain_and_emits_float8(tmp_path, capsys):
+    import yaml
+
+    from ultrascale.planner.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP
+
+    # torchtitan, Llama 3.1 8B on 8 H100 (FSDP): 6,667 compiled -> 8,532 tokens/s per GPU compiled with Float8.
+    assert FLOAT8_SPEEDUP == pytest.approx(8532 / 6667)
+    args = ("--preset", "llama3_8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "16", "--top", "1",
+            "--layout", "dp_shard=8,recompute=full,micro_batch=1")
+    _, eager = _plan(capsys, *args)
+    recipe = tmp_path / "fp8.yaml"
+    code, fp8 = _plan(capsys, *args, "--fp8", "--emit-recipe", str(recipe))
+    assert code == 0
+    header = next(line for line in fp8.out.splitlines() if line.startswith("cluster"))
+    assert f"Float8 matmuls: / {FLOAT8_SPEEDUP:.3f} more" in header and "6,667 -> 8,532" in header
+
+    def compute_s(text):
+        return float(next(line for line in text.splitlines() if line.startswith("step")).split()[2])
+
+    assert compute_s(fp8.out) == pytest.approx(compute_s(eager.out) / COMPILE_SPEEDUP / FLOAT8_SPEEDUP, abs=2e-3)
+    config = yaml.safe_load(recipe.read_text())
+    assert config["trainer"]["strategy"]["init_args"]["compile"] is True
+    assert any(cb["class_path"] == "ultrascale.callbacks.Float8Training" for cb in config["trainer"]["callbacks"])
+    with pytest.raises(ValueError, match="compiled only"):
+        planner.Workload(8192, 16, float8=True)
+
+
+def test_plan_pipeline_layout_is_priced_as_asked_and_emitted(tmp_path, capsys):
+    """A 126-layer model on pp=16: `--layout schedule=...,v=...,layers=balanced` is priced with that schedule and
+    split, shown in the table and the JSON, and the emitted recipe carries them for the strategy to check."""
+    import yaml
+
+    from ultrascale.planner.pipeline import balanced_layers
+
+    base = ("--preset", "llama3_405b", "--gpus", "1024", "--seq-len", "8192", "--global-batch", "1024")
+    layout = "pp=16,tp=8,dp_shard=8,zero_stage=1,recompute=full,micro_batch=1"
+    code, out = _plan(capsys, *base, "--json", "--top", "3",
+                      "--layout", f"{layout},schedule=Interleaved1F1B,v=4,layers=balanced")
+    assert code == 0
+    rows = json.loads(out.out[: out.out.index("\n]\n") + 2])
+    assert rows and all(row["pipeline_schedule"] == "Interleaved1F1B" and row["virtual_stages"] == 4 for row in rows)
+    assert rows[0]["pipeline_layers"] == list(balanced_layers(126, 64))
+    recipe = tmp_path / "pp.yaml"
+    code, out = _plan(capsys, *base, "--top", "2", "--layout", f"{layout},schedule=ZBVZeroBubble",
+                      "--emit-recipe", str(recipe))
+    assert code == 0 and "full/ZV2" in out.out
+    init = yaml.safe_load(recipe.read_text())["trainer"]["strategy"]["init_args"]
+    assert init["pipeline_schedule"] == "ZBVZeroBubble" and init["pipeline_virtual_stages"] == 2
+    assert init["pipeline_layers"] == list(balanced_layers(126, 32))  # 126 layers do not split evenly over 32 stages
+    # GPipe is priced when asked (not searched): the same compute, all m micro-batches held.
+    code, gpipe = _plan(capsys, *base, "--json", "--top", "1", "--layout", f"{layout},grad_accumulation=128,schedule=GPipe")
+    code, one = _plan(capsys, *base, "--json", "--top", "1", "--layout", f"{layout},grad_accumulation=128,schedule=1F1B")
+    gpipe_row, one_row = (json.loads(text.out[: text.out.index("\n]\n") + 2])[0] for text in (gpipe, one))
+    assert gpipe_row["memory_gib"]["activations"] > 2.5 * one_row["memory_gib"]["activations"]  # 128 vs 16 held, + logits
+    assert gpipe_row["step_time_s"]["compute"] == pytest.approx(one_row["step_time_s"]["compute"])
+    code, refused = _plan(capsys, *base, "--layout", f"{layout},schedule=Zigzag")
+    assert code == 2 and "schedule='Zigzag': choose one of" in refused.err
