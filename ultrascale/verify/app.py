@@ -55,6 +55,8 @@ class VerifyReport:
     reference_name: str
     layout: dict[str, Any]
     """The layout run's JSON (`StepRecorder`)."""
+    reference: dict[str, Any]
+    """The reference run's."""
     prediction: Optional[Prediction]
     why_no_prediction: Optional[str]
     notes: list[str] = field(default_factory=list)
@@ -204,12 +206,13 @@ def reference_knobs(against: str, world: int) -> tuple[dict[str, Any], bool, str
 
 def verify(cli_args: Sequence[str], *, steps: int = DEFAULT_STEPS, against: str = ONE, tolerance: float = DEFAULT_TOLERANCE,
            gpu: str = "h100", launch: Launch = "auto", workdir: Optional[Path] = None,
-           plan: Any = None, reference: Optional[dict[str, Any]] = None) -> Optional[VerifyReport]:
+           checked: Optional[tuple[Any, Optional[str]]] = None, reference: Optional[dict[str, Any]] = None,
+           ) -> Optional[VerifyReport]:
     """Train the recipe (`cli_args`: `--config RECIPE` and overrides) for `steps` steps under its layout and under
     the reference, in fp32, and compare. Under torchrun every rank trains the layout; rank 0 then trains the
     reference and returns the report, the other ranks None.
 
-    `plan` (the recipe's `check_layout`) and `reference` (a reference run's results) let the matrix reuse them."""
+    `checked` (the recipe's `check_layout`) and `reference` (a reference run's results) let the matrix reuse them."""
     if steps < 1:
         raise VerifyError(f"--steps {steps}: must be >= 1")
     if not tolerance > 0:
@@ -217,9 +220,7 @@ def verify(cli_args: Sequence[str], *, steps: int = DEFAULT_STEPS, against: str 
     if against != ONE and against not in LAYOUTS:
         raise VerifyError(f"--against {against!r}: choose one of {layout_names()}")
     cli_args = list(cli_args)
-    why_not = None
-    if plan is None:
-        plan, why_not = check_layout(cli_args, gpu)
+    plan, why_not = checked if checked is not None else check_layout(cli_args, gpu)
     torchrun = launched_by_torchrun()
     if torchrun and against != ONE:
         raise VerifyError("under torchrun, verify compares against one device only (--against one); run --against "
@@ -246,7 +247,8 @@ def verify(cli_args: Sequence[str], *, steps: int = DEFAULT_STEPS, against: str 
     if layout.get("dropped_callbacks"):
         notes.append(f"left out of both runs (they save, log or validate): {', '.join(layout['dropped_callbacks'])}")
     prediction = Prediction.of(plan.row, plan.cluster.gpu.name) if plan is not None else None
-    return VerifyReport(compare(reference["steps"], layout["steps"], tolerance), name, layout, prediction, why_not, notes)
+    return VerifyReport(compare(reference["steps"], layout["steps"], tolerance), name, layout, reference, prediction, why_not,
+                        notes)
 
 
 # --------------------------------------------------------------------------- the command
