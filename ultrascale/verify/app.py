@@ -221,6 +221,8 @@ def verify(cli_args: Sequence[str], *, steps: int = DEFAULT_STEPS, against: str 
         raise VerifyError(f"--against {against!r}: choose one of {layout_names()}")
     cli_args = list(cli_args)
     plan, why_not = checked if checked is not None else check_layout(cli_args, gpu)
+    if plan is not None:  # the world is known before any run: a reference that cannot exist is refused now
+        reference_knobs(against, plan.world)
     torchrun = launched_by_torchrun()
     if torchrun and against != ONE:
         raise VerifyError("under torchrun, verify compares against one device only (--against one); run --against "
@@ -259,6 +261,7 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="ultrascale verify", allow_abbrev=False,
+        usage="ultrascale verify --config RECIPE [LightningCLI overrides] [--steps N] [--against LAYOUT|one] [options]",
         description="Train a recipe for a few steps under its layout and under one device (or another layout), in fp32 "
                     "with the same data, and compare each step's loss and gradient norm. Exit 0 within the tolerance, "
                     "1 beyond it, 2 for bad input. Any other option is a LightningCLI override, as for `ultrascale fit`.")

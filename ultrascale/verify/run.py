@@ -104,7 +104,7 @@ class _RunCLI(UltraScaleCLI):
 
     def __init__(self, spec: RunSpec) -> None:
         self.spec = spec
-        super().__init__(args=spec.cli_args, run=False)
+        super().__init__(args=spec.cli_args, run=False, save_config_callback=None)  # writes nothing into the cwd
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         from lightning.pytorch.strategies import StrategyRegistry
