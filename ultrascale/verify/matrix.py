@@ -119,13 +119,17 @@ def run_matrix(world: int, *, accelerator: Accelerator = "cpu", layouts: Optiona
             try:
                 report = verify(args, steps=steps, tolerance=tolerance, gpu=gpu, launch=launch, workdir=work / name,
                                 checked=checked, reference=references.get(layout.moe))
-            except VerifyError as error:
-                rows.append(MatrixRow(name, world, f"error: {error}"))
+            except VerifyError as error:  # the table keeps the error's first words; the run's log has the rest
+                rows.append(MatrixRow(name, world, f"error: {_shortened(str(error).split(' (its log: ')[0])}"))
                 continue
             assert report is not None  # not under torchrun: this process ran both
             references[layout.moe] = report.reference
             rows.append(MatrixRow(name, world, "pass" if report.passed else "FAIL", report))
     return rows
+
+
+def _shortened(text: str, limit: int = 240) -> str:
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
 
 
 def _machine(accelerator: Accelerator) -> str:
