@@ -11,6 +11,7 @@ in the ranks themselves under torchrun); their per-step numbers are compared her
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import multiprocessing as mp
 import os
@@ -105,6 +106,9 @@ def _forked_entry(spec: RunSpec, log: str, parent_pid: int) -> None:
     sys.stderr.flush()
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    # Python's streams too: a caller may have replaced them (pytest's capture), and the log must get the traceback.
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
     code = 1
     try:
         run(spec)
