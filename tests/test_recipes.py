@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from ultrascale.cli import main
+from tests._cli import run_main
 from ultrascale.estimate import ModelShape
 from ultrascale.models.llama import Llama, LlamaConfig
 from ultrascale.planner.app import check_recipe
@@ -50,14 +50,7 @@ def _command_line_args(recipe: Path, tmp_path: Path) -> list[str]:
 
 
 def _plan(capsys, *args: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        main(["plan", *args])
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    return run_main(capsys, "plan", *args)
 
 
 def _world(config: dict) -> int:

@@ -5,6 +5,7 @@
     ultrascale export-hf --checkpoint runs/.../last.ckpt --out my_hf_model
     ultrascale plan --preset llama3_70b --gpus 256 --gpu h100 --seq-len 8192 --global-batch-tokens 4M
     ultrascale plan --recipe recipes/llama3_70b.yaml      # check a recipe's layout on the meta device, price it
+    ultrascale verify --config recipes/tiny_cpu_2d.yaml   # its layout against one device, step by step
 
 Any LightningModule / LightningDataModule can be named with `class_path`; the recipes
 use `ultrascale.models.LlamaLM` and `ultrascale.data.CausalLMDataModule`.
@@ -183,6 +184,8 @@ train and evaluate (LightningCLI, with ultrascale's strategies registered):
 ultrascale's own:
   plan         rank the layouts for a model on a cluster, explain one, or check a recipe (--recipe)
   export-hf    write an HFCausalLM training checkpoint as a Hugging Face folder (safetensors)
+  verify       train a recipe a few steps under its layout and on one device, compare loss and gradient norm
+  verify-matrix  the same for every named layout at one world size: a Markdown table (parity, tokens/s, memory)
   prepare-data tokenize a corpus once (text, JSONL, Parquet, a saved dataset) into a folder every rank
                memory-maps: ultrascale prepare-data --tokenizer DIR --out DIR [--workers N] INPUT...
 """
@@ -267,6 +270,16 @@ def main(args: list[str] | None = None) -> None:
         return
     if args and args[0] == "prepare-data":
         prepare_data_main(args[1:])
+        return
+    if args and args[0] == "verify":
+        from ultrascale.verify.app import verify_main
+
+        verify_main(args[1:])
+        return
+    if args and args[0] == "verify-matrix":
+        from ultrascale.verify.matrix import matrix_main
+
+        matrix_main(args[1:])
         return
     if args and args[0] == "plan":
         from ultrascale.planner.app import plan_main

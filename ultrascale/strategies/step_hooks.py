@@ -100,8 +100,9 @@ def guarded_optimizer_step(policy: str, closure: Callable[[], Any], finish: Call
 
 
 def log_step(module: "pl.LightningModule", result: StepResult, guard: StepGuard, owner: str) -> None:
-    """Warn about and log a finished step: skipped steps, loss spikes, MoE statistics and the exact
-    `train_loss`. ValueError if the module logs a `train_loss` of its own beside a token-normalised loss."""
+    """Warn about and log a finished step: skipped steps, loss spikes, MoE statistics, the global gradient
+    norm (`grad_norm`, before clipping) and the exact `train_loss`. ValueError if the module logs a `train_loss` of
+    its own beside a token-normalised loss."""
     trainer = module.trainer
     # Lightning allows per-step logging from `on_before_optimizer_step`, which runs right after this;
     # every value is already global, so no sync.
@@ -119,6 +120,8 @@ def log_step(module: "pl.LightningModule", result: StepResult, guard: StepGuard,
             module.log("loss_spikes", float(result.loss_spikes), sync_dist=False)
         for name, value in result.moe.items():
             module.log(name, value.float(), sync_dist=False, prog_bar=name == "moe/balance")
+        if result.grad_norm is not None:  # before clipping; what `ultrascale verify` compares between layouts
+            module.log("grad_norm", result.grad_norm.float(), sync_dist=False)
         if result.loss is not None:
             if step_logged(trainer, "training_step.train_loss"):
                 raise ValueError(

@@ -1,0 +1,304 @@
+"""The CUDA branches, each checked on a GPU against its CPU-proven or plain-torch counterpart.
+
+Skipped without CUDA (every figure of the project so far came from CPU ranks over gloo: docs/verify.md lists
+what has never run on a GPU); the two-rank NCCL tests also need two GPUs. Run them on a GPU machine with
+
+    python -m pytest -q -m gpu tests/test_gpu.py
+
+Multi-rank tests spawn their ranks (a process that has touched CUDA cannot fork one that uses it).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from ultrascale.launch import free_port
+
+CUDA = torch.cuda.is_available()
+TWO_GPUS = CUDA and torch.cuda.device_count() >= 2
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
+needs_two_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices")
+
+
+def _spawned(rank: int, world: int, port: int, fn_name: str, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        result = globals()[fn_name](rank, world)
+        torch.save(result, Path(out) / f"{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_nccl(fn_name: str, world: int = 2) -> list:
+    """`fn_name(rank, world)` (a function of this module) on `world` spawned ranks, one GPU each, NCCL."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_spawned, args=(world, free_port(), fn_name, out), nprocs=world, join=True)
+        return [torch.load(Path(out) / f"{rank}.pt", weights_only=False) for rank in range(world)]
+
+
+# --------------------------------------------------------------------------- attention backend, flash-attn
+
+
+def test_attention_backend_choice_and_flash_attn_equal_sdpa():
+    """`parallel.device.attention_backend`: flash-attn on SM80+ in bf16 where installed, SDPA otherwise; the
+    built-in Llama's attention gives SDPA's output either way."""
+    from ultrascale.models.llama import ScaledDotProductAttention
+    from ultrascale.parallel.device import attention_backend, flash_attn_installed
+
+    device = torch.device("cuda")
+    sm80 = torch.cuda.get_device_capability(device) >= (8, 0)
+    assert attention_backend(device, torch.bfloat16) == ("flash" if sm80 and flash_attn_installed() else "sdpa")
+    assert attention_backend(device, torch.float32) == "sdpa"
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 128, 64, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 128, 64, device=device, dtype=torch.bfloat16) for _ in range(2))
+    got = ScaledDotProductAttention()(q, k, v)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+    assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+# --------------------------------------------------------------------------- context parallel's CUDA kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_context_parallel_cuda_kernel_and_its_log_sum_exp(dtype):
+    """The CUDA (out, lse) kernel behind ring / all-gather attention: the output equals SDPA's, the
+    log-sum-exp equals logsumexp of the scaled causal scores, and the backward equals autograd's."""
+    from ultrascale.parallel.context import attention_kernel
+
+    forward, backward = attention_kernel(torch.device("cuda"))
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 64, 32, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(2, 4, 64, 32, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    scale = 32**-0.5
+    out, lse = forward(q.detach(), k.detach(), v.detach(), True, None, scale)
+    reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    assert_close(out.float(), reference.detach(), **tol)
+    scores = (q.float() @ k.float().repeat_interleave(2, 1).transpose(-2, -1)) * scale  # (B, H, T, T)
+    scores = scores.masked_fill(torch.ones(64, 64, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    assert lse.dtype == torch.float32
+    assert_close(lse, scores.logsumexp(-1).detach(), **tol)
+    dout = torch.randn_like(out)
+    dq, dk, dv = backward(dout, q.detach(), k.detach(), v.detach(), out, lse, True, None, scale)
+    reference.backward(dout.float())
+    for got, param in ((dq, q), (dk, k), (dv, v)):
+        assert_close(got.float(), param.grad.float(), **(dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else tol))
+
+
+# --------------------------------------------------------------------------- NCCL: ring attention, pipeline sends
+
+
+def _ring_attention_nccl(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ultrascale.parallel.context import ContextParallel
+
+    mesh = init_device_mesh("cuda", (world,))
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 64, 16, device="cuda", requires_grad=True)
+    k, v = (torch.randn(1, 4, 64, 16, device="cuda", requires_grad=True) for _ in range(2))
+    out = {}
+    for method in ("ring", "allgather"):
+        cp = ContextParallel(mesh, method)
+        local = cp.shard_batch({"input_ids": torch.zeros(1, 64, dtype=torch.long, device="cuda")})
+        index = local["position_ids"][0]
+        lq, lk, lv = (t.detach()[:, :, index].clone().requires_grad_() for t in (q, k, v))
+        result = cp.attention(lq, lk, lv)
+        result.sum().backward()
+        out[method] = {"index": index.cpu(), "out": result.detach().cpu(), "dq": lq.grad.cpu()}
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    expected.sum().backward()
+    out["expected"], out["expected_dq"] = expected.detach().cpu(), q.grad.cpu()
+    return out
+
+
+@needs_two_gpus
+def test_ring_and_allgather_attention_over_nccl():
+    """Context parallel's P2P ring and all-gather on NCCL, cp 2: each rank's queries equal full SDPA."""
+    for result in run_nccl("_ring_attention_nccl"):
+        for method in ("ring", "allgather"):
+            index = result[method]["index"]
+            assert_close(result[method]["out"], result["expected"][:, :, index], rtol=1e-5, atol=1e-5)
+            assert_close(result[method]["dq"], result["expected_dq"][:, :, index], rtol=1e-4, atol=1e-4)
+
+
+def _pipeline_nccl(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(32, 32, device="cuda") for _ in range(world)]
+    stage = PipelineStage(layers[rank], rank, world, torch.device("cuda"))
+    losses: list[torch.Tensor] = []
+    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=lambda out, target: F.mse_loss(out, target, reduction="sum"),
+                            scale_grads=False)
+    x, target = torch.randn(8, 32, device="cuda"), torch.randn(8, 32, device="cuda")
+    if rank == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=target, losses=losses)
+    dist.barrier()
+    return {"grad": layers[rank].weight.grad.cpu(), "x": x.cpu(), "target": target.cpu(),
+            "weights": [(layer.weight.detach().cpu(), layer.bias.detach().cpu()) for layer in layers]}
+
+
+@needs_two_gpus
+def test_pipeline_sends_over_nccl():
+    """torch's 1F1B over NCCL P2P between two GPUs: each stage's gradient equals the one-device chain's."""
+    results = run_nccl("_pipeline_nccl")
+    layers = [torch.nn.Linear(32, 32) for _ in results[0]["weights"]]
+    with torch.no_grad():
+        for layer, (weight, bias) in zip(layers, results[0]["weights"]):
+            layer.weight.copy_(weight)
+            layer.bias.copy_(bias)
+    out = results[0]["x"]
+    for layer in layers:
+        out = layer(out)
+    F.mse_loss(out, results[0]["target"], reduction="sum").backward()
+    for rank, result in enumerate(results):
+        assert_close(result["grad"], layers[rank].weight.grad, rtol=1e-4, atol=1e-4)
+
+
+def _fsdp_float8_all_gather(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(3)]).cuda()
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    mesh = init_device_mesh("cuda", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(16, 64, device="cuda")
+    model(x).float().pow(2).mean().backward()
+    return {"finite": all(torch.isfinite(p.grad.full_tensor()).all().item() for p in model.parameters())}
+
+
+@needs_two_gpus
+def test_fsdp_float8_all_gather_over_nccl():
+    assert all(result["finite"] for result in run_nccl("_fsdp_float8_all_gather"))
+
+
+# --------------------------------------------------------------------------- Float8
+
+
+def test_float8_linear_close_to_bf16():
+    """torchao's Float8Linear (what `Float8Training` converts to) on a GPU with fp8 matmuls (SM89+), forward and
+    backward within fp8's error of the bf16 layer."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 matmuls need compute capability 8.9+")
+    from torchao.float8 import convert_to_float8_training
+
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False), torch.nn.Linear(512, 256, bias=False)).cuda()
+    converted = convert_to_float8_training(
+        torch.nn.Sequential(*[torch.nn.Linear(m.in_features, m.out_features, bias=False) for m in reference]).cuda())
+    converted.load_state_dict(reference.state_dict())
+    x = torch.randn(64, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected, got = reference(x), converted(x)
+    expected.float().sum().backward()
+    got.float().sum().backward()
+    relative = (got.float() - expected.float()).norm() / expected.float().norm()
+    assert relative < 0.1, relative
+    grad_error = (converted[0].weight.grad - reference[0].weight.grad).norm() / reference[0].weight.grad.norm()
+    assert grad_error < 0.1, grad_error
+
+
+# --------------------------------------------------------------------------- MemoryMonitor, bf16, checkpoints, experts
+
+
+def _tiny_fit(tmp_path: Path, callbacks: list, precision: str, steps: int = 3):
+    import lightning as L
+
+    from tests._parity import ParityData, Recorder, TokenDataset
+    from ultrascale.models import LlamaLM
+
+    recorder = Recorder()
+    trainer = L.Trainer(accelerator="cuda", devices=1, strategy="ultrascale_zero3", max_steps=steps, precision=precision,
+                        logger=recorder.logger, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[recorder, *callbacks])
+    trainer.fit(LlamaLM(preset="tiny", max_steps=100), ParityData(TokenDataset(64, 32, 512, masked=True), 8))
+    return recorder.losses
+
+
+def test_memory_monitor_cuda_statistics_and_snapshot(tmp_path):
+    from ultrascale.callbacks import MemoryMonitor
+
+    monitor = MemoryMonitor(snapshot_at_step=2, snapshot_dir=str(tmp_path / "snapshots"))
+    _tiny_fit(tmp_path, [monitor], "32-true")
+    snapshots = list((tmp_path / "snapshots").glob("*"))
+    assert snapshots and all(s.stat().st_size > 0 for s in snapshots), snapshots
+
+
+def test_bf16_mixed_on_cuda_close_to_fp32(tmp_path):
+    """bf16-mixed on CUDA (FSDP2's bf16 compute, fp32 reductions) follows the fp32 loss curve."""
+    fp32 = _tiny_fit(tmp_path / "fp32", [], "32-true")
+    bf16 = _tiny_fit(tmp_path / "bf16", [], "bf16-mixed")
+    assert_close(torch.tensor(bf16), torch.tensor(fp32), rtol=0, atol=2e-2)
+
+
+def _async_checkpoint_cuda(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from ultrascale.parallel import checkpoint as ckpt
+
+    folder = Path(os.environ["ULTRASCALE_TEST_DIR"])
+    group = dist.new_group(backend="gloo")
+    weights = torch.arange(8, dtype=torch.float32, device="cuda") + rank
+    pending = ckpt.async_save_sharded_checkpoint({f"w{rank}": weights}, {"global_step": 1}, folder / "a.ckpt", group=group)
+    weights.zero_()  # the save copied the CUDA tensor to host memory before returning
+    pending.finish()
+    state = {f"w{rank}": torch.empty(8, device="cuda")}
+    ckpt.load_sharded_checkpoint(folder / "a.ckpt", state)
+    return {"loaded": state[f"w{rank}"].cpu()}
+
+
+@needs_two_gpus
+def test_async_checkpoint_of_cuda_tensors_round_trips(tmp_path, monkeypatch):
+    monkeypatch.setenv("ULTRASCALE_TEST_DIR", str(tmp_path))
+    for rank, result in enumerate(run_nccl("_async_checkpoint_cuda")):
+        assert torch.equal(result["loaded"], torch.arange(8, dtype=torch.float32) + rank)
+
+
+def test_grouped_mm_experts_equal_the_loop():
+    """MoE experts as one `torch._grouped_mm` per projection (bf16 on SM80+) equal the per-expert loop,
+    forward and backward."""
+    from ultrascale.parallel.device import grouped_mm_supported
+    from ultrascale.parallel.expert import run_experts
+
+    device = torch.device("cuda")
+    if not grouped_mm_supported(device, torch.bfloat16):
+        pytest.skip("grouped matmul needs torch._grouped_mm and compute capability 8.0+")
+    torch.manual_seed(0)
+    counts = torch.tensor([5, 0, 11, 16], device=device)
+    x = torch.randn(32, 64, device=device, dtype=torch.bfloat16)
+    gate_up = torch.randn(4, 256, 64, device=device, dtype=torch.bfloat16) * 0.05
+    down = torch.randn(4, 64, 128, device=device, dtype=torch.bfloat16) * 0.05
+    results = []
+    for grouped in (True, False):
+        inputs = [t.clone().requires_grad_() for t in (x, gate_up, down)]
+        out = run_experts(inputs[0], counts, inputs[1], inputs[2], grouped=grouped)
+        out.float().sum().backward()
+        results.append([out.detach(), *(t.grad for t in inputs)])
+    for got, expected in zip(*results):
+        assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,160 @@
+"""`ultrascale verify` and `ultrascale verify-matrix`: a recipe's layout against one device, step by step.
+
+Each verify trains two runs in forked processes (the layout's ranks forked again by its launcher), so nothing
+of a fit stays in this process; one test goes through the installed command in a subprocess.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+from tests._cli import run_main
+from ultrascale.verify import compare, within
+from ultrascale.verify.layouts import LAYOUTS
+from ultrascale.verify.matrix import matrix_markdown, run_matrix
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+SMALL_DATA = ["--data.init_args.max_tokens", "200000"]  # the stdlib corpus capped: seconds to tokenize
+
+
+def _verify(capsys, *args: str) -> tuple[int, str, str]:
+    return run_main(capsys, "verify", *args)
+
+
+# --------------------------------------------------------------------------- the comparison alone
+
+
+def test_the_tolerance_is_absolute_near_zero_and_relative_above():
+    assert within(5.0, 5.0 + 5e-4, 1e-4) and not within(5.0, 5.0 + 7e-4, 1e-4)
+    assert within(0.0, 1e-4, 1e-4) and not within(0.0, 2e-4, 1e-4)
+    assert not within(1.0, float("nan"), 1e-4)
+
+
+def test_compare_names_the_first_step_beyond_the_tolerance():
+    reference = [{"step": 1, "loss": 5.0, "grad_norm": 2.0}, {"step": 2, "loss": 4.9, "grad_norm": 1.5}]
+    same = compare(reference, [dict(s) for s in reference], 1e-4)
+    assert same.passed and same.max_delta() == 0
+    off = compare(reference, [{"step": 1, "loss": 5.0, "grad_norm": 2.0}, {"step": 2, "loss": 4.9, "grad_norm": 1.6}], 1e-4)
+    assert not off.passed and off.mismatches[0].step == 2 and off.mismatches[0].quantity == "grad_norm"
+    shorter = compare(reference, reference[:1], 1e-4)
+    assert not shorter.passed and shorter.mismatches[0].quantity == "steps"
+    nothing = compare([{"step": 1, "loss": None, "grad_norm": None}], [{"step": 1, "loss": None, "grad_norm": None}], 1e-4)
+    assert not nothing.passed and not nothing.compared
+
+
+# --------------------------------------------------------------------------- bad input, before any run
+
+
+def test_bad_input_is_refused_before_any_run(capsys, tmp_path):
+    recipe = str(RECIPES / "tiny_cpu_2d.yaml")
+    code, _, err = _verify(capsys, "--config", recipe, "--steps", "0")
+    assert code == 2 and "--steps 0: must be >= 1" in err, err
+    code, _, err = _verify(capsys, "--config", recipe, "--against", "zero4")
+    assert code == 2 and "--against 'zero4': choose one of one, zero1" in err, err
+    code, _, err = _verify(capsys, "--config", recipe, "--tolerance", "0")
+    assert code == 2 and "must be > 0" in err, err
+    # The rulebook refuses tp=3 for 4 ranks: said before any process starts (no run's log in the workdir).
+    code, _, err = _verify(capsys, "--config", recipe, "--trainer.strategy.init_args.tensor_parallel", "3",
+                           "--workdir", str(tmp_path))
+    assert code == 2 and "UltraScaleStrategy: invalid layout for 4 processes" in err and "tp(3)" in err, err
+    # A reference the recipe's world cannot hold: tp_x_dp needs 4 ranks, tiny_cpu.yaml runs 2.
+    code, _, err = _verify(capsys, "--config", str(RECIPES / "tiny_cpu.yaml"), "--against", "tp_x_dp", "--workdir", str(tmp_path))
+    assert code == 2 and "tp_x_dp needs a world of at least 4" in err, err
+    assert not list(tmp_path.glob("*.log"))
+
+
+# --------------------------------------------------------------------------- recipes pass, a broken reduction fails
+
+
+@pytest.mark.slow
+def test_tiny_2d_recipe_passes_through_the_command(tmp_path):
+    """`ultrascale verify --config recipes/tiny_cpu_2d.yaml` as a user types it (ZeRO-3 x tp 2 on 4 ranks)."""
+    done = subprocess.run([sys.executable, "-m", "ultrascale.cli", "verify", "--config", str(RECIPES / "tiny_cpu_2d.yaml"),
+                           *SMALL_DATA, "--steps", "3"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "layout     pp=1 x dp_replicate=1 x dp_shard=2 x cp=1 x tp=2 (world 4)" in out
+    assert "PASS: largest |Δ|" in out and "over 3 steps (loss, grad_norm;" in out
+    assert out.count("  rank ") == 4 and "planner H100 SXM" in out and "not comparable" in out
+    assert not list(tmp_path.iterdir())  # no runs/ folder, no checkpoint: verify writes nothing of the recipe's
+
+
+def test_hf_finetune_recipe_passes(capsys, tmp_path):
+    from tests.test_hf import _checkpoint_and_instructions
+
+    source, data = _checkpoint_and_instructions(tmp_path)
+    code, out, err = _verify(capsys, "--config", str(RECIPES / "hf_finetune.yaml"), "--model.pretrained_path", str(source),
+                             "--data.data_path", str(data), "--data.init_args.prompt_template", "{prompt}",
+                             "--data.init_args.seq_len", "32", "--steps", "3", "--json", str(tmp_path / "verify.json"))
+    assert code == 0, out + err
+    assert "dp_shard=2" in out and "PASS" in out, out
+    import json
+
+    written = json.loads((tmp_path / "verify.json").read_text())
+    assert written["passed"] and len(written["layout_steps"]) == 3 and written["max_delta"] <= 1e-4
+
+
+class BreakRank1Reduction(L.Callback):
+    """Test only: rank 1 doubles its gradients before ZeRO-1 reduces them (after backward, before the step), as a
+    reduction that scaled one rank's contribution wrongly would."""
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_rank == 1:
+            for param in pl_module.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(2.0)
+
+
+def test_a_broken_reduction_fails_naming_the_step_and_the_difference(capsys):
+    code, out, err = _verify(capsys, "--config", str(RECIPES / "tiny_cpu.yaml"), *SMALL_DATA, "--steps", "2",
+                             "--trainer.strategy", "ultrascale_zero1",
+                             "--trainer.callbacks+=tests.test_verify.BreakRank1Reduction")
+    assert code == 1, out + err
+    assert "FAIL: largest |Δ|" in out and "first beyond the tolerance at step 1: grad_norm" in out, out
+    assert "left out of both runs (they save, log or validate): ModelCheckpoint, LearningRateMonitor" in out
+
+
+# --------------------------------------------------------------------------- the matrix at world 1, 2, 4, 8
+
+
+def _matrix(world: int) -> dict[str, str]:
+    rows = run_matrix(world, steps=2)
+    table = "\n".join(matrix_markdown(rows, accelerator="cpu", tolerance=1e-4, steps=2))
+    assert table.count("\n| ") == len(LAYOUTS) + 1  # the header and a row per layout
+    return {row.layout: row.status for row in rows}
+
+
+def test_matrix_world_1():
+    statuses = _matrix(1)
+    assert {name for name, status in statuses.items() if status == "pass"} == {"zero1", "zero2", "zero3"}
+    assert statuses["tp"] == "skipped: tp needs a world of at least 2"
+    # Found by the matrix, listed in docs/verify.md: on one device the auto layout's search finds no layout that
+    # runs the batch without accumulation, though ZeRO-3 over 1 rank trains it. This fails once that is fixed.
+    assert statuses["auto"].startswith("error: the layout run failed: ValueError: UltraScaleStrategy(auto_layout=True): "
+                                       "no layout of Llama"), statuses["auto"]
+
+
+def test_matrix_world_2():
+    statuses = _matrix(2)
+    assert all(status == "pass" for name, status in statuses.items() if LAYOUTS[name].fits(2) is None), statuses
+    assert statuses["hsdp"].startswith("skipped")
+
+
+@pytest.mark.slow
+def test_matrix_world_4():
+    statuses = _matrix(4)
+    assert all(status == "pass" for name, status in statuses.items() if LAYOUTS[name].fits(4) is None), statuses
+
+
+@pytest.mark.slow
+def test_matrix_world_8():
+    statuses = _matrix(8)
+    # The tiny model has 4 kv heads: the rulebook refuses tp 8, and says so in the table.
+    assert statuses["tp"].startswith("skipped: UltraScaleStrategy") and "tensor_parallel=8" in statuses["tp"], statuses
+    assert all(status == "pass" for name, status in statuses.items() if name != "tp" and LAYOUTS[name].fits(8) is None), statuses

@@ -1,0 +1,304 @@
+"""`ultrascale verify`: a recipe's layout against one device (or another layout), step by step.
+
+    ultrascale verify --config recipes/tiny_cpu_2d.yaml [LightningCLI overrides] [--steps 5] [--against one]
+
+Order of work: the arguments are checked; the recipe is checked as `ultrascale plan --recipe` checks it (the
+strategy's rulebook on the meta device, no process started) and its layout priced by the planner; then the
+layout run and the reference run train, each in a process of its own (forked on CPU, a subprocess on GPU,
+in the ranks themselves under torchrun); their per-step numbers are compared here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence
+
+from ultrascale.verify.layouts import LAYOUTS, ONE, layout_names
+from ultrascale.verify.report import (
+    Comparison,
+    Prediction,
+    RankFigures,
+    compare,
+    figures_table,
+    step_table,
+    verdict,
+)
+from ultrascale.verify.run import RunSpec, run
+
+DEFAULT_STEPS = 5
+DEFAULT_TOLERANCE = 1e-4
+RUN_TIMEOUT_S = 3600
+Launch = Literal["auto", "fork", "subprocess"]
+# What torchrun sets for its ranks; the reference run of rank 0 is a job of its own without them.
+_TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                       "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class VerifyError(ValueError):
+    """Bad input, or a run that failed before comparing anything: exit status 2."""
+
+
+@dataclass
+class VerifyReport:
+    """What `verify` found: the comparison, the layout run's figures and the planner's prediction."""
+
+    comparison: Comparison
+    reference_name: str
+    layout: dict[str, Any]
+    """The layout run's JSON (`StepRecorder`)."""
+    reference: dict[str, Any]
+    """The reference run's."""
+    prediction: Optional[Prediction]
+    why_no_prediction: Optional[str]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.comparison.passed
+
+    @property
+    def ranks(self) -> list[RankFigures]:
+        return [RankFigures.of(figures) for figures in self.layout["ranks"]]
+
+    def lines(self) -> list[str]:
+        lines = [f"layout     {self.layout['mesh']}",
+                 f"reference  {self.reference_name}", ""]
+        lines += step_table(self.comparison, "ref")
+        lines += ["", verdict(self.comparison), ""]
+        lines += figures_table(self.ranks, self.prediction, self.why_no_prediction)
+        lines += [f"note: {note}" for note in self.notes]
+        return lines
+
+
+# --------------------------------------------------------------------------- the runs
+
+
+def launched_by_torchrun() -> bool:
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
+    return TorchElasticEnvironment.detect()
+
+
+def _auto_launch() -> Literal["fork", "subprocess"]:
+    """Fork where no GPU is in sight (cheap, and the process has no CUDA state to inherit); on a GPU machine a
+    subprocess, whose launcher starts the ranks as `ultrascale fit` does there."""
+    import torch
+
+    return "subprocess" if torch.cuda.is_available() else "fork"
+
+
+def _forked_entry(spec: RunSpec, log: str, parent_pid: int) -> None:
+    from ultrascale.launch import die_with_parent
+
+    die_with_parent(parent_pid)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    # Python's streams too: a caller may have replaced them (pytest's capture), and the log must get the traceback.
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
+    code = 1
+    try:
+        run(spec)
+        code = 0
+    except BaseException:  # noqa: BLE001 - the log says what failed; the parent reads it
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _error_of(log: Path) -> str:
+    """The last exception line of a failed run's log, which names what went wrong (the strategy's messages do)."""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.exists() else []
+    errors = [line for line in lines if ("Error: " in line or "Exception: " in line) and not line.startswith(" ")]
+    return errors[-1] if errors else (lines[-1] if lines else "no output")
+
+
+def launch_run(spec: RunSpec, workdir: Path, name: str, launch: Launch = "auto", env: Optional[dict[str, str]] = None,
+               timeout: float = RUN_TIMEOUT_S) -> dict[str, Any]:
+    """Train `spec` in a process of its own and return its results; VerifyError with the run's error if it fails."""
+    from ultrascale.launch import end_processes
+
+    log = workdir / f"{name}.log"
+    mode = _auto_launch() if launch == "auto" else launch
+    if mode == "fork":
+        proc = mp.get_context("fork").Process(target=_forked_entry, args=(spec, str(log), os.getpid()))
+        proc.start()
+        try:
+            proc.join(timeout)
+        finally:
+            end_processes([proc])
+        code = proc.exitcode
+    else:
+        path = spec.save(workdir / f"{name}.spec.json")
+        with log.open("w") as out:
+            done = subprocess.run([sys.executable, "-m", "ultrascale.verify.run", str(path)], stdout=out,
+                                  stderr=subprocess.STDOUT, env=env, timeout=timeout)
+        code = done.returncode
+    if code != 0 or not Path(spec.out).exists():
+        raise VerifyError(f"the {name} run failed: {_error_of(log)} (its log: {log})")
+    return json.loads(Path(spec.out).read_text())
+
+
+# --------------------------------------------------------------------------- checks and the planner
+
+
+def _strategy_classes() -> set[str]:
+    from ultrascale.strategies import UltraScaleStrategy
+
+    found, todo = set(), [UltraScaleStrategy]
+    while todo:
+        cls = todo.pop()
+        found.add(cls.__name__)
+        todo += cls.__subclasses__()
+    return found
+
+
+def _config_and_overrides(cli_args: Sequence[str]) -> tuple[str, list[str]]:
+    """The first `--config` and everything else, in order (check_recipe takes one recipe and overrides)."""
+    args = list(cli_args)
+    for i, arg in enumerate(args):
+        if arg == "--config" and i + 1 < len(args):
+            return args[i + 1], args[:i] + args[i + 2:]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1], args[:i] + args[i + 1:]
+    raise VerifyError("--config RECIPE is required: the recipe `ultrascale fit --config` would train")
+
+
+def check_layout(cli_args: Sequence[str], gpu: str) -> tuple[Optional[Any], Optional[str]]:
+    """The recipe checked as `ultrascale plan --recipe` checks it, in fp32: (the planner's `RecipePlan`, None), or
+    (None, why there is no prediction). A layout the rulebook refuses is a VerifyError, before any process starts."""
+    from ultrascale.planner.app import check_recipe
+
+    recipe, overrides = _config_and_overrides(cli_args)
+    try:
+        return check_recipe(recipe, [*overrides, "--trainer.precision", "32-true"], gpu=gpu), None
+    except (ValueError, NotImplementedError) as error:
+        message = str(error)
+        if message.split("(", 1)[0].split(":", 1)[0].strip() in _strategy_classes():
+            raise VerifyError(message) from None
+        return None, message  # a module or data module the planner cannot price: the runs check the layout themselves
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def reference_knobs(against: str, world: int) -> tuple[dict[str, Any], bool, str]:
+    """(the reference's strategy knobs, whether it runs on one device, its name in the output)."""
+    if against == ONE:
+        return {}, True, "one device (one process, the same global batch)"
+    layout = LAYOUTS[against]
+    reason = layout.fits(world)
+    if reason is not None:
+        raise VerifyError(f"--against {against}: {reason}; the recipe runs {world} ranks")
+    return layout.knobs(world), False, f"{against} at world {world}: {layout.what}"
+
+
+def verify(cli_args: Sequence[str], *, steps: int = DEFAULT_STEPS, against: str = ONE, tolerance: float = DEFAULT_TOLERANCE,
+           gpu: str = "h100", launch: Launch = "auto", workdir: Optional[Path] = None,
+           checked: Optional[tuple[Any, Optional[str]]] = None, reference: Optional[dict[str, Any]] = None,
+           ) -> Optional[VerifyReport]:
+    """Train the recipe (`cli_args`: `--config RECIPE` and overrides) for `steps` steps under its layout and under
+    the reference, in fp32, and compare. Under torchrun every rank trains the layout; rank 0 then trains the
+    reference and returns the report, the other ranks None.
+
+    `checked` (the recipe's `check_layout`) and `reference` (a reference run's results) let the matrix reuse them."""
+    if steps < 1:
+        raise VerifyError(f"--steps {steps}: must be >= 1")
+    if not tolerance > 0:
+        raise VerifyError(f"--tolerance {tolerance}: must be > 0")
+    if against != ONE and against not in LAYOUTS:
+        raise VerifyError(f"--against {against!r}: choose one of {layout_names()}")
+    cli_args = list(cli_args)
+    plan, why_not = checked if checked is not None else check_layout(cli_args, gpu)
+    if plan is not None:  # the world is known before any run: a reference that cannot exist is refused now
+        reference_knobs(against, plan.world)
+    torchrun = launched_by_torchrun()
+    if torchrun and against != ONE:
+        raise VerifyError("under torchrun, verify compares against one device only (--against one); run --against "
+                          f"{against} without torchrun")
+    with tempfile.TemporaryDirectory(prefix="ultrascale-verify-") as temp:
+        work = Path(workdir or temp)
+        work.mkdir(parents=True, exist_ok=True)
+        fork = (_auto_launch() if launch == "auto" else launch) == "fork" and not torchrun
+        layout_spec = RunSpec(cli_args, steps, str(work / "layout.json"), fork=fork)
+        if torchrun:
+            run(layout_spec)  # this process is one of the ranks
+            if int(os.environ.get("RANK", "0")) != 0:
+                return None
+            layout = json.loads(Path(layout_spec.out).read_text())
+        else:
+            layout = launch_run(layout_spec, work, "layout", launch)
+        knobs, one_device, name = reference_knobs(against, layout["world"])
+        if reference is None:
+            ref_spec = RunSpec(cli_args, steps, str(work / "reference.json"), reference=knobs, one_device=one_device,
+                               fork=fork)
+            env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC")}
+            reference = launch_run(ref_spec, work, "reference", "subprocess" if torchrun else launch, env=env)
+    notes = []
+    if layout.get("dropped_callbacks"):
+        notes.append(f"left out of both runs (they save, log or validate): {', '.join(layout['dropped_callbacks'])}")
+    prediction = Prediction.of(plan.row, plan.cluster.gpu.name) if plan is not None else None
+    return VerifyReport(compare(reference["steps"], layout["steps"], tolerance), name, layout, reference, prediction, why_not,
+                        notes)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _parser() -> argparse.ArgumentParser:
+    from ultrascale.planner import GPU_SPECS
+
+    parser = argparse.ArgumentParser(
+        prog="ultrascale verify", allow_abbrev=False,
+        usage="ultrascale verify --config RECIPE [LightningCLI overrides] [--steps N] [--against LAYOUT|one] [options]",
+        description="Train a recipe for a few steps under its layout and under one device (or another layout), in fp32 "
+                    "with the same data, and compare each step's loss and gradient norm. Exit 0 within the tolerance, "
+                    "1 beyond it, 2 for bad input. Any other option is a LightningCLI override, as for `ultrascale fit`.")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"optimizer steps (default {DEFAULT_STEPS})")
+    parser.add_argument("--against", default=ONE, help=f"the reference: {layout_names()} (default {ONE})")
+    parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                        help=f"allowed |Δ| per step, x (1 + |reference|) (default {DEFAULT_TOLERANCE:g}: CPU fp32)")
+    parser.add_argument("--gpu", default="h100", choices=sorted(GPU_SPECS), help="the GPU the planner prices (default h100)")
+    parser.add_argument("--launch", default="auto", choices=["auto", "fork", "subprocess"],
+                        help="how each run starts: forked (CPU), or a subprocess that starts its ranks as `ultrascale fit` "
+                             "does (auto: fork without CUDA). Under torchrun the ranks are this command's")
+    parser.add_argument("--workdir", default=None, help="keep the runs' logs and results here (default: a temporary folder)")
+    parser.add_argument("--json", default=None, help="also write the comparison and figures to this JSON file")
+    return parser
+
+
+def verify_main(args: list[str]) -> None:
+    options, cli_args = _parser().parse_known_args(args)
+    try:
+        report = verify(cli_args, steps=options.steps, against=options.against, tolerance=options.tolerance, gpu=options.gpu,
+                        launch=options.launch, workdir=Path(options.workdir) if options.workdir else None)
+    except VerifyError as error:
+        print(f"ultrascale verify: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if report is None:  # a rank of a torchrun job other than 0: rank 0 reports
+        return
+    print("\n".join(report.lines()))
+    if options.json:
+        Path(options.json).write_text(json.dumps({
+            "passed": report.passed, "reference": report.reference_name, "mesh": report.layout["mesh"],
+            "reference_steps": report.comparison.reference, "layout_steps": report.comparison.layout,
+            "max_delta": report.comparison.max_delta(), "tolerance": report.comparison.tolerance,
+            "ranks": report.layout["ranks"],
+            "prediction": report.prediction.__dict__ if report.prediction is not None else None}, indent=1))
+    if not report.passed:
+        raise SystemExit(1)
