@@ -37,42 +37,55 @@ class SizedParityData(ParityData):
         self.global_batch_size = global_batch
 
 
-def _train_auto(rank, world_size, strategy, global_batch):
+def _train_auto(rank, world_size, strategy, global_batch, n_layers):
     recorder = Recorder()
     trainer = parity_trainer(world_size, strategy, recorder, STEPS)
-    trainer.fit(make_llama(), SizedParityData(global_batch))
+    trainer.fit(make_llama(n_layers), SizedParityData(global_batch))
     chosen = trainer.strategy.chosen_layout
     return {**recorder.result(), "chosen": chosen.layout if chosen else None,
             "mesh": trainer.strategy.parallel_dims.describe()}
 
 
-def _expected_layout(world: int, global_batch: int, fixed: dict) -> planner.Layout:
+def _expected_layout(world: int, global_batch: int, fixed: dict, n_layers: int = 4) -> planner.Layout:
     """The planner's best layout for the parity model on CPU ranks, asked directly."""
     from ultrascale.estimate import ModelShape
     from ultrascale.strategies.auto_layout import AutoLayoutInputs, choose_layout, device_cluster
 
-    config = make_llama().config
+    config = make_llama(n_layers).config
     inputs = AutoLayoutInputs(ModelShape.from_llama_config(config), None, planner.Workload(SEQ, global_batch, "32-true"),
                               device_cluster(torch.device("cpu"), world, world), 1)
     return choose_layout(inputs, fixed).layout
 
 
-@pytest.mark.parametrize(("world", "global_batch", "strategy", "fixed"), [
-    (2, BATCH, "ultrascale_4d", {}),
-    (4, BATCH, {"auto_layout": True, "tensor_parallel": 2}, {"tp": 2}),
-], ids=["by-name-world2", "tp-fixed-world4"])
-def test_auto_layout_is_the_planners_and_exact(world, global_batch, strategy, fixed):
+@pytest.mark.parametrize(("world", "global_batch", "strategy", "fixed", "n_layers"), [
+    (2, BATCH, "ultrascale_4d", {}, 4),
+    (4, BATCH, {"auto_layout": True, "tensor_parallel": 2}, {"tp": 2}, 4),
+    # 6 layers on 2 ranks x 2 interleaved stages: no even split, so the planner's balanced one (1, 2, 2, 1), which
+    # the strategy must then run (it refuses 4 stages over 6 layers without `pipeline_layers`).
+    (2, BATCH, {"auto_layout": True, "pipeline_parallel": 2, "pipeline_schedule": "Interleaved1F1B"},
+     {"pp": 2, "pipeline_schedule": "Interleaved1F1B"}, 6),
+], ids=["by-name-world2", "tp-fixed-world4", "interleaved-balanced-world2"])
+def test_auto_layout_is_the_planners_and_exact(world, global_batch, strategy, fixed, n_layers):
     strategy = ultrascale.UltraScaleStrategy(**strategy) if isinstance(strategy, dict) else strategy
-    results = run_ranks(_train_auto, world, strategy, global_batch)
-    expected = _expected_layout(world, global_batch, fixed)
+    results = run_ranks(_train_auto, world, strategy, global_batch, n_layers)
+    expected = _expected_layout(world, global_batch, fixed, n_layers)
+    if n_layers == 6:
+        assert expected.pipeline_layers == (1, 2, 2, 1)
     assert all(result["chosen"] == expected for result in results), (results[0]["chosen"], expected)
     assert all(getattr(expected, key) == value for key, value in fixed.items())
     dims = f"pp={expected.pp} x dp_replicate={expected.dp_replicate} x dp_shard={expected.dp_shard} x cp={expected.cp} x tp={expected.tp}"
     assert results[0]["mesh"].startswith(dims)
-    reference = reference_run(make_llama(), masked_data(), global_batch=global_batch, steps=STEPS)
+    reference = reference_run(make_llama(n_layers), masked_data(), global_batch=global_batch, steps=STEPS)
     losses = step_losses(results)
     assert all(math.isfinite(v) for v in losses)
     assert_parity(merge_stages(results), reference, losses)
+
+
+def test_auto_layout_on_one_device_takes_the_batch_as_one_micro_batch():
+    """16 sequences on one device: one Lightning batch is one micro-batch of 16, above the planner's default search
+    cap of 8 (`ultrascale verify-matrix` found this refused)."""
+    layout = _expected_layout(1, 16, {})
+    assert (layout.micro_batch, layout.grad_accumulation, layout.world) == (16, 1, 1)
 
 
 def test_registry_turns_auto_layout_on_only_by_name():

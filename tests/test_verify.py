@@ -132,12 +132,10 @@ def _matrix(world: int) -> dict[str, str]:
 
 def test_matrix_world_1():
     statuses = _matrix(1)
-    assert {name for name, status in statuses.items() if status == "pass"} == {"zero1", "zero2", "zero3"}
+    # The auto layout's search once capped micro-batches at 8 sequences, so a 16-sequence batch on one device found
+    # no layout (found by this matrix): it now lets one Lightning batch be one micro-batch of any size.
+    assert {name for name, status in statuses.items() if status == "pass"} == {"zero1", "zero2", "zero3", "auto"}
     assert statuses["tp"] == "skipped: tp needs a world of at least 2"
-    # Found by the matrix, listed in docs/verify.md: on one device the auto layout's search finds no layout that
-    # runs the batch without accumulation, though ZeRO-3 over 1 rank trains it. This fails once that is fixed.
-    assert statuses["auto"].startswith("error: the layout run failed: ValueError: UltraScaleStrategy(auto_layout=True): "
-                                       "no layout of Llama"), statuses["auto"]
 
 
 def test_matrix_world_2():

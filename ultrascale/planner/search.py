@@ -113,9 +113,10 @@ def _pipelines(shape: ModelShape, pp: int, fixed: dict[str, Any]) -> list[tuple[
 
 
 def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[dict[str, Any]] = None,
-           hf_config: Any = None, include_refused: bool = False) -> list[PlanRow]:
-    """All candidate layouts, costed: fitting ones first by predicted tokens/s per GPU (then less memory)."""
-    layouts = candidate_layouts(shape, cluster, work, fixed)
+           hf_config: Any = None, include_refused: bool = False, max_micro_batch: int = 8) -> list[PlanRow]:
+    """All candidate layouts (micro-batches up to `max_micro_batch` sequences), costed: fitting ones first by
+    predicted tokens/s per GPU (then less memory)."""
+    layouts = candidate_layouts(shape, cluster, work, fixed, max_micro_batch)
     if not include_refused:  # judge first, price only what runs
         layouts = (lay for lay in layouts if not layout_problems(lay, shape, cluster, work.seq_len, work.global_batch, hf_config))
     rows = [evaluate(shape, layout, cluster, work, hf_config) for layout in layouts]

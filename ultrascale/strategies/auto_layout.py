@@ -112,7 +112,9 @@ def choose_layout(inputs: AutoLayoutInputs, fixed: dict[str, Any]) -> planner.Pl
     fixed = dict(fixed)
     if accumulate > 1:
         fixed.setdefault("pp", 1)  # accumulation over Lightning batches: the planner prices it without a pipeline
-    rows = planner.search(inputs.shape, inputs.cluster, inputs.work, fixed, inputs.hf_config)
+    # One Lightning batch is one micro-batch per data rank without a pipeline: whatever size the batch gives it.
+    rows = planner.search(inputs.shape, inputs.cluster, inputs.work, fixed, inputs.hf_config,
+                          max_micro_batch=inputs.work.global_batch)
     runnable = [row for row in rows if (row.layout.pp == 1 and row.layout.grad_accumulation == accumulate)
                 or (row.layout.pp > 1 and accumulate == 1)]
     fitting = [row for row in runnable if row.fits]
@@ -147,6 +149,8 @@ class AutoLayout:
     pipeline_schedule: str
     pipeline_virtual_stages: Optional[int]
     pipeline_microbatches: Optional[int]
+    pipeline_layers: Optional[list[int]]
+    """The planner's layer split (its balanced one, say), None for the strategy's even split."""
     transforms: list[Any]
     """Activation checkpointing's transform when the layout recomputes and no such callback is given."""
 
@@ -187,5 +191,5 @@ def apply_auto_layout(module: Any, trainer: Any, *, device: torch.device, world_
         row, {"dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "cp": lay.cp, "tp": lay.tp, "pp": lay.pp,
               "ep": lay.ep},
         lay.zero_stage, lay.accumulate_unsharded_grads, pipeline_schedule, pipeline_virtual_stages, pipeline_microbatches,
-        transforms,
+        list(lay.pipeline_layers) if lay.pp > 1 and lay.pipeline_layers is not None else None, transforms,
     )

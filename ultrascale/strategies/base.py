@@ -239,6 +239,8 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
             dp_replicate=(data_parallel_replicate, 1), dp_shard=(data_parallel_shard, -1), cp=(context_parallel, 1),
             tp=(tensor_parallel, 1), pp=(pipeline_parallel, 1), ep=(expert_parallel, 1), zero_stage=(zero_stage, 3),
             virtual_stages=(pipeline_virtual_stages, None), accumulate_unsharded_grads=(accumulate_unsharded_grads, False),
+            pipeline_schedule=(pipeline_schedule, "1F1B"),
+            pipeline_layers=(tuple(pipeline_layers) if pipeline_layers is not None else None, None),
         )
         self._auto_transforms: list[ModelTransform] = []
         self.compile = compile
@@ -394,6 +396,8 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
         self.accumulate_unsharded_grads = chosen.accumulate_unsharded_grads
         self.pipeline_schedule, self.pipeline_virtual_stages = chosen.pipeline_schedule, chosen.pipeline_virtual_stages
         self.pipeline_microbatches, self.chosen_layout = chosen.pipeline_microbatches, chosen.row
+        if chosen.degrees["pp"] > 1:
+            self.pipeline_layers = chosen.pipeline_layers
         self._auto_transforms = chosen.transforms or self._auto_transforms
 
     # ------------------------------------------------------------------ model
