@@ -156,3 +156,53 @@ def test_matrix_world_8():
     # The tiny model has 4 kv heads: the rulebook refuses tp 8, and says so in the table.
     assert statuses["tp"].startswith("skipped: UltraScaleStrategy") and "tensor_parallel=8" in statuses["tp"], statuses
     assert all(status == "pass" for name, status in statuses.items() if name != "tp" and LAYOUTS[name].fits(8) is None), statuses
+
+
+# --------------------------------------------------------------------------- the reduced-depth copy
+
+
+def test_a_depth_the_model_or_layout_cannot_have_is_refused_before_any_run(capsys):
+    code, _, err = _verify(capsys, "--config", str(RECIPES / "tiny_cpu.yaml"), "--depth", "2")
+    assert code == 2 and "--depth 2: the model has 2 blocks and the layout 1 pipeline stage(s); give 1 to 1" in err, err
+    code, _, err = _verify(capsys, "--config", str(RECIPES / "tiny_cpu_pp.yaml"), "--model.init_args.preset", "small",
+                           "--depth", "1")
+    assert code == 2 and "--depth 1: the model has 4 blocks and the layout" in err, err
+
+
+def test_a_model_too_big_for_one_device_gets_a_reduced_depth_copy(capsys, monkeypatch):
+    """The planner prices the whole model's one-device fp32 peak above the device: both runs keep the most blocks
+    whose peak fits (here a device between the 2- and 3-block peaks of the 4-block `small` preset), said so."""
+    import dataclasses
+
+    from ultrascale import planner
+    from ultrascale.verify import app
+    from ultrascale.verify.depth import one_device_depth
+
+    args = ["--config", str(RECIPES / "tiny_cpu.yaml"), "--model.init_args.preset", "small", *SMALL_DATA]
+    plan, _ = app.check_layout(args, "h100")
+    single = planner.Layout(micro_batch=plan.work.global_batch)
+    work = dataclasses.replace(plan.work, precision="32-true")
+
+    def peak(layers):
+        shape = dataclasses.replace(plan.shape, n_layers=layers)
+        return planner.evaluate(shape, single, dataclasses.replace(plan.cluster, gpus=1), work).memory["total"]
+
+    device = (peak(2) + peak(3)) / 2
+    assert one_device_depth(plan, peak(4), 1) is None and one_device_depth(plan, device, 1) == 2
+    assert one_device_depth(plan, 1.0, 3) == 3  # nothing fits: as deep as the layout's stages need
+    monkeypatch.setattr(app, "_device_bytes", lambda: device)
+    code, out, err = _verify(capsys, *args, "--steps", "2")
+    assert code == 0, out + err
+    assert "depth      a reduced-depth copy: both runs keep the first 2 of the model's 4 blocks" in out, out
+
+
+def test_hf_recipe_at_reduced_depth(capsys, tmp_path):
+    """`--depth 1`: the HF config cut to one block, whose weights alone are read from the 2-block checkpoint."""
+    from tests.test_hf import _checkpoint_and_instructions
+
+    source, data = _checkpoint_and_instructions(tmp_path)
+    code, out, err = _verify(capsys, "--config", str(RECIPES / "hf_finetune.yaml"), "--model.pretrained_path", str(source),
+                             "--data.data_path", str(data), "--data.init_args.prompt_template", "{prompt}",
+                             "--data.init_args.seq_len", "32", "--steps", "2", "--depth", "1")
+    assert code == 0, out + err
+    assert "both runs keep the first 1 of the model's 2 blocks" in out and "PASS" in out, out

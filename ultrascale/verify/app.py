@@ -61,6 +61,8 @@ class VerifyReport:
     prediction: Optional[Prediction]
     why_no_prediction: Optional[str]
     notes: list[str] = field(default_factory=list)
+    depth: Optional[str] = None
+    """How many blocks both runs kept, when not all (`ultrascale.verify.depth`)."""
 
     @property
     def passed(self) -> bool:
@@ -72,7 +74,9 @@ class VerifyReport:
 
     def lines(self) -> list[str]:
         lines = [f"layout     {self.layout['mesh']}",
-                 f"reference  {self.reference_name}", ""]
+                 f"reference  {self.reference_name}"]
+        lines += [f"depth      {self.depth}"] if self.depth else []
+        lines += [""]
         lines += step_table(self.comparison, "ref")
         lines += ["", verdict(self.comparison), ""]
         lines += figures_table(self.ranks, self.prediction, self.why_no_prediction)
@@ -208,15 +212,57 @@ def reference_knobs(against: str, world: int) -> tuple[dict[str, Any], bool, str
     return layout.knobs(world), False, f"{against} at world {world}: {layout.what}"
 
 
+def _device_bytes() -> float:
+    """What the reference's one device holds: a GPU's memory (90%: the CUDA context, NCCL and fragmentation take
+    the rest), or without CUDA the memory available now."""
+    import psutil
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory * 0.9
+    return float(psutil.virtual_memory().available)
+
+
+def reference_depth(plan: Optional[Any], depth: Optional[int], against: str) -> tuple[Optional[int], Optional[str]]:
+    """The depth both runs keep and the sentence saying why (None, None: the whole model). A given `depth` is
+    checked against the model and the layout's pipeline stages; without one, a one-device reference the planner
+    prices above the device's memory gets the most blocks that fit."""
+    from ultrascale.verify.depth import depth_of, one_device_depth
+
+    if plan is None:
+        return depth, (f"both runs keep the model's first {depth} blocks (--depth)" if depth is not None else None)
+    layers = depth_of(plan.module)
+    stages = plan.row.layout.pp * plan.row.layout.virtual_stages
+    if depth is not None:
+        if layers is None:
+            raise VerifyError(f"--depth: {type(plan.module).__name__} is neither ultrascale's LlamaLM nor HFCausalLM; "
+                              "give the model fewer blocks in the recipe instead")
+        if not stages <= depth < layers:
+            raise VerifyError(f"--depth {depth}: the model has {layers} blocks and the layout {stages} pipeline stage(s); "
+                              f"give {stages} to {layers - 1}")
+        return depth, f"both runs keep the first {depth} of the model's {layers} blocks (--depth)"
+    if against != ONE or layers is None:
+        return None, None
+    device = _device_bytes()
+    cut = one_device_depth(plan, device, stages)
+    if cut is None:
+        return None, None
+    return cut, (f"a reduced-depth copy: both runs keep the first {cut} of the model's {layers} blocks, since the whole "
+                 f"model on one device needs more than this device's {device / 2**30:.1f} GiB by the planner "
+                 "(fp32, the global batch at once); --depth N chooses another")
+
+
 def verify(cli_args: Sequence[str], *, steps: int = DEFAULT_STEPS, against: str = ONE, tolerance: float = DEFAULT_TOLERANCE,
            gpu: str = "h100", launch: Launch = "auto", workdir: Optional[Path] = None,
            checked: Optional[tuple[Any, Optional[str]]] = None, reference: Optional[dict[str, Any]] = None,
-           ) -> Optional[VerifyReport]:
+           depth: Optional[int] = None) -> Optional[VerifyReport]:
     """Train the recipe (`cli_args`: `--config RECIPE` and overrides) for `steps` steps under its layout and under
     the reference, in fp32, and compare. Under torchrun every rank trains the layout; rank 0 then trains the
     reference and returns the report, the other ranks None.
 
-    `checked` (the recipe's `check_layout`) and `reference` (a reference run's results) let the matrix reuse them."""
+    `checked` (the recipe's `check_layout`) and `reference` (a reference run's results) let the matrix reuse them.
+    `depth` keeps only the model's first blocks in both runs (`ultrascale.verify.depth`); without it a model the
+    planner prices too big for one device gets a reduced-depth copy, said in the output."""
     if steps < 1:
         raise VerifyError(f"--steps {steps}: must be >= 1")
     if not tolerance > 0:
@@ -227,6 +273,7 @@ def verify(cli_args: Sequence[str], *, steps: int = DEFAULT_STEPS, against: str 
     plan, why_not = checked if checked is not None else check_layout(cli_args, gpu)
     if plan is not None:  # the world is known before any run: a reference that cannot exist is refused now
         reference_knobs(against, plan.world)
+    depth, depth_note = reference_depth(plan, depth, against)
     torchrun = launched_by_torchrun()
     if torchrun and against != ONE:
         raise VerifyError("under torchrun, verify compares against one device only (--against one); run --against "
@@ -235,7 +282,7 @@ def verify(cli_args: Sequence[str], *, steps: int = DEFAULT_STEPS, against: str 
         work = Path(workdir or temp)
         work.mkdir(parents=True, exist_ok=True)
         fork = (_auto_launch() if launch == "auto" else launch) == "fork" and not torchrun
-        layout_spec = RunSpec(cli_args, steps, str(work / "layout.json"), fork=fork)
+        layout_spec = RunSpec(cli_args, steps, str(work / "layout.json"), fork=fork, depth=depth)
         if torchrun:
             run(layout_spec)  # this process is one of the ranks
             if int(os.environ.get("RANK", "0")) != 0:
@@ -246,7 +293,7 @@ def verify(cli_args: Sequence[str], *, steps: int = DEFAULT_STEPS, against: str 
         knobs, one_device, name = reference_knobs(against, layout["world"])
         if reference is None:
             ref_spec = RunSpec(cli_args, steps, str(work / "reference.json"), reference=knobs, one_device=one_device,
-                               fork=fork)
+                               fork=fork, depth=depth)
             env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC")}
             reference = launch_run(ref_spec, work, "reference", "subprocess" if torchrun else launch, env=env)
     notes = []
@@ -254,7 +301,7 @@ def verify(cli_args: Sequence[str], *, steps: int = DEFAULT_STEPS, against: str 
         notes.append(f"left out of both runs (they save, log or validate): {', '.join(layout['dropped_callbacks'])}")
     prediction = Prediction.of(plan.row, plan.cluster.gpu.name) if plan is not None else None
     return VerifyReport(compare(reference["steps"], layout["steps"], tolerance), name, layout, reference, prediction, why_not,
-                        notes)
+                        notes, depth_note)
 
 
 # --------------------------------------------------------------------------- the command
@@ -279,6 +326,9 @@ def _parser() -> argparse.ArgumentParser:
                              "does (auto: fork without CUDA). Under torchrun the ranks are this command's")
     parser.add_argument("--workdir", default=None, help="keep the runs' logs and results here (default: a temporary folder)")
     parser.add_argument("--json", default=None, help="also write the comparison and figures to this JSON file")
+    parser.add_argument("--depth", type=int, default=None,
+                        help="both runs keep only the model's first N blocks (default: all, or the most that fit one "
+                             "device when the whole model does not)")
     return parser
 
 
@@ -286,7 +336,8 @@ def verify_main(args: list[str]) -> None:
     options, cli_args = _parser().parse_known_args(args)
     try:
         report = verify(cli_args, steps=options.steps, against=options.against, tolerance=options.tolerance, gpu=options.gpu,
-                        launch=options.launch, workdir=Path(options.workdir) if options.workdir else None)
+                        launch=options.launch, workdir=Path(options.workdir) if options.workdir else None,
+                        depth=options.depth)
     except VerifyError as error:
         print(f"ultrascale verify: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

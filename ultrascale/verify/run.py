@@ -38,6 +38,8 @@ class RunSpec:
     one_device: bool = False
     fork: bool = False
     """Start the ranks with the fork launcher (CPU: the run is a forked process, not a command to re-run)."""
+    depth: Optional[int] = None
+    """Keep only the model's first `depth` blocks (`ultrascale.verify.depth.reduce_depth`); None: all of them."""
 
     def save(self, path: Path) -> Path:
         path.write_text(json.dumps(dataclasses.asdict(self)))
@@ -113,6 +115,10 @@ class _RunCLI(UltraScaleCLI):
         from ultrascale.strategies import UltraScaleStrategy
 
         spec, config = self.spec, self.config_init["trainer"]
+        if spec.depth is not None:  # the model is instantiated, its network not built yet
+            from ultrascale.verify.depth import reduce_depth
+
+            reduce_depth(self.model, spec.depth)
         strategy = config.get("strategy")
         if isinstance(strategy, str) and strategy in StrategyRegistry:
             strategy = StrategyRegistry.get(strategy)
