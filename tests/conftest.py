@@ -13,3 +13,15 @@ warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _launch_environment_restored():
+    """A fit run in the test process (devices=1: Lightning's launcher starts no child) leaves Lightning's launch
+    variables (LOCAL_RANK, WORLD_SIZE, MASTER_PORT, ...) in os.environ; a later test in the same process (a
+    pytest-xdist worker runs many) would then join a world that does not exist. Each test starts from the
+    environment the one before it found."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)

@@ -85,8 +85,13 @@ def test_tiny_2d_recipe_passes_through_the_command(tmp_path):
     assert not list(tmp_path.iterdir())  # no runs/ folder, no checkpoint: verify writes nothing of the recipe's
 
 
-def test_hf_finetune_recipe_passes(capsys, tmp_path):
+def test_hf_finetune_recipe_passes(capsys, tmp_path, monkeypatch):
     from tests.test_hf import _checkpoint_and_instructions
+
+    # What a one-device fit earlier in this process leaves behind (Lightning's launch variables): the runs must
+    # start their own ranks regardless, not join that finished world.
+    for name, value in (("LOCAL_RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
 
     source, data = _checkpoint_and_instructions(tmp_path)
     code, out, err = _verify(capsys, "--config", str(RECIPES / "hf_finetune.yaml"), "--model.pretrained_path", str(source),
@@ -123,10 +128,10 @@ def test_a_broken_reduction_fails_naming_the_step_and_the_difference(capsys):
 # --------------------------------------------------------------------------- the matrix at world 1, 2, 4, 8
 
 
-def _matrix(world: int) -> dict[str, str]:
-    rows = run_matrix(world, steps=2)
+def _matrix(world: int, layouts: list[str] | None = None) -> dict[str, str]:
+    rows = run_matrix(world, steps=2, layouts=layouts)
     table = "\n".join(matrix_markdown(rows, accelerator="cpu", tolerance=1e-4, steps=2))
-    assert table.count("\n| ") == len(LAYOUTS) + 1  # the header and a row per layout
+    assert table.count("\n| ") == len(layouts or LAYOUTS) + 1  # the header and a row per layout
     return {row.layout: row.status for row in rows}
 
 
@@ -150,12 +155,18 @@ def test_matrix_world_4():
     assert all(status == "pass" for name, status in statuses.items() if LAYOUTS[name].fits(4) is None), statuses
 
 
+# At world 8 the layouts that world 4 does not already run in another shape: pp x dp x tp (needs 8), tp 8 (refused
+# for 4 kv heads), HSDP with 4 shards, Ulysses-free cp 8 and ep 8; the whole matrix at 8 is the docs table's
+# (`ultrascale verify-matrix --world 8`), about 200 s on 2 cores.
+WORLD_8 = ["pp_x_dp_x_tp", "tp", "hsdp", "cp_ring", "ep", "auto"]
+
+
 @pytest.mark.slow
 def test_matrix_world_8():
-    statuses = _matrix(8)
+    statuses = _matrix(8, WORLD_8)
     # The tiny model has 4 kv heads: the rulebook refuses tp 8, and says so in the table.
     assert statuses["tp"].startswith("skipped: UltraScaleStrategy") and "tensor_parallel=8" in statuses["tp"], statuses
-    assert all(status == "pass" for name, status in statuses.items() if name != "tp" and LAYOUTS[name].fits(8) is None), statuses
+    assert all(status == "pass" for name, status in statuses.items() if name != "tp"), statuses
 
 
 # --------------------------------------------------------------------------- the reduced-depth copy

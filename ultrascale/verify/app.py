@@ -105,6 +105,10 @@ def _forked_entry(spec: RunSpec, log: str, parent_pid: int) -> None:
     from ultrascale.launch import die_with_parent
 
     die_with_parent(parent_pid)
+    # A fit run earlier in the calling process (one device: Lightning starts no child) leaves its launch variables
+    # behind; with them this run would join that finished world instead of starting its own ranks.
+    for name in (*_TORCHRUN_VARIABLES, "NODE_RANK"):
+        os.environ.pop(name, None)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
