@@ -21,7 +21,18 @@ def _launch_environment_restored():
     variables (LOCAL_RANK, WORLD_SIZE, MASTER_PORT, ...) in os.environ; a later test in the same process (a
     pytest-xdist worker runs many) would then join a world that does not exist. Each test starts from the
     environment the one before it found."""
-    before = dict(os.environ)
+    before, threads = dict(os.environ), torch.get_num_threads()
     yield
     os.environ.clear()
     os.environ.update(before)
+    torch.set_num_threads(threads)  # Lightning's launchers set it in this process too (one device: no child)
+
+
+@pytest.fixture
+def two_thread_region_ran():
+    """This process has run a parallel region with two threads, as a user's process has before it forks ranks (and
+    as this one has after a test whose one-device fit let Lightning set cores/ranks threads): libgomp's pool then
+    does not survive fork (`ultrascale.launch.one_thread_after_fork`)."""
+    torch.set_num_threads(2)
+    torch.cos(torch.randn(1_000_000)).sum()
+    yield

@@ -85,7 +85,7 @@ def test_tiny_2d_recipe_passes_through_the_command(tmp_path):
     assert not list(tmp_path.iterdir())  # no runs/ folder, no checkpoint: verify writes nothing of the recipe's
 
 
-def test_hf_finetune_recipe_passes(capsys, tmp_path, monkeypatch):
+def test_hf_finetune_recipe_passes(capsys, tmp_path, monkeypatch, two_thread_region_ran):
     from tests.test_hf import _checkpoint_and_instructions
 
     # What a one-device fit earlier in this process leaves behind (Lightning's launch variables): the runs must
@@ -116,7 +116,7 @@ class BreakRank1Reduction(L.Callback):
                     param.grad.mul_(2.0)
 
 
-def test_a_broken_reduction_fails_naming_the_step_and_the_difference(capsys):
+def test_a_broken_reduction_fails_naming_the_step_and_the_difference(capsys, two_thread_region_ran):
     code, out, err = _verify(capsys, "--config", str(RECIPES / "tiny_cpu.yaml"), *SMALL_DATA, "--steps", "2",
                              "--trainer.strategy", "ultrascale_zero1",
                              "--trainer.callbacks+=tests.test_verify.BreakRank1Reduction")
@@ -135,7 +135,7 @@ def _matrix(world: int, layouts: list[str] | None = None) -> dict[str, str]:
     return {row.layout: row.status for row in rows}
 
 
-def test_matrix_world_1():
+def test_matrix_world_1(two_thread_region_ran):
     statuses = _matrix(1)
     # The auto layout's search once capped micro-batches at 8 sequences, so a 16-sequence batch on one device found
     # no layout (found by this matrix): it now lets one Lightning batch be one micro-batch of any size.

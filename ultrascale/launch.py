@@ -66,6 +66,19 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def one_thread_after_fork() -> None:
+    """Called first in every forked child: it runs one intra-op thread, and so do the processes it starts.
+
+    libgomp's thread pool does not survive fork. In a child of a process that has run one parallel region with two
+    or more threads, the child's next parallel region with two or more threads waits forever in a GOMP barrier
+    (measured with torch 2.13's CPU wheel: cos, exp, an elementwise mul, a matmul; `torch.set_num_threads(n)` in the
+    child does not help for any n > 1). One thread never enters the pool. The parent has nearly always run one
+    (building a model initialises its weights in parallel regions), so a forked rank cannot use more; a rank
+    that needs more threads starts as a fresh process (`launcher="subprocess"`, torchrun)."""
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
 def _running(proc: AnyProcess) -> bool:
     if isinstance(proc, subprocess.Popen):
         return proc.poll() is None
@@ -132,7 +145,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out
         WORLD_SIZE=str(world_size),
         TORCHELASTIC_USE_AGENT_STORE="True",
     )
-    torch.set_num_threads(1)
+    one_thread_after_fork()
     try:
         outcome = (True, fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent

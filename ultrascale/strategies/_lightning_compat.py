@@ -29,7 +29,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from ultrascale.launch import STOP_GRACE_S, die_with_parent, end_processes
+from ultrascale.launch import STOP_GRACE_S, die_with_parent, end_processes, one_thread_after_fork
 
 LIGHTNING_TESTED = ">=2.6.4,<2.7"
 
@@ -168,8 +168,9 @@ class ForkLauncher(_MultiProcessingLauncher):
     themselves, then SIGTERM, then SIGKILL after `STOP_GRACE_S` (Lightning's launcher waits
     30 s before the SIGKILL that a stopped or collective-blocked rank needs); when this
     process raises (Ctrl-C, a timeout) the ranks are ended too, and the kernel SIGKILLs
-    them if this process dies (`die_with_parent`). Lightning's `launch` is followed
-    step for step otherwise (fork start method only).
+    them if this process dies (`die_with_parent`). Each rank runs one intra-op thread
+    (`one_thread_after_fork`: more hang after fork), where Lightning gives each cores/ranks.
+    Lightning's `launch` is followed step for step otherwise (fork start method only).
     """
 
     def __init__(self, strategy: "pl.strategies.ParallelStrategy") -> None:
@@ -239,11 +240,7 @@ class ForkLauncher(_MultiProcessingLauncher):
     ) -> None:
         die_with_parent(parent_pid)
         self.procs = []  # a rank starts no ranks (Lightning's `kill`, from its SIGTERM handler, reads these)
-        if "OMP_NUM_THREADS" not in os.environ:  # as Lightning's launchers: share the cores between the ranks
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            threads = max(1, cores // self._strategy.num_processes)
-            torch.set_num_threads(threads)
-            os.environ["OMP_NUM_THREADS"] = str(threads)
+        one_thread_after_fork()
         os.environ["LOCAL_RANK"] = str(process_idx)
         results = function(*args, **kwargs)
         if trainer is not None:

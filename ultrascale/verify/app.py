@@ -102,9 +102,10 @@ def _auto_launch() -> Literal["fork", "subprocess"]:
 
 
 def _forked_entry(spec: RunSpec, log: str, parent_pid: int) -> None:
-    from ultrascale.launch import die_with_parent
+    from ultrascale.launch import die_with_parent, one_thread_after_fork
 
     die_with_parent(parent_pid)
+    one_thread_after_fork()
     # A fit run earlier in the calling process (one device: Lightning starts no child) leaves its launch variables
     # behind; with them this run would join that finished world instead of starting its own ranks.
     for name in (*_TORCHRUN_VARIABLES, "NODE_RANK"):
