@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import ultrascale
 from tests._parity import ParityData, TokenDataset
-from ultrascale.launch import end_processes, run_ranks
+from ultrascale.launch import end_processes, run_ranks, without_launch_variables
 from ultrascale.models.lm import LlamaLM
 
 REPO = Path(__file__).resolve().parent.parent
@@ -253,9 +253,9 @@ def _run_script(tmp_path: Path, source: str, pid_dir: Path, timeout: float) -> t
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(source))
     log = tmp_path / "script.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    for name in ("PYTEST_CURRENT_TEST", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
-        env.pop(name, None)
+    env = without_launch_variables(dict(os.environ))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env.pop("PYTEST_CURRENT_TEST", None)
     with open(log, "w") as out:
         proc = subprocess.run([sys.executable, str(script), str(pid_dir)], stdout=out, stderr=subprocess.STDOUT,
                               env=env, cwd=tmp_path, timeout=timeout)

@@ -66,6 +66,17 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+# What an external launcher (torchrun, Lightning's launchers, `run_ranks`) sets for a rank. A process that holds
+# them joins that job; one that must start a job of its own (a fresh world) drops them first.
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                    "ROLE_NAME", "ROLE_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def without_launch_variables(environ: dict[str, str]) -> dict[str, str]:
+    """`environ` less `LAUNCH_VARIABLES` and torchelastic's own (`TORCHELASTIC_*`)."""
+    return {k: v for k, v in environ.items() if k not in LAUNCH_VARIABLES and not k.startswith("TORCHELASTIC")}
+
+
 def one_thread_after_fork() -> None:
     """Called first in every forked child: it runs one intra-op thread, and so do the processes it starts.
 

@@ -39,9 +39,6 @@ DEFAULT_STEPS = 5
 DEFAULT_TOLERANCE = 1e-4
 RUN_TIMEOUT_S = 3600
 Launch = Literal["auto", "fork", "subprocess"]
-# What torchrun sets for its ranks; the reference run of rank 0 is a job of its own without them.
-_TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                       "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 class VerifyError(ValueError):
@@ -102,14 +99,15 @@ def _auto_launch() -> Literal["fork", "subprocess"]:
 
 
 def _forked_entry(spec: RunSpec, log: str, parent_pid: int) -> None:
-    from ultrascale.launch import die_with_parent, one_thread_after_fork
+    from ultrascale.launch import die_with_parent, one_thread_after_fork, without_launch_variables
 
     die_with_parent(parent_pid)
     one_thread_after_fork()
     # A fit run earlier in the calling process (one device: Lightning starts no child) leaves its launch variables
     # behind; with them this run would join that finished world instead of starting its own ranks.
-    for name in (*_TORCHRUN_VARIABLES, "NODE_RANK"):
-        os.environ.pop(name, None)
+    kept = without_launch_variables(dict(os.environ))
+    os.environ.clear()
+    os.environ.update(kept)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -299,7 +297,9 @@ def verify(cli_args: Sequence[str], *, steps: int = DEFAULT_STEPS, against: str 
         if reference is None:
             ref_spec = RunSpec(cli_args, steps, str(work / "reference.json"), reference=knobs, one_device=one_device,
                                fork=fork, depth=depth)
-            env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC")}
+            from ultrascale.launch import without_launch_variables
+
+            env = without_launch_variables(dict(os.environ))  # rank 0's reference is a job of its own
             reference = launch_run(ref_spec, work, "reference", "subprocess" if torchrun else launch, env=env)
     notes = []
     if layout.get("dropped_callbacks"):
