@@ -336,7 +336,7 @@ def check_hf_moe_parity_and_export(tmp_path, arch: str, world: int, strategy_kwa
     results = run_ranks(_train_hf, world, path, strategy_kwargs, str(tmp_path / "export"))
     losses = step_losses(results)
     # Weights after step 1 within 3e-5, as in the other HF tests: Adam's first step amplifies reduction-order noise.
-    assert_parity(results[0], reference, losses, param_atol=3e-5)
+    assert_parity(results[0], reference, losses)
     assert_close(torch.tensor(results[0]["aux"]), torch.tensor(reference["aux"]), rtol=1e-5, atol=1e-6)
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
     for (name, got), (_, want) in zip(exported.state_dict().items(), reference_model.state_dict().items()):
