@@ -272,6 +272,47 @@ def test_mixtral_export_roundtrip(tmp_path):
         assert torch.equal(value, model.state_dict()[name]), name
 
 
+def _finetune_zero12_bf16(rank, world_size, path, ckpt_dir, export_dir, strategy_kwargs):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ultrascale.parallel.zero import zero_engine_for
+
+    module = HFCausalLM(path, learning_rate=3e-3, warmup_steps=1, max_steps=100, export_dir=export_dir)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=ultrascale.UltraScaleStrategy(**strategy_kwargs), max_steps=3,
+        precision="bf16-mixed", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=3)],
+    )
+    trainer.fit(module, ParityData(TokenDataset(24, SEQ, VOCAB, seed=8), 8))
+    engine = zero_engine_for(trainer.optimizers[0])
+    assert engine is not None and engine.has_master_copies
+    masters = {n[len("model."):]: w for n, w in engine.full_master_weights().items()}
+    return {"masters": masters, "compute_dtypes": {str(p.dtype) for p in module.parameters()}}
+
+
+@pytest.mark.parametrize("strategy_kwargs", [dict(zero_stage=2, data_parallel_shard=2),
+                                             dict(zero_stage=1, tensor_parallel=2)], ids=["zero2", "zero1_tp2"])
+def test_zero12_bf16_exports_the_fp32_masters(tmp_path, strategy_kwargs):
+    """Under ZeRO-1/2 with bf16-mixed the module holds bf16 compute copies; both exports (at fit end and offline from
+    the checkpoint) write the fp32 weights the optimizer steps, as ZeRO-3 does (they once wrote the bf16 copies)."""
+    from ultrascale.cli import main
+
+    source = make_checkpoint(tmp_path / "source")
+    results = run_ranks(_finetune_zero12_bf16, 2, str(source), str(tmp_path / "ckpts"), str(tmp_path / "at_fit_end"),
+                        strategy_kwargs)
+    masters = results[0]["masters"]
+    assert results[0]["compute_dtypes"] == {"torch.bfloat16"}
+    assert all(value.dtype == torch.float32 for value in masters.values())
+    assert any(not torch.equal(value, value.bfloat16().float()) for value in masters.values())  # bf16 would lose bits
+    main(["export-hf", "--checkpoint", str(tmp_path / "ckpts" / "last.ckpt"), "--out", str(tmp_path / "offline")])
+    for folder in ("at_fit_end", "offline"):
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / folder, local_files_only=True,
+                                                                     torch_dtype=None).state_dict()
+        assert set(reloaded) == set(masters), folder
+        for name, value in masters.items():
+            assert reloaded[name].dtype == torch.float32 and torch.equal(reloaded[name], value), (folder, name)
+
+
 # ----------------------------------------------------------------------------- exports never destroy anything
 
 

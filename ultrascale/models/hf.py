@@ -510,16 +510,36 @@ def _hf_state_dict_from_module(module: HFCausalLM) -> Optional[dict[str, torch.T
 
     assert module.model is not None
     if dist.is_initialized():
-        mesh = getattr(attached_strategy(module), "parallel_mesh", None)
+        strategy = attached_strategy(module)
+        mesh = getattr(strategy, "parallel_mesh", None)
         if mesh is not None and mesh.dims.pp_enabled:
             from ultrascale.parallel.pipeline import gather_stage_states
 
             # Each rank holds its stages' parameters only: gathered within the stage, then sent to rank 0.
             state = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True))
-            return gather_stage_states({k: v.detach().cpu() for k, v in state.items()}, mesh["stage"])
+            state = {k: v.detach().cpu() for k, v in state.items()}
+            state.update(_zero_masters(module, strategy, keep=True))
+            return gather_stage_states(state, mesh["stage"])
         state = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return state if dist.get_rank() == 0 else None
+        masters = _zero_masters(module, strategy, keep=dist.get_rank() == 0)
+        return {**state, **masters} if dist.get_rank() == 0 else None
     return {k: v.detach().cpu() for k, v in module.model.state_dict().items()}
+
+
+def _zero_masters(module: HFCausalLM, strategy: Any, keep: bool) -> dict[str, torch.Tensor]:
+    """Under ZeRO-1/2 with bf16-mixed the module's weights are the bf16 compute copies of the fp32 masters the
+    optimizer steps: the export takes the masters (HF names, on the CPU), as ZeRO-3 exports its fp32 weights.
+    Every rank calls it; {} where there are no master copies, or on a rank that does not `keep`."""
+    from ultrascale.parallel.zero import zero_engine_for
+
+    prefix = next(name for name, child in module.named_children() if child is module.model) + "."
+    masters: dict[str, torch.Tensor] = {}
+    for optimizer in getattr(strategy, "optimizers", None) or []:
+        engine = zero_engine_for(optimizer)
+        if engine is not None and engine.has_master_copies:
+            gathered = engine.full_master_weights(keep=keep, cpu=True)
+            masters.update({name[len(prefix):]: value for name, value in gathered.items() if name.startswith(prefix)})
+    return masters
 
 
 def export_hf_from_module(module: HFCausalLM, out_dir: str | Path, overwrite: Optional[bool] = None) -> None:
@@ -613,6 +633,18 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path, max_shard_
     prefix = "state_dict.model."
     names = [key for key in tensors if key.startswith(prefix)]
     state = {key[len("state_dict.") :]: torch.empty(tensors[key].size, dtype=tensors[key].properties.dtype) for key in names}
-    load_dcp({"state_dict": state}, path, no_dist=True)
+    # ZeRO-1/2 under bf16-mixed saved bf16 weights and the optimizer's fp32 masters beside them (flat, or
+    # parameter-shaped for a tp parameter): the masters are the weights, as ZeRO-3 saves them.
+    optimizers = sorted({key.split(".")[0] for key in tensors if re.fullmatch(r"optimizer_\d+", key.split(".")[0])})
+    masters: dict[str, dict[str, Any]] = {}
+    for optimizer in optimizers:
+        for name in state:
+            key = f"{optimizer}.state.{name}.master"
+            if key in tensors:
+                fp32 = torch.empty(tensors[key].size, dtype=tensors[key].properties.dtype)
+                masters.setdefault(optimizer, {"state": {}})["state"][name] = {"master": fp32}
+    load_dcp({"state_dict": state, **masters}, path, no_dist=True)
+    for saved in masters.values():
+        state.update({name: entry["master"].reshape(state[name].shape) for name, entry in saved["state"].items()})
     hf_state = {key[len("model.") :]: value for key, value in state.items()}
     return write_hf_folder(hf_state, config, source, out_dir, max_shard_size, overwrite)

@@ -65,6 +65,25 @@ def global_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0, across: 
     return total if inf else total ** (1.0 / norm_type)
 
 
+# Elements per chunk: bounds the temporary |t|^p at 64 MiB (fp32).
+_NORM_CHUNK = 1 << 24
+
+
+def power_sum(tensor: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """sum |t_i|^p (fp32), as exact for a flat buffer of millions of elements as for one small parameter.
+
+    torch's CPU `vector_norm` accumulates sequentially: 5.5e-6 relative off for p=1 over 32k elements and
+    9e-6 for `dot` over 8M (measured), so a bucketed optimizer (ZeRO-1/2: one long buffer) and a per-parameter
+    one reported different norms for the same gradients. `sum` adds pairwise (within 6e-8 at every size
+    measured): the powers are summed by it, a chunk at a time, and the chunks' sums in fp64."""
+    total = torch.zeros((), dtype=torch.float64, device=tensor.device)
+    for chunk in tensor.reshape(-1).split(_NORM_CHUNK):
+        values = chunk.float()
+        powered = values.square() if norm_type == 2 else values.abs().pow_(norm_type)
+        total += powered.sum().double()
+    return total.float()
+
+
 def _group_by_mesh(items: list, key=lambda t: t) -> dict[DeviceMesh | None, list]:
     groups: dict[DeviceMesh | None, list] = {}
     for item in items:
@@ -86,8 +105,9 @@ def _local_power(grad: torch.Tensor, norm_type: float, inf: bool) -> torch.Tenso
         replication = math.prod(
             grad.device_mesh.size(i) for i, placement in enumerate(grad.placements) if isinstance(placement, Replicate)
         )
-    norm = torch.linalg.vector_norm(local.float(), norm_type) if local.numel() else local.new_zeros((), dtype=torch.float32)
-    return norm if inf else norm**norm_type / replication
+    if inf:
+        return torch.linalg.vector_norm(local.float(), norm_type) if local.numel() else local.new_zeros((), dtype=torch.float32)
+    return power_sum(local, norm_type) / replication
 
 
 @lru_cache(maxsize=None)

@@ -66,6 +66,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ultrascale.parallel.device import all_gather_single, reduce_scatter_single
+from ultrascale.parallel.grad import power_sum
 from ultrascale.parallel.zero_layouts import _chunk_size, _clean_name, _saved_entries, _saved_groups, _saved_state_names
 
 # Optimizers whose update of element i reads only element i of the parameter, gradient and
@@ -496,7 +497,7 @@ class ZeroEngine:
         elif inf:
             total = torch.stack([s.abs().max().float() for s in counted]).max()
         else:
-            total = torch.stack([torch.linalg.vector_norm(s.float(), norm_type) ** norm_type for s in counted]).sum()
+            total = torch.stack([power_sum(s, norm_type) for s in counted]).sum()
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         if has_shards:
             dist.all_reduce(total, op=op, group=self.group)
@@ -530,11 +531,15 @@ class ZeroEngine:
         return self._gathered({id(b): b.grad_shard for b in self.buckets if b.grad_shard is not None})
 
     @torch.no_grad()
-    def full_master_weights(self) -> dict[str, torch.Tensor]:
-        """The weights the optimizer steps (fp32 masters under bf16-mixed), gathered per parameter name."""
-        return self._gathered({id(b): b.master.detach() for b in self.buckets})
+    def full_master_weights(self, keep: bool = True, cpu: bool = False) -> dict[str, torch.Tensor]:
+        """The weights the optimizer steps (fp32 masters under bf16-mixed), gathered per parameter name.
 
-    def _gathered(self, slices: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+        Every rank of the engine must call it. `keep=False`: this rank takes part and returns {} (an export keeps
+        them on one rank); `cpu`: each bucket's weights move to host memory as it is gathered, so the device
+        holds one gathered bucket at a time."""
+        return self._gathered({id(b): b.master.detach() for b in self.buckets}, keep=keep, cpu=cpu)
+
+    def _gathered(self, slices: dict[int, torch.Tensor], keep: bool = True, cpu: bool = False) -> dict[str, torch.Tensor]:
         out = {}
         for bucket in self.buckets:
             if id(bucket) not in slices:
@@ -547,7 +552,8 @@ class ZeroEngine:
                 if isinstance(p, DTensor):
                     local = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                                stride=p.stride()).full_tensor()
-                out[name] = local.clone()
+                if keep:
+                    out[name] = local.to("cpu", copy=True) if cpu else local.clone()
         return out
 
     # ------------------------------------------------------------------ checkpoints
