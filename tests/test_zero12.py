@@ -67,6 +67,13 @@ CASES = {
     "zero2-w4-accum4-clip": (4, lambda: ultrascale.ZeRO2Strategy(zero_bucket_mb=SMALL_BUCKET_MB), 4, 0.05),
     "zero2-replicate2xshard2": (4, lambda: ultrascale.UltraScaleStrategy(
         data_parallel_replicate=2, data_parallel_shard=2, zero_stage=2, zero_bucket_mb=SMALL_BUCKET_MB), 1, None),
+    # HSDP-like ZeRO over (replicate, shard) inside each tp group, with accumulation and clipping.
+    "zero1-replicate2xshard2xtp2-accum2-clip": (8, lambda: ultrascale.UltraScaleStrategy(
+        data_parallel_replicate=2, data_parallel_shard=2, tensor_parallel=2, zero_stage=1,
+        zero_bucket_mb=SMALL_BUCKET_MB / 2), 2, 0.05),
+    "zero2-replicate2xshard2xtp2-accum2-clip": (8, lambda: ultrascale.UltraScaleStrategy(
+        data_parallel_replicate=2, data_parallel_shard=2, tensor_parallel=2, zero_stage=2,
+        zero_bucket_mb=SMALL_BUCKET_MB / 2), 2, 0.05),
 }
 
 
