@@ -42,12 +42,12 @@ from ultrascale.planner.hardware import (
 from ultrascale.planner.layouts import LAYOUT_KEYS, RECOMPUTE_MODES, Layout, layout_problems, parse_layout
 from ultrascale.planner.recipe import recipe_yaml
 from ultrascale.planner.report import describe_search, explain, format_table, what_would_fit
-from ultrascale.planner.search import candidate_layouts, search, why_not
+from ultrascale.planner.search import candidate_layouts, rank_key, search, why_not
 
 __all__ = [
     "Cluster", "GIB", "GPU_SPECS", "GPU_TABLE", "GpuFigures", "GpuSpec", "LAYOUT_KEYS", "Layout", "PEAK_TFLOPS", "PlanRow",
     "RECOMPUTE_MODES", "Workload", "candidate_layouts", "describe_search", "evaluate", "explain", "find_peak_tflops",
-    "format_table", "layout_problems", "parse_layout", "pipeline_of", "rank_parts", "recipe_yaml", "search",
+    "format_table", "layout_problems", "parse_layout", "pipeline_of", "rank_key", "rank_parts", "recipe_yaml", "search",
     "stage_model_state", "what_would_fit",
     "why_not",
 ]

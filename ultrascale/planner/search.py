@@ -120,8 +120,13 @@ def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[
     if not include_refused:  # judge first, price only what runs
         layouts = (lay for lay in layouts if not layout_problems(lay, shape, cluster, work.seq_len, work.global_batch, hf_config))
     rows = [evaluate(shape, layout, cluster, work, hf_config) for layout in layouts]
-    rows.sort(key=lambda row: (not row.fits, bool(row.problems), -row.tokens_per_s_per_gpu, row.memory["total"]))
+    rows.sort(key=rank_key)
     return rows
+
+
+def rank_key(row: PlanRow) -> tuple:
+    """The order of `search`'s rows: fitting ones first, by predicted tokens/s per GPU, then less memory."""
+    return (not row.fits, bool(row.problems), -row.tokens_per_s_per_gpu, row.memory["total"])
 
 
 def why_not(shape: ModelShape, cluster: Cluster, work: Workload, fixed: dict[str, Any], hf_config: Any = None) -> list[str]:

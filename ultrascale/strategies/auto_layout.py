@@ -112,11 +112,16 @@ def choose_layout(inputs: AutoLayoutInputs, fixed: dict[str, Any]) -> planner.Pl
     fixed = dict(fixed)
     if accumulate > 1:
         fixed.setdefault("pp", 1)  # accumulation over Lightning batches: the planner prices it without a pipeline
-    # One Lightning batch is one micro-batch per data rank without a pipeline: whatever size the batch gives it.
-    rows = planner.search(inputs.shape, inputs.cluster, inputs.work, fixed, inputs.hf_config,
-                          max_micro_batch=inputs.work.global_batch)
-    runnable = [row for row in rows if (row.layout.pp == 1 and row.layout.grad_accumulation == accumulate)
-                or (row.layout.pp > 1 and accumulate == 1)]
+    runnable: list[planner.PlanRow] = []
+    if fixed.get("pp", 1) == 1:
+        # One Lightning batch is one micro-batch per data rank: whatever size the batch gives it, and only that one.
+        data_parallel = {**fixed, "pp": 1, "grad_accumulation": fixed.get("grad_accumulation", accumulate)}
+        runnable += planner.search(inputs.shape, inputs.cluster, inputs.work, data_parallel, inputs.hf_config,
+                                   max_micro_batch=inputs.work.global_batch)
+    if accumulate == 1 and fixed.get("pp") != 1:
+        rows = planner.search(inputs.shape, inputs.cluster, inputs.work, fixed, inputs.hf_config)
+        runnable += [row for row in rows if row.layout.pp > 1]
+    runnable.sort(key=planner.rank_key)
     fitting = [row for row in runnable if row.fits]
     if fitting:
         return fitting[0]
