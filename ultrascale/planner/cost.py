@@ -189,11 +189,14 @@ def _ring(kind: str, nbytes: float, n: int, bandwidth: float) -> float:
     return factor * nbytes / bandwidth
 
 
-def evaluate(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload, hf_config: Any = None) -> PlanRow:
+def evaluate(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload, hf_config: Any = None,
+             problems: list[str] | None = None) -> PlanRow:
     """Memory and time per GPU of one layout (also for a refused one: `problems` then says why). ZeRO-0 is priced
-    as ultrascale runs it (`runs_as`: HSDP without sharding); the row keeps the layout as asked."""
+    as ultrascale runs it (`runs_as`: HSDP without sharding); the row keeps the layout as asked. `problems`: the
+    rulebook's verdict on `runs_as(layout)` if the caller has it already (a search judges before it prices)."""
     lay = runs_as(layout)
-    problems = layout_problems(lay, shape, cluster, work.seq_len, work.global_batch, hf_config)
+    if problems is None:
+        problems = layout_problems(lay, shape, cluster, work.seq_len, work.global_batch, hf_config)
     acts = ActivationModel(shape, work.seq_len // lay.cp, lay.micro_batch, tp=lay.tp,
                            sequence_parallel=lay.tp > 1 and model_facts_of(shape, hf_config).sequence_parallel,
                            loss_parallel=lay.tp > 1 and lay.pp == 1,
@@ -216,9 +219,15 @@ def evaluate(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload
 def _undominated(ranks: list[tuple]) -> list[tuple]:
     """The ranks whose (layers, embedding, head, held activations) no other rank has all of, at least: a rank's
     memory grows with each, so the peak is among these (1F1B: the first rank and the head's)."""
+    return list(_undominated_of(tuple(ranks)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _undominated_of(ranks: tuple[tuple, ...]) -> tuple[tuple, ...]:
+    # O(ranks^2): 64 pipeline ranks compare 4096 pairs, and a search asks for the same few pipelines many times.
     distinct = list(dict.fromkeys(ranks))
-    return [a for a in distinct
-            if not any(b != a and all(x is None or x <= y for x, y in zip(a, b)) for b in distinct)]
+    return tuple(a for a in distinct
+                 if not any(b != a and all(x is None or x <= y for x, y in zip(a, b)) for b in distinct))
 
 
 def _peak_memory(shape: ModelShape, lay: Layout, work: Workload, acts: ActivationModel, layers: int, first: bool,

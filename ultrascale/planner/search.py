@@ -12,7 +12,7 @@ from ultrascale.parallel.pipeline import even_layers
 from ultrascale.parallel.rules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 from ultrascale.planner.cost import PlanRow, Workload, evaluate
 from ultrascale.planner.hardware import GIB, Cluster
-from ultrascale.planner.layouts import RECOMPUTE_MODES, Layout, layout_problems
+from ultrascale.planner.layouts import RECOMPUTE_MODES, Layout, layout_problems, runs_as
 from ultrascale.planner.pipeline import balanced_layers
 
 __all__ = ["candidate_layouts", "search", "why_not"]
@@ -116,10 +116,14 @@ def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[
            hf_config: Any = None, include_refused: bool = False, max_micro_batch: int = 8) -> list[PlanRow]:
     """All candidate layouts (micro-batches up to `max_micro_batch` sequences), costed: fitting ones first by
     predicted tokens/s per GPU (then less memory)."""
-    layouts = candidate_layouts(shape, cluster, work, fixed, max_micro_batch)
-    if not include_refused:  # judge first, price only what runs
-        layouts = (lay for lay in layouts if not layout_problems(lay, shape, cluster, work.seq_len, work.global_batch, hf_config))
-    rows = [evaluate(shape, layout, cluster, work, hf_config) for layout in layouts]
+    rows = []
+    for layout in candidate_layouts(shape, cluster, work, fixed, max_micro_batch):
+        problems = None
+        if not include_refused:  # judge first, price only what runs
+            if layout_problems(layout, shape, cluster, work.seq_len, work.global_batch, hf_config):
+                continue
+            problems = [] if runs_as(layout) == layout else None  # what `evaluate` would judge again
+        rows.append(evaluate(shape, layout, cluster, work, hf_config, problems=problems))
     rows.sort(key=rank_key)
     return rows
 
