@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ultrascale.models.lm import CausalLMModule, attached_strategy
+from ultrascale.strategies.contract import stage_mesh
 
 WEIGHT_SUFFIX = ".safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -511,15 +512,15 @@ def _hf_state_dict_from_module(module: HFCausalLM) -> Optional[dict[str, torch.T
     assert module.model is not None
     if dist.is_initialized():
         strategy = attached_strategy(module)
-        mesh = getattr(strategy, "parallel_mesh", None)
-        if mesh is not None and mesh.dims.pp_enabled:
+        stages = stage_mesh(strategy)
+        if stages is not None:
             from ultrascale.parallel.pipeline import gather_stage_states
 
             # Each rank holds its stages' parameters only: gathered within the stage, then sent to rank 0.
             state = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True))
             state = {k: v.detach().cpu() for k, v in state.items()}
             state.update(_zero_masters(module, strategy, keep=True))
-            return gather_stage_states(state, mesh["stage"])
+            return gather_stage_states(state, stages)
         state = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         masters = _zero_masters(module, strategy, keep=dist.get_rank() == 0)
         return {**state, **masters} if dist.get_rank() == 0 else None

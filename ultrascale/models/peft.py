@@ -106,13 +106,11 @@ def _on_rank0(fn: Callable[[], Any]) -> Any:
 
 
 def _stage_mesh(target: Any) -> Any:
-    """Under pipeline parallel, the mesh of the ranks that hold this rank's stages (`stage`), else None."""
-    from ultrascale.strategies.contract import attached_strategy
+    """`contract.stage_mesh` of the strategy `target` (a Trainer or a LightningModule) runs under."""
+    from ultrascale.strategies.contract import attached_strategy, stage_mesh
 
     module = target.lightning_module if isinstance(target, L.Trainer) else target
-    strategy = attached_strategy(module) if isinstance(module, L.LightningModule) else None
-    mesh = getattr(strategy, "parallel_mesh", None)
-    return mesh["stage"] if mesh is not None and mesh.dims.pp_enabled else None
+    return stage_mesh(attached_strategy(module) if isinstance(module, L.LightningModule) else None)
 
 
 def _gather_full(local: dict[str, torch.Tensor], keys: Iterable[str],

@@ -121,6 +121,13 @@ def attached_strategy(module: "pl.LightningModule") -> Optional[Any]:
         return None
 
 
+def stage_mesh(strategy: Any) -> Optional[Any]:
+    """Under pipeline parallel, the mesh of the ranks that hold this rank's stages (`parallel_mesh["stage"]`);
+    None without a pipeline or for a strategy that has no `parallel_mesh` (Lightning's own)."""
+    mesh = getattr(strategy, "parallel_mesh", None)
+    return mesh["stage"] if mesh is not None and mesh.dims.pp_enabled else None
+
+
 def normalizes_token_loss(strategy: Any) -> bool:
     """`StrategyContract.normalizes_token_loss` of any strategy (False for Lightning's own)."""
     return bool(getattr(strategy, "normalizes_token_loss", False))
