@@ -145,14 +145,47 @@ def test_blend_proportions_over_10000_samples(tmp_path, tokenizer):
         x, y = blend.source_counts(count)
         assert abs(x / count - 0.7) < 0.01 and x + y == count
     again = BlendedBlocks(sources, [7, 3], seq_len=4)  # weights are normalised; the order is deterministic
-    assert np.array_equal(again.source_of, blend.source_of) and np.array_equal(again.block_of, blend.block_of)
+    located = [blend.locate(i) for i in range(len(blend))]
+    assert [again.locate(i) for i in range(len(blend))] == located
     first = blend[0]["input_ids"]
-    source, block = blend.source_of[0], blend.block_of[0]
+    source, block = located[0]
     assert torch.equal(first, torch.from_numpy(np.asarray(sources[source].tokens[block * 5 : block * 5 + 4], dtype=np.int64)))
     # Each block is used once: no source is read past its end.
     for s, src in enumerate(sources):
-        used = blend.block_of[blend.source_of == s]
-        assert len(np.unique(used)) == len(used) and used.max() < src.tokens.size // 5
+        used = [b for source, b in located if source == s]
+        assert len(set(used)) == len(used) and max(used) < src.tokens.size // 5
+
+
+def _blend_by_sorting(blocks: list[int], weights: list[float], max_blocks=None) -> list[tuple[int, int]]:
+    """The blend's order written out: every block at time (k + 1/2) / w_s, sorted (stable: lower source first on a
+    tie), the first n = min blocks_s / w_s kept."""
+    weights = [w / sum(weights) for w in weights]
+    length = int(min(b / w for b, w in zip(blocks, weights)))
+    length = length if max_blocks is None else min(length, max_blocks)
+    timed = [((k + 0.5) / w, s, k) for s, (b, w) in enumerate(zip(blocks, weights)) for k in range(b)]
+    return [(s, k) for _, s, k in sorted(timed)[:length]]
+
+
+@pytest.mark.parametrize("blocks, weights, max_blocks", [
+    ([50, 50], [0.5, 0.5], None),  # every time a tie
+    ([300, 100], [0.7, 0.3], None),
+    ([40, 90, 70], [1, 1, 2], None),
+    ([60, 60, 60], [1 / 3, 1 / 3, 1 / 3], None),
+    ([500, 7, 80], [0.9, 0.01, 0.09], None),
+    ([200, 200], [0.61803398875, 0.38196601125], 150),
+    ([1, 1000], [0.001, 0.999], None),
+])
+def test_blend_positions_equal_the_sorted_order(blocks, weights, max_blocks):
+    """Sample i is found by counting, without an index: the same (source, block) as sorting every block by time."""
+    from types import SimpleNamespace
+
+    sources = [SimpleNamespace(tokens=np.zeros(b * 5 + 3, dtype=np.uint16)) for b in blocks]
+    blend = BlendedBlocks(sources, weights, seq_len=4, max_blocks=max_blocks)
+    expected = _blend_by_sorting(blocks, weights, max_blocks)
+    assert len(blend) == len(expected) > 0
+    assert [blend.locate(i) for i in range(len(blend))] == expected
+    for count in (1, 2, len(blend) // 3, len(blend)):
+        assert blend.source_counts(count) == [sum(1 for s, _ in expected[:count] if s == k) for k in range(len(blocks))]
 
 
 def test_blend_through_the_data_module(prepared):
