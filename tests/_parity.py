@@ -274,3 +274,21 @@ def make_hf(path: str, export_dir: Optional[str] = None, **kwargs: Any) -> L.Lig
 
     return HFCausalLM(path, learning_rate=3e-3, warmup_steps=1, max_steps=1000, min_lr_ratio=1.0, eps=1e-6,
                       export_dir=export_dir, **kwargs)
+
+
+class BatchesSeen(L.LightningModule):
+    """Trains nothing (lr 0) and keeps the `key` tensor of every batch it is given: what a resume must replay."""
+
+    def __init__(self, key: str = "input_ids") -> None:
+        super().__init__()
+        self.key = key
+        self.w = torch.nn.Parameter(torch.zeros(()))
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch[self.key].clone())
+        return self.w * batch["input_ids"].float().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+

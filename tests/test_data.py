@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests._parity import BatchesSeen
 from ultrascale.data import (
     ByteTokenizer,
     CausalLMDataModule,
@@ -332,19 +333,6 @@ def test_lightning_resume_mid_epoch(tmp_path) -> None:
     """End to end through a real Trainer: checkpoint mid-epoch, resume, continue with the same batches."""
     import lightning as L
 
-    class Recorder(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(()))
-            self.seen: list[torch.Tensor] = []
-
-        def training_step(self, batch, batch_idx):
-            self.seen.append(batch["input_ids"].clone())
-            return self.w * batch["input_ids"].float().mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.0)
-
     (tmp_path / "c.txt").write_text("".join(chr(ord("a") + i % 26) for i in range(2000)))
     # 17 blocks of 9 tokens -> 4 global batches of 4 per epoch; 6 steps cross an epoch boundary.
     kwargs = dict(data_path=str(tmp_path / "c.txt"), seq_len=8, global_batch_size=4, max_tokens=153,
@@ -352,7 +340,7 @@ def test_lightning_resume_mid_epoch(tmp_path) -> None:
     trainer_kwargs = dict(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_progress_bar=False,
                           enable_model_summary=False, num_sanity_val_steps=0)
 
-    full_model = Recorder()
+    full_model = BatchesSeen()
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
     L.Trainer(callbacks=[ckpt], default_root_dir=tmp_path, **trainer_kwargs).fit(
         full_model, datamodule=CausalLMDataModule(**kwargs)
@@ -361,7 +349,7 @@ def test_lightning_resume_mid_epoch(tmp_path) -> None:
     assert not torch.equal(full_model.seen[0], full_model.seen[4])  # epoch 1 is reshuffled
 
     (step3,) = [p for p in (tmp_path / "ckpt").iterdir() if "step=3" in p.name]
-    resumed_model = Recorder()
+    resumed_model = BatchesSeen()
     dm = CausalLMDataModule(**kwargs)
     dm._dp_layout = lambda: (2, 1)  # resume as dp rank 1 of 2: the second half of each global batch
     L.Trainer(default_root_dir=tmp_path, enable_checkpointing=False, **trainer_kwargs).fit(

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests._parity import BatchesSeen
 from ultrascale.data import InstructionDataModule, load_tokenizer, pack_examples, read_examples
 from ultrascale.data.instruct import IGNORE_INDEX
 
@@ -501,19 +502,6 @@ def test_lightning_resume_mid_epoch(tmp_path, tok_dir, data) -> None:
     """Through a real Trainer: the position is checkpointed and a resume continues with the same batches."""
     import lightning as L
 
-    class Recorder(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(()))
-            self.seen: list[torch.Tensor] = []
-
-        def training_step(self, batch, batch_idx):
-            self.seen.append(batch["labels"].clone())
-            return self.w * batch["input_ids"].float().mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.0)
-
     _, path = data
     kwargs = dict(seq_len=32, global_batch_size=4, max_examples=24)
     trainer_kwargs = dict(accelerator="cpu", devices=1, max_steps=8, logger=False, enable_progress_bar=False,
@@ -521,7 +509,7 @@ def test_lightning_resume_mid_epoch(tmp_path, tok_dir, data) -> None:
     dm = _dm(path, tok_dir, **kwargs)
     dm.setup()
     assert len(dm.train_dataset) == 24  # 6 global batches per epoch: 8 steps cross into epoch 1
-    full = Recorder()
+    full = BatchesSeen("labels")
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
     L.Trainer(callbacks=[ckpt], default_root_dir=tmp_path, **trainer_kwargs).fit(full, datamodule=dm)
     assert len(full.seen) == 8
@@ -529,7 +517,7 @@ def test_lightning_resume_mid_epoch(tmp_path, tok_dir, data) -> None:
     state = torch.load(step4, weights_only=False)["InstructionDataModule"]
     assert state == {"epoch": 0, "batches_done": 4, "global_batch_size": 4, "seed": 1234}
 
-    resumed = Recorder()
+    resumed = BatchesSeen("labels")
     dm = _dm(path, tok_dir, **kwargs)
     dm._dp_layout = lambda: (2, 1)  # resume as dp rank 1 of 2: the second half of each global batch
     L.Trainer(default_root_dir=tmp_path, enable_checkpointing=False, **trainer_kwargs).fit(

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests._parity import BatchesSeen
 from tests.test_data import _fake_trainer, _save_hf_tokenizer
 from ultrascale.cli import main as cli_main
 from ultrascale.data import CausalLMDataModule
@@ -270,28 +271,15 @@ def test_trainer_resume_mid_epoch_from_a_prepared_folder(tmp_path, prepared):
     each global batch the uninterrupted run saw (blocks of a memory-mapped folder, shuffled, across an epoch)."""
     import lightning as L
 
-    class Seen(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(()))
-            self.seen: list[torch.Tensor] = []
-
-        def training_step(self, batch, batch_idx):
-            self.seen.append(batch["input_ids"].clone())
-            return self.w * batch["input_ids"].float().mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.0)
-
     kwargs = dict(data_path=prepared[1], seq_len=8, global_batch_size=4, max_tokens=153, val_fraction=0.0)  # 17 blocks
     trainer_kwargs = dict(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_progress_bar=False,
                           enable_model_summary=False, num_sanity_val_steps=0)
-    full = Seen()
+    full = BatchesSeen()
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
     L.Trainer(callbacks=[ckpt], default_root_dir=tmp_path, **trainer_kwargs).fit(full, datamodule=CausalLMDataModule(**kwargs))
     assert len(full.seen) == 6 and not torch.equal(full.seen[0], full.seen[4])  # epoch 1 is reshuffled
     (step3,) = [p for p in (tmp_path / "ckpt").iterdir() if "step=3" in p.name]
-    resumed = Seen()
+    resumed = BatchesSeen()
     data = CausalLMDataModule(**kwargs)
     data._dp_layout = lambda: (2, 1)
     L.Trainer(default_root_dir=tmp_path, enable_checkpointing=False, **trainer_kwargs).fit(resumed, datamodule=data,
