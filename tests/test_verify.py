@@ -6,6 +6,7 @@ of a fit stays in this process; one test goes through the installed command in a
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +84,24 @@ def test_tiny_2d_recipe_passes_through_the_command(tmp_path):
     assert "PASS: largest |Δ|" in out and "over 3 steps (loss, grad_norm;" in out
     assert out.count("  rank ") == 4 and "planner H100 SXM" in out and "not comparable" in out
     assert not list(tmp_path.iterdir())  # no runs/ folder, no checkpoint: verify writes nothing of the recipe's
+
+
+@pytest.mark.slow
+def test_verify_under_torchrun(tmp_path):
+    """Under torchrun every rank trains the layout in its own process; rank 0 then starts the one-device reference
+    as a job of its own (the launch variables dropped) and prints the comparison."""
+    from ultrascale.launch import without_launch_variables
+
+    env = without_launch_variables(dict(os.environ))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env.pop("PYTEST_CURRENT_TEST", None)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "ultrascale.cli", "verify", "--config", str(RECIPES / "tiny_cpu.yaml"), *SMALL_DATA,
+                           "--steps", "2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "layout     pp=1 x dp_replicate=1 x dp_shard=2 x cp=1 x tp=1 (world 2)" in out
+    assert out.count("PASS: largest |Δ|") == 1 and out.count("  rank ") == 2, out[-4000:]
 
 
 def test_hf_finetune_recipe_passes(capsys, tmp_path, monkeypatch, two_thread_region_ran):
