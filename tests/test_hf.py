@@ -291,7 +291,9 @@ def _finetune_zero12_bf16(rank, world_size, path, ckpt_dir, export_dir, strategy
 
 
 @pytest.mark.parametrize("strategy_kwargs", [dict(zero_stage=2, data_parallel_shard=2),
-                                             dict(zero_stage=1, tensor_parallel=2)], ids=["zero2", "zero1_tp2"])
+                                             dict(zero_stage=1, tensor_parallel=2),
+                                             dict(zero_stage=1, pipeline_parallel=2, pipeline_microbatches=2)],
+                         ids=["zero2", "zero1_tp2", "zero1_pp2"])
 def test_zero12_bf16_exports_the_fp32_masters(tmp_path, strategy_kwargs):
     """Under ZeRO-1/2 with bf16-mixed the module holds bf16 compute copies; both exports (at fit end and offline from
     the checkpoint) write the fp32 weights the optimizer steps, as ZeRO-3 does (they once wrote the bf16 copies)."""
@@ -300,7 +302,7 @@ def test_zero12_bf16_exports_the_fp32_masters(tmp_path, strategy_kwargs):
     source = make_checkpoint(tmp_path / "source")
     results = run_ranks(_finetune_zero12_bf16, 2, str(source), str(tmp_path / "ckpts"), str(tmp_path / "at_fit_end"),
                         strategy_kwargs)
-    masters = results[0]["masters"]
+    masters = {name: value for result in results for name, value in result["masters"].items()}  # pp: each its stage's
     assert results[0]["compute_dtypes"] == {"torch.bfloat16"}
     assert all(value.dtype == torch.float32 for value in masters.values())
     assert any(not torch.equal(value, value.bfloat16().float()) for value in masters.values())  # bf16 would lose bits
