@@ -126,9 +126,24 @@ def _pipeline_ranks(pipe: PipelineLayout) -> tuple[tuple[int, bool, bool], ...]:
                  for ids in (pipe.stage_ids(r) for r in range(pipe.pp)))
 
 
+def _memoised(shape: ModelShape, table: str, key: tuple, compute: Any) -> Any:
+    """`compute()`, kept on `shape` under (table, key): a search prices the same few stages hundreds of thousands
+    of times (the cache lives and dies with the shape, as `ModelShape.param_counts` does)."""
+    cache = shape.__dict__.setdefault("_planner_cache", {})
+    value = cache.get((table, key))
+    if value is None:
+        value = cache[(table, key)] = compute()
+    return value
+
+
 def _stage_params(shape: ModelShape, layout: Layout, layers: int, first: bool, last: bool) -> tuple[float, float]:
     """(dense, expert) parameters one rank of this stage holds before ZeRO sharding (after tp / ep)."""
-    counts, t = shape.param_counts(), layout.tp
+    return _memoised(shape, "stage_params", (layout.tp, layout.ep, layers, first, last),
+                     lambda: _count_stage_params(shape, layout.tp, layout.ep, layers, first, last))
+
+
+def _count_stage_params(shape: ModelShape, t: int, ep: int, layers: int, first: bool, last: bool) -> tuple[float, float]:
+    counts = shape.param_counts()
     L = shape.n_layers
     dense = 0.0
     if first:
@@ -142,7 +157,7 @@ def _stage_params(shape: ModelShape, layout: Layout, layers: int, first: bool, l
     dense += layers * (1 - moe_fraction) * shape.dense_mlp_params / t
     shared = 3 * shape.hidden * shape.shared_expert_hidden  # split by tp like a dense MLP
     dense += layers * moe_fraction * (shape.router_params - shared + shared / t)
-    experts = layers * moe_fraction * shape.expert_params / (layout.ep * t)  # ep or tp (expert tensor parallel)
+    experts = layers * moe_fraction * shape.expert_params / (ep * t)  # ep or tp (expert tensor parallel)
     return dense, experts
 
 
@@ -154,6 +169,11 @@ def stage_model_state(shape: ModelShape, layout: Layout, work: Workload, layers:
     ultrascale's (`STATE_BYTES`). Experts are split over ep first, and their shards over the
     n/ep ranks that hold the same experts."""
     layout = runs_as(layout)
+    key = (layout.zero_stage, layout.dp_shard, layout.cp, layout.tp, layout.ep, work.precision, layers, first, last)
+    return dict(_memoised(shape, "model_state", key, lambda: _model_state(shape, layout, work, layers, first, last)))
+
+
+def _model_state(shape: ModelShape, layout: Layout, work: Workload, layers: int, first: bool, last: bool) -> dict[str, float]:
     family = "fsdp" if layout.zero_stage == 3 else "zero12"
     w_bytes, g_bytes, o_bytes = STATE_BYTES[(work.precision, family)]
     n = layout.dp_shard * layout.cp
