@@ -13,7 +13,9 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 
+import ultrascale
 from tests._cli import run_main
 from ultrascale.verify import compare, within
 from ultrascale.verify.layouts import LAYOUTS
@@ -122,6 +124,38 @@ def test_hf_finetune_recipe_passes(capsys, tmp_path, monkeypatch, two_thread_reg
 
     written = json.loads((tmp_path / "verify.json").read_text())
     assert written["passed"] and len(written["layout_steps"]) == 3 and written["max_delta"] <= 1e-4
+
+
+class UserLM(L.LightningModule):
+    """A user's own module, unknown to ultrascale: blocks as direct children, its own optimizer, `token_loss`."""
+
+    def __init__(self, vocab_size: int = 258, dim: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.embed = torch.nn.Embedding(vocab_size, dim)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, vocab_size, bias=False)
+
+    def training_step(self, batch, batch_idx):
+        x = self.embed(batch["input_ids"])
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        for block in self.blocks:
+            x = block(x, src_mask=mask, is_causal=True)
+        return ultrascale.token_loss(self.head(x), batch["labels"])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def test_a_users_own_module_passes(capsys):
+    """The recipe's data and layout (ZeRO-3 on 2 ranks) with a LightningModule of the user's: no planner shape, so
+    no prediction, but the same comparison."""
+    code, out, err = _verify(capsys, "--config", str(RECIPES / "tiny_cpu.yaml"), *SMALL_DATA, "--steps", "2",
+                             "--model", "tests.test_verify.UserLM")
+    assert code == 0, out + err
+    assert "dp_shard=2" in out and "PASS: largest |Δ|" in out and out.count("  rank ") == 2, out
+    assert "planner: no prediction (UserLM:" in out
 
 
 class BreakRank1Reduction(L.Callback):
