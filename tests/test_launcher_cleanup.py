@@ -324,17 +324,3 @@ def test_subprocess_launcher_ends_a_stopped_rank_after_a_collective_timeout(tmp_
     assert code == 1 and "Timed out" in log, log
     assert len(_pids(pid_dir)) == 2
     _assert_ended(_pids(pid_dir))
-
-
-def _abort_in_native_code(rank, world_size):
-    if rank == 1:
-        os.abort()  # SIGABRT, as a failed assertion in a C++ kernel raises it: no Python traceback to send back
-    return rank
-
-
-def test_run_ranks_reports_the_stack_of_a_rank_killed_by_a_signal():
-    with pytest.raises(AssertionError) as failure:
-        run_ranks(_abort_in_native_code, 2, timeout=60)
-    message = str(failure.value)
-    assert "rank 1: no result (crash, exit code -6)" in message
-    assert "Fatal Python error: Aborted" in message and "_abort_in_native_code" in message, message

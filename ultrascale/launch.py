@@ -24,7 +24,6 @@ launcher of the strategies uses the same two functions.
 from __future__ import annotations
 
 import ctypes
-import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -148,9 +147,6 @@ def init_gloo(rank: int, world_size: int) -> None:
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str, parent_pid: int) -> None:
     die_with_parent(parent_pid)
-    # A rank killed by a signal (SIGSEGV, SIGABRT in native code) leaves no traceback to send back: faulthandler
-    # writes its threads' Python stacks here, and `run_ranks` puts them in its error.
-    faulthandler.enable(file=open(os.path.join(out_dir, f"{rank}.fault"), "w"), all_threads=True)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -230,10 +226,6 @@ def run_ranks(
             if not os.path.exists(path):
                 why = "ended by run_ranks (another rank failed, or timeout)" if procs[rank] in ended else "crash"
                 failures.append(f"--- rank {rank}: no result ({why}, exit code {procs[rank].exitcode}) ---")
-                fault = os.path.join(out_dir, f"{rank}.fault")
-                if os.path.exists(fault) and os.path.getsize(fault):
-                    with open(fault) as stacks:
-                        failures.append(stacks.read()[:6000])  # faulthandler writes the innermost frame first
                 continue
             ok, value = torch.load(path, weights_only=False)
             if ok:
