@@ -90,6 +90,97 @@ def test_attention_matches_full_causal_sdpa(world, method, load_balance, packed)
         assert max(errors.values()) < 2e-6, f"rank {rank}: {errors}"
 
 
+def _variant_reference(q, k, v, positions, window, softcap, sinks, scale):
+    """The attention of the models that vary it, written out in float64: causal, same document, a key fewer than
+    `window` tokens back, scores soft-capped c·tanh(S/c), one sink logit per head taking probability mass."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    t = q.shape[2]
+    position = torch.arange(t)
+    allowed = (position[:, None] >= position[None, :]).expand(q.shape[0], t, t)
+    if positions is not None:
+        documents = document_ids(positions)
+        allowed = allowed & (documents[:, :, None] == documents[:, None, :])
+    if window is not None:
+        allowed = allowed & ((position[:, None] - position[None, :]) < window)
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, t, 1)], -1)
+    probs = torch.softmax(scores, -1)
+    return probs[..., :t] @ v
+
+
+def _variant_worker(rank, world_size, method, packed, window, softcap, use_sinks, v_dim):
+    torch.set_num_threads(1)
+    init_gloo(rank, world_size)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    seq_len = 8 * world_size
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, H, seq_len, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, H_KV, seq_len, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H_KV, seq_len, v_dim, generator=g, dtype=torch.float64)
+    sinks = torch.randn(H, generator=g, dtype=torch.float64) if use_sinks else None
+    grad_out = torch.randn(B, H, seq_len, v_dim, generator=g, dtype=torch.float64)
+    positions = _packed_positions(seq_len) if packed else None
+    scale = 0.3  # not 1/sqrt(D): the custom query scaling of Gemma / MLA models
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    full_sinks = sinks.clone().requires_grad_() if use_sinks else None
+    expected = _variant_reference(*full, positions, window, softcap, full_sinks, scale)
+    expected.backward(grad_out)
+
+    cp = ContextParallel(mesh, method, True)
+    batch = {"input_ids": torch.zeros(B, seq_len, dtype=torch.long)}
+    if positions is not None:
+        batch["position_ids"] = positions
+    cp.shard_batch(batch)
+    mine = cp.layout.token_index(rank)
+    local = [x.float()[:, :, mine].clone().requires_grad_() for x in (q, k, v)]
+    local_sinks = sinks.float().clone().requires_grad_() if use_sinks else None
+    out = cp.attention(*local, scale=scale, window=window, softcap=softcap, sinks=local_sinks)
+    out.backward(grad_out.float()[:, :, mine])
+    errors = {"out": (out.double() - expected[:, :, mine]).abs().max().item()}
+    for name, a, b in zip("qkv", local, full):
+        errors[f"d{name}"] = (a.grad.double() - b.grad[:, :, mine]).abs().max().item()
+    if use_sinks:  # each rank's share of the sinks' gradient sums to the whole
+        total = local_sinks.grad.clone()
+        torch.distributed.all_reduce(total)
+        errors["dsinks"] = (total.double() - full_sinks.grad).abs().max().item()
+    return errors
+
+
+VARIANTS = {  # name: (methods, window, softcap, sinks, v head size)
+    "sliding-window": (("allgather", "ring", "alltoall"), 5, None, False, D),
+    "window-wider-than-sequence": (("ring", "alltoall"), 1000, None, False, D),
+    "mla-head-sizes": (("allgather", "ring", "alltoall"), None, None, False, D // 2),
+    "softcap+window": (("alltoall",), 6, 2.0, False, D),
+    "sinks+window": (("alltoall",), 6, None, True, D),
+}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("world", [2, 4])
+def test_attention_variants_match_the_written_out_attention(world, variant, packed):
+    """Sliding windows, other query scales, V narrower than Q/K (multi-head latent attention), soft-capping and
+    sinks, with and without packed documents, against the attention written out in float64."""
+    methods, window, softcap, sinks, v_dim = VARIANTS[variant]
+    for method in methods:
+        results = run_ranks(_variant_worker, world, method, packed, window, softcap, sinks, v_dim)
+        for rank, errors in enumerate(results):
+            assert max(errors.values()) < 2e-6, f"{method} rank {rank}: {errors}"
+
+
+def test_softcap_and_sinks_refused_by_the_ring_kernel():
+    from ultrascale.parallel.context import ring_kernel_problem
+
+    assert ring_kernel_problem() is None
+    assert "logit soft-capping has no ring" in ring_kernel_problem(softcap=30.0)
+    assert "attention sinks" in ring_kernel_problem(sinks=True) and "alltoall" in ring_kernel_problem(sinks=True)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_zigzag_balances_attention_work(world):
     """Counted query-key pairs per rank: equal with zig-zag; without it the last rank computes
@@ -313,12 +404,20 @@ def test_unsupported_models_are_refused_by_name():
     from tests._rules import check_layout
 
     generic = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)]))
-    with pytest.raises(ValueError, match="context parallel \\(cp=2\\) has no attention hook for generic.*llama/mistral/qwen2/qwen3"):
+    with pytest.raises(ValueError, match="context parallel \\(cp=2\\) has no attention hook for generic.*AttentionInterface"):
         check_layout(generic, cp=2)
+    # Capabilities come from structure, not from a list of names: GPT-NeoX's attention runs through the interface.
     config = transformers.GPTNeoXConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                                         intermediate_size=16)
-    with pytest.raises(ValueError, match="no attention hook for GPTNeoXForCausalLM"):
-        check_layout(transformers.GPTNeoXForCausalLM(config), cp=2)
+    check_layout(transformers.GPTNeoXForCausalLM(config), cp=2)
+    # Qwen3-Next's linear-attention layers have no context-parallel kernel: the layer is named.
+    config = transformers.Qwen3NextConfig(vocab_size=16, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                          num_key_value_heads=1, intermediate_size=16, num_experts=2, num_experts_per_tok=1,
+                                          layer_types=["full_attention", "linear_attention"])
+    with torch.device("meta"):
+        qwen3_next = transformers.Qwen3NextForCausalLM(config)
+    with pytest.raises(ValueError, match="layer 1 of .* is 'linear_attention' \\(config.layer_types\\); only softmax"):
+        check_layout(qwen3_next, cp=2)
     with pytest.raises(ValueError, match="context_parallel_method='zigzag'"):
         ultrascale.ContextParallelStrategy(context_parallel=2, context_parallel_method="zigzag")
 

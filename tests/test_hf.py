@@ -251,13 +251,26 @@ def _load_error(rank, world_size, path):
     return "no error"
 
 
-def test_unknown_converted_layout_is_refused_under_sharding(tmp_path):
-    """OLMoE checkpoints store per-expert weights that transformers fuses while loading, a conversion
-    the sharded loader knows only for Mixtral and Qwen-MoE: it says so instead of loading something else."""
-    path = make_checkpoint(tmp_path / "olmoe", "olmoe")
+def test_unknown_converted_layout_is_refused_under_sharding(tmp_path, monkeypatch):
+    """The sharded loader reads the conversions transformers applies while loading (per-expert weights stacked and
+    concatenated); a conversion with any other operation is refused, naming the architecture, the converted tensor
+    and the operation, instead of loading something else."""
+    from transformers import conversion_mapping
+    from transformers.core_model_loading import ConversionOps, MergeModulelist, WeightConverter
+
+    class Unknown(ConversionOps):
+        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+            raise AssertionError("never run")
+
+    path = make_checkpoint(tmp_path / "olmoe", "olmoe")  # before the patch: saving reverts the real conversion
+    original = conversion_mapping.get_checkpoint_conversion_mapping
+    unknown = WeightConverter(["mlp.experts.*.down_proj.weight"], ["mlp.experts.down_proj"],
+                              operations=[MergeModulelist(dim=0), Unknown()])
+    monkeypatch.setattr(conversion_mapping, "get_checkpoint_conversion_mapping",  # the ranks fork: they see it too
+                        lambda model_type: [unknown] if model_type == "olmoe" else original(model_type))
     for message in run_ranks(_load_error, 2, str(path)):
-        assert "converts this architecture's checkpoint layout while loading" in message
-        assert "['mixtral', 'qwen2_moe', 'qwen3_moe']" in message
+        assert "model_type 'olmoe'" in message and "'mlp.experts.down_proj'" in message, message
+        assert "operation Unknown is not supported" in message, message
 
 
 def test_mixtral_export_roundtrip(tmp_path):

@@ -13,15 +13,11 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from typing import Any, Optional
 
+import torch
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ultrascale.parallel.rules import (  # what ultrascale runs on which architecture: the rulebook's
-    HF_CONTEXT_PARALLEL_TYPES,
-    HF_EXPERT_PARALLEL_TYPES,
-    HF_PIPELINE_TYPES,
-    ModelFacts,
-)
+from ultrascale.parallel.rules import ModelFacts
 
 
 @dataclass(frozen=True)
@@ -46,15 +42,23 @@ class ModelAdapter:
     enable_context_parallel: Optional[Callable[[Any], None]] = None
     """`enable_context_parallel(cp)` routes the model's attention through `cp.attention`
     (`ultrascale.parallel.context.ContextParallel`); None: no context-parallel support."""
+    context_parallel_refusal: Optional[str] = None
+    """Without `enable_context_parallel`: the piece the model lacks, naming the layer."""
+    context_parallel_method_refusals: Mapping[str, str] = field(default_factory=dict)
+    """`context_parallel_method` -> why that method cannot compute some layer's attention."""
     pipeline_parts: Optional[Callable[[], Any]] = None
     """`pipeline_parts()` -> `ultrascale.parallel.pipeline.PipelineParts` (where the embedding,
     layers, norm and head are, and how to run the model on hidden states); None: no PP support."""
+    pipeline_refusal: Optional[str] = None
+    """Without `pipeline_parts`: the piece the model lacks for a stage split."""
 
     num_experts: int = 0
     """Routed experts per MoE layer; 0: a dense model."""
     enable_expert_parallel: Optional[Callable[[Any], None]] = None
     """`enable_expert_parallel(ep)` splits the experts over the ep ranks and routes tokens through
     `ep` (`ultrascale.parallel.expert.ExpertParallel`); None: no expert-parallel support."""
+    expert_parallel_refusal: Optional[str] = None
+    """Of an MoE model without `enable_expert_parallel`: the piece its experts or routers lack."""
     experts: Callable[[], list[nn.Module]] = lambda: []
     """The experts modules (fused expert weights): each is its own FSDP unit, on the expert mesh, under ep > 1."""
 
@@ -63,7 +67,7 @@ class ModelAdapter:
         LightningModule's own stage split, which replaces the adapter's."""
         parts = pipeline_parts if pipeline_parts is not None else (
             self.pipeline_parts() if self.pipeline_parts is not None else None)
-        refusal = parts.problem(self.name) if parts is not None else None
+        refusal = parts.problem(self.name) if parts is not None else self.pipeline_refusal
         return ModelFacts(
             name=self.name,
             n_layers=len(parts.layer_list()) if parts is not None and refusal is None else None,
@@ -74,10 +78,13 @@ class ModelAdapter:
             tp_refusal=self.tp_refusal,
             sequence_parallel=self.supports_sequence_parallel,
             context_parallel=self.enable_context_parallel is not None,
+            context_parallel_refusal=self.context_parallel_refusal,
+            context_parallel_method_refusals=dict(self.context_parallel_method_refusals),
             pipeline=parts is not None,
             pipeline_refusal=refusal,
             n_experts=self.num_experts,
             expert_parallel=self.enable_expert_parallel is not None,
+            expert_parallel_refusal=self.expert_parallel_refusal,
         )
 
 
@@ -209,23 +216,167 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
     for experts in _hf_experts(hf)[:1]:  # fused experts (E, ...): tp splits each expert's intermediate width
         down = experts.down_proj
         sizes["the experts' intermediate width"] = down.shape[1] if getattr(experts, "is_transposed", False) else down.shape[-1]
+    name = common["name"]
+    context_refusal, method_refusals = _hf_context_parallel_problems(hf, name)
+    pipeline_refusal = _hf_pipeline_problem(hf, name)
+    n_experts = hf_num_experts(config)
+    expert_refusal = _hf_expert_parallel_problem(hf, name) if n_experts else None
     return ModelAdapter(
         **common,
         attention_heads=config.num_attention_heads,
         tp_sizes={name: size for name, size in sizes.items() if size},
         tp_plan=plan if base_plan else None,
-        tp_refusal=_hf_tp_refusal(hf, base_plan, common["name"]) if base_plan else None,
+        tp_refusal=_hf_tp_refusal(hf, base_plan, name) if base_plan else None,
         supports_sequence_parallel=False,
-        enable_context_parallel=(
-            (lambda cp: _hf_context_parallel(hf, cp)) if config.model_type in HF_CONTEXT_PARALLEL_TYPES else None
-        ),
-        pipeline_parts=(lambda: _hf_pipeline_parts(hf)) if config.model_type in HF_PIPELINE_TYPES else None,
-        num_experts=hf_num_experts(config),
-        enable_expert_parallel=(
-            (lambda ep: _hf_expert_parallel(hf, ep)) if config.model_type in HF_EXPERT_PARALLEL_TYPES else None
-        ),
+        enable_context_parallel=(lambda cp: _hf_context_parallel(hf, cp)) if context_refusal is None else None,
+        context_parallel_refusal=context_refusal,
+        context_parallel_method_refusals=method_refusals,
+        pipeline_parts=(lambda: _hf_pipeline_parts(hf)) if pipeline_refusal is None else None,
+        pipeline_refusal=pipeline_refusal,
+        num_experts=n_experts,
+        enable_expert_parallel=(lambda ep: _hf_expert_parallel(hf, ep)) if n_experts and expert_refusal is None else None,
+        expert_parallel_refusal=expert_refusal,
         experts=lambda: _hf_experts(hf),
     )
+
+
+# --------------------------------------------------------------------------- Hugging Face: capabilities by structure
+# What a Hugging Face model can run is read from what it has (transformers 5 publishes it on every model), never
+# from a list of model types: a model released next month runs as soon as its structure fits, and otherwise the
+# refusal names the piece and the layer that do not.
+
+SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""`config.layer_types` entries whose layers run softmax attention through the AttentionInterface (a sliding window
+is a mask; every other type, e.g. linear attention or chunked attention, has no context-parallel kernel)."""
+
+
+def hf_attention_modules(hf: nn.Module) -> list[nn.Module]:
+    """The self-attention module of each decoder layer (transformers names them `*Attention`, with `layer_idx`)."""
+    return [m for m in hf.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+
+
+def _hf_context_parallel_problems(hf: nn.Module, name: str) -> tuple[Optional[str], dict[str, str]]:
+    """(why context parallel cannot route this model's attention at all, or None; method -> why that method
+    cannot compute some layer's attention)."""
+    from ultrascale.parallel.context import CONTEXT_PARALLEL_METHODS, ring_kernel_problem
+
+    config = hf.config
+    for layer, kind in enumerate(getattr(config, "layer_types", None) or ()):
+        if kind not in SOFTMAX_LAYER_TYPES:
+            return (f"context parallel: layer {layer} of {name} is {kind!r} (config.layer_types); only softmax "
+                    f"attention layers {SOFTMAX_LAYER_TYPES} have a context-parallel kernel"), {}
+    if not getattr(type(hf), "_supports_attention_backend", False):
+        return (f"context parallel: {name}'s attention does not run through transformers' AttentionInterface "
+                f"(`{type(hf).__name__}._supports_attention_backend` is not set), so ultrascale cannot route it "
+                "through ring / all-gather / all-to-all attention"), {}
+    modules = hf_attention_modules(hf)
+    without = sorted(set(range(getattr(config, "num_hidden_layers", 0) or 0)) - {m.layer_idx for m in modules})
+    if without:
+        return (f"context parallel: layer(s) {without} of {name} have no attention module (a `*Attention` with "
+                "`layer_idx`) for ultrascale to route"), {}
+    for module in modules:
+        if not getattr(module, "is_causal", True):
+            return (f"context parallel: layer {module.layer_idx} of {name} ({type(module).__name__}) is not causal "
+                    "self-attention"), {}
+    refusals: dict[str, str] = {}
+    for module in modules:
+        problem = ring_kernel_problem(softcap=getattr(module, "attn_logit_softcapping", None),
+                                      sinks=isinstance(getattr(module, "sinks", None), torch.Tensor))
+        if problem is not None:
+            for method in CONTEXT_PARALLEL_METHODS:
+                if method != "alltoall":
+                    refusals.setdefault(method, f"context parallel on {name}, layer {module.layer_idx} "
+                                                f"({type(module).__name__}): {problem}")
+    return None, refusals
+
+
+def _hf_pipeline_problem(hf: nn.Module, name: str) -> Optional[str]:
+    """Why this model has no stage split, or None: its config's `base_model_pp_plan` names the embedding, the layers
+    and the final norm, and its forward hands `inputs_embeds` to the first layer unchanged (a later stage runs
+    the same forward on the hidden states it receives)."""
+    plan = getattr(hf.config, "base_model_pp_plan", None) or {}
+    if not plan:
+        return f"pipeline parallel has no stage split for {name}: its config ships no `base_model_pp_plan`"
+    missing = [part for part in ("embed_tokens", "layers", "norm") if part not in plan]
+    if missing:
+        return (f"pipeline parallel has no stage split for {name}: its `base_model_pp_plan` lacks {missing} "
+                f"(it names {sorted(plan)})")
+    changed = _forward_changes_inputs_embeds(hf)
+    if changed:
+        return (f"pipeline parallel has no stage split for {name}: its forward {changed} before the first layer, so a "
+                "later stage, which runs the same forward on the hidden states it receives, would apply it again")
+    return None
+
+
+_STAGE_INPUT_CACHE: dict[str, Optional[str]] = {}
+
+
+def _forward_changes_inputs_embeds(hf: nn.Module) -> Optional[str]:
+    """What the model's forward does to `inputs_embeds` before its first layer ("scales `inputs_embeds`"), or None
+    when the first layer receives them as given. Found by running a copy built on the meta device up to the first
+    layer (no memory, no values: the layer's input is compared by identity). Cached per class and config."""
+    import copy
+
+    import torch
+
+    cls = next(c for c in type(hf).__mro__ if not c.__module__.startswith("torch."))  # not FSDP2's wrapper class
+    key = f"{cls.__module__}.{cls.__qualname__}:{hf.config.to_json_string()}"
+    if key in _STAGE_INPUT_CACHE:
+        return _STAGE_INPUT_CACHE[key]
+    from transformers import AttentionInterface
+
+    from ultrascale.parallel.context import HF_ATTENTION_NAME, hf_context_parallel_attention
+
+    class _Reached(Exception):
+        pass
+
+    AttentionInterface.register(HF_ATTENTION_NAME, hf_context_parallel_attention)  # no mask function: nothing read
+    config = copy.deepcopy(hf.config)
+    with torch.device("meta"):
+        probe = cls(config)
+    probe.set_attn_implementation(HF_ATTENTION_NAME)
+    plan = config.base_model_pp_plan
+    layers = probe.get_submodule(f"{probe.base_model_prefix}.{'layers' if 'layers' in plan else next(iter(plan))}")
+    hidden = torch.empty(1, 2, config.hidden_size, device="meta")
+    seen: dict[str, bool] = {}
+
+    def first_layer(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        received = args[0] if args else kwargs.get("hidden_states")
+        seen["kept"] = received is hidden
+        raise _Reached
+
+    handle = layers[0].register_forward_pre_hook(first_layer, with_kwargs=True)
+    try:
+        probe(inputs_embeds=hidden, position_ids=torch.arange(2, device="meta")[None], use_cache=False)
+        answer: Optional[str] = "never reaches its first layer"
+    except _Reached:
+        answer = None if seen["kept"] else "changes `inputs_embeds` (e.g. multiplies them by an embedding multiplier)"
+    except Exception as error:  # a forward that cannot take hidden states at all
+        answer = f"cannot run on `inputs_embeds` ({type(error).__name__}: {error})"
+    finally:
+        handle.remove()
+    _STAGE_INPUT_CACHE[key] = answer
+    return answer
+
+
+def _hf_expert_parallel_problem(hf: nn.Module, name: str) -> Optional[str]:
+    """Why ultrascale's dispatch cannot run this MoE model's experts, or None: fused SwiGLU experts behind
+    transformers' ExpertsInterface (`[gate; up]` concatenated, not transposed, no biases) and, beside each, a
+    top-k router returning (logits, weights, indices)."""
+    from ultrascale.models.moe import hf_experts_problem, hf_routers
+
+    experts = _hf_experts(hf)
+    if not experts:
+        return (f"expert parallel has no expert dispatch for {name}: it has no fused experts module (`gate_up_proj` "
+                "(E, 2I, H) and `down_proj`), which transformers' ExpertsInterface dispatches")
+    problem = hf_experts_problem(hf)
+    if problem is not None:
+        return f"expert parallel on {name}: {problem}"
+    if len(hf_routers(hf)) != len(experts):
+        return (f"expert parallel on {name}: {len(experts)} experts modules but {len(hf_routers(hf))} routers of the "
+                "known form (a `gate` beside `experts`, with `top_k` and a `weight` (E, H), returning logits, weights "
+                "and indices)")
+    return None
 
 
 def _hf_tp_refusal(hf: nn.Module, base_plan: Mapping[str, str], name: str) -> Optional[str]:
@@ -306,10 +457,9 @@ def _hf_experts(hf: nn.Module) -> list[nn.Module]:
 
 
 def _hf_expert_parallel(hf: nn.Module, ep: Any) -> None:
-    from ultrascale.models.moe import HF_EXPERTS_IMPLEMENTATION, check_hf_experts, register_hf_experts
+    from ultrascale.models.moe import HF_EXPERTS_IMPLEMENTATION, register_hf_experts
     from ultrascale.parallel.expert import shard_experts
 
-    check_hf_experts(hf)
     register_hf_experts()
     for experts in _hf_experts(hf):
         shard_experts(experts, ep)
@@ -320,21 +470,31 @@ def _hf_expert_parallel(hf: nn.Module, ep: Any) -> None:
 
 
 def _hf_pipeline_parts(hf: nn.Module) -> Any:
-    from ultrascale.parallel.pipeline import PipelineParts
+    from ultrascale.parallel.pipeline import PipelineGap, PipelineParts
 
     base = hf.base_model_prefix
-    plan = getattr(hf.config, "base_model_pp_plan", None) or {}
-    for part in ("embed_tokens", "layers", "norm"):
-        if part not in plan:
-            raise ValueError(f"pipeline parallel: {type(hf).__name__}'s base_model_pp_plan has no `{part}`: {sorted(plan)}")
+    paths = {id(module): name for name, module in hf.named_modules()}
+    head = paths.get(id(hf.get_output_embeddings()), "lm_head")
 
     def run(root: nn.Module, x: Any, position_ids: Any, is_first: bool) -> Any:
         inputs = {"input_ids": x} if is_first else {"inputs_embeds": x}
         # No KV cache: training never reuses it, and packed documents are detected only without one.
-        return root(**inputs, position_ids=position_ids, use_cache=False).logits
+        kwargs = dict(**inputs, position_ids=position_ids, use_cache=False)
+        head_module = root.get_submodule(head)
+        if not isinstance(head_module, PipelineGap):
+            return root(**kwargs).logits
+        # A stage before the last: its output is what reaches the head's place. What the forward does to the
+        # logits after the head (Gemma 2's final soft-capping, Granite's logit scaling) is the last stage's.
+        reached: dict[str, Any] = {}
+        handle = head_module.register_forward_hook(lambda module, args, output: reached.update(output=output))
+        try:
+            root(**kwargs)
+        finally:
+            handle.remove()
+        return reached["output"]
 
     return PipelineParts(
-        root=hf, embed=f"{base}.embed_tokens", layers=f"{base}.layers", norm=f"{base}.norm", head="lm_head", run=run
+        root=hf, embed=f"{base}.embed_tokens", layers=f"{base}.layers", norm=f"{base}.norm", head=head, run=run
     )
 
 
@@ -344,7 +504,7 @@ def _hf_context_parallel(hf: nn.Module, cp: Any) -> None:
     from ultrascale.parallel.context import CONTEXT_PARALLEL_ATTRIBUTE, HF_ATTENTION_NAME, hf_context_parallel_attention
 
     AttentionInterface.register(HF_ATTENTION_NAME, hf_context_parallel_attention)
-    attention_modules = [m for m in hf.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    attention_modules = hf_attention_modules(hf)
     if not attention_modules:
         raise ValueError(f"context parallel: found no attention modules in {type(hf).__name__}")
     for module in attention_modules:

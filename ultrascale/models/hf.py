@@ -78,57 +78,6 @@ def check_export_target(out_dir: str | Path, source_dir: Optional[str | Path], o
     return out
 
 
-class _MixtralLayout:
-    """Mixtral checkpoints keep one w1/w2/w3 per expert under `block_sparse_moe`; transformers 5
-    holds them fused: experts.gate_up_proj (E, 2F, H) = [w1; w3] per expert, experts.down_proj
-    (E, H, F) = w2 per expert, and the router under `mlp.gate`."""
-
-    fused = re.compile(r"(.*)\.mlp\.experts\.(gate_up_proj|down_proj)")
-
-    def disk_name(self, name: str) -> str:
-        return name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
-
-    def is_fused(self, name: str) -> bool:
-        return self.fused.fullmatch(name) is not None
-
-    @torch.no_grad()
-    def fill(self, name: str, tensor: torch.Tensor, get: Any) -> None:
-        """Write this rank's part of a fused expert tensor, reading one expert at a time."""
-        prefix, kind = self.fused.fullmatch(name).groups()  # type: ignore[union-attr]
-        local, (experts_held, rows, cols) = _local_and_indices(tensor)
-        experts = f"{prefix}.block_sparse_moe.experts"
-        for i, e in enumerate(experts_held.tolist()):
-            if kind == "gate_up_proj":
-                full = torch.cat([get(f"{experts}.{e}.w1.weight"), get(f"{experts}.{e}.w3.weight")])  # (2F, H)
-            else:
-                full = get(f"{experts}.{e}.w2.weight")  # (H, F)
-            local[i].copy_(full[rows][:, cols])
-
-
-class _QwenMoeLayout(_MixtralLayout):
-    """Qwen2-MoE / Qwen3-MoE checkpoints keep one gate/up/down projection per expert under `mlp.experts.<e>`;
-    transformers 5 fuses them as Mixtral's (gate_up_proj = [gate; up]); the router keeps its name."""
-
-    def disk_name(self, name: str) -> str:
-        return name
-
-    @torch.no_grad()
-    def fill(self, name: str, tensor: torch.Tensor, get: Any) -> None:
-        prefix, kind = self.fused.fullmatch(name).groups()  # type: ignore[union-attr]
-        local, (experts_held, rows, cols) = _local_and_indices(tensor)
-        for i, e in enumerate(experts_held.tolist()):
-            expert = f"{prefix}.mlp.experts.{e}"
-            if kind == "gate_up_proj":
-                full = torch.cat([get(f"{expert}.gate_proj.weight"), get(f"{expert}.up_proj.weight")])  # (2F, H)
-            else:
-                full = get(f"{expert}.down_proj.weight")  # (H, F)
-            local[i].copy_(full[rows][:, cols])
-
-
-# Architectures whose checkpoint layout transformers converts while loading, and that the sharded loader knows.
-_CONVERTED_LAYOUTS: dict[str, Any] = {"mixtral": _MixtralLayout(), "qwen2_moe": _QwenMoeLayout(), "qwen3_moe": _QwenMoeLayout()}
-
-
 def _local_and_indices(tensor: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """This rank's part of `tensor` and, per dim, the global indices it holds (in order)."""
     if not isinstance(tensor, DTensor):
@@ -154,24 +103,146 @@ def _local_and_indices(tensor: torch.Tensor) -> tuple[torch.Tensor, list[torch.T
     return tensor.to_local(), indices
 
 
-def check_sharded_loading_supported(config: Any) -> None:
-    """Sharded loading reads tensors by name; an architecture whose checkpoint transformers converts
-    while loading must have a layout here (Mixtral does), else it is refused."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+def _conversions(model_type: Optional[str]) -> tuple[list[Any], list[Any]]:
+    """The renamings and converters `from_pretrained` applies to a `model_type` checkpoint's keys (transformers'
+    own mapping for the architecture, then its legacy renamings), as fresh objects: ([], []) where there are none."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+    except ImportError:  # transformers 4: checkpoints load as stored, no conversion
+        return [], []
+    mapping = list(get_checkpoint_conversion_mapping(model_type) or []) if model_type else []
+    if not mapping:
+        return [], []
+    mapping += get_checkpoint_conversion_mapping("legacy") or []
+    converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
+    return [entry for entry in mapping if not isinstance(entry, WeightConverter)], converters
 
-    if get_checkpoint_conversion_mapping(config.model_type) and config.model_type not in _CONVERTED_LAYOUTS:
-        raise NotImplementedError(
-            f"{type(config).__name__}: transformers converts this architecture's checkpoint layout while loading "
-            f"(e.g. fused MoE experts), and ultrascale's sharded loader knows that conversion only for "
-            f"{sorted(_CONVERTED_LAYOUTS)}. Under Lightning's own strategies HFCausalLM loads it with `from_pretrained`."
+
+def _stacking(converter: Any, model_type: Optional[str]) -> Optional[int]:
+    """How the sharded loader rebuilds a converter's target one expert at a time: the dim (of the stacked tensor)
+    its per-expert sources are concatenated along, None for a single source stacked alone. Refuses, naming the
+    architecture, the target and the operation, any conversion it cannot read that way."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    target = converter.target_patterns[0] if len(converter.target_patterns) == 1 else converter.target_patterns
+
+    def refuse(what: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"model_type {model_type!r}: transformers converts this architecture's checkpoint while loading, and "
+            f"ultrascale's sharded loader cannot rebuild {target!r} from {converter.source_patterns}: {what}. It reads "
+            "per-expert weights stacked by MergeModulelist(dim=0), then optionally concatenated by Concatenate(dim>=1). "
+            "Under Lightning's own strategies HFCausalLM loads it with `from_pretrained`."
         )
+
+    operations = list(converter.operations)
+    if len(converter.target_patterns) != 1:
+        raise refuse(f"operation(s) {operations} split one checkpoint tensor into {len(converter.target_patterns)}")
+    first = operations[0] if operations else None
+    if not (isinstance(first, MergeModulelist) and first.dim == 0):
+        if isinstance(first, Concatenate):
+            raise refuse(f"operation {first!r} over sources not stacked per expert by MergeModulelist(dim=0) first")
+        raise refuse(f"operation {first!r} is not supported")
+    for source in converter.source_patterns:
+        if "*" not in source:  # the `*` is the expert index; without it there is nothing to stack
+            raise refuse(f"operation {operations[0]!r} over the source pattern {source!r}, which has no expert index `*`")
+    rest = operations[1:]
+    if not rest:
+        if len(converter.source_patterns) > 1:
+            raise refuse(f"operation {operations[0]!r} alone over {len(converter.source_patterns)} sources")
+        return None
+    for op in rest:
+        if not isinstance(op, Concatenate) or op.dim < 1:
+            raise refuse(f"operation {op!r} is not supported")
+    if len(rest) > 1:
+        raise refuse(f"operations {rest} after {operations[0]!r}: one Concatenate at most")
+    return int(rest[0].dim)
+
+
+def check_sharded_loading_supported(config: Any) -> None:
+    """Sharded loading reads each rank's slices by name. An architecture whose checkpoint transformers converts while
+    loading (`transformers.conversion_mapping`) is read through the same mapping: renamed keys by their names on
+    disk, fused experts one expert at a time; a conversion the loader cannot reproduce is refused, naming it."""
+    model_type = getattr(config, "model_type", None)
+    for converter in _conversions(model_type)[1]:
+        _stacking(converter, model_type)
+
+
+class _Stacked:
+    """A model tensor that transformers builds from per-expert checkpoint tensors: `sources[p][e]` is the disk key
+    of expert `e` for source pattern `p`, in the converter's pattern order; the experts are stacked on dim 0 and
+    the sources concatenated along `concat_dim` (None: a single source)."""
+
+    def __init__(self, converter: Any, concat_dim: Optional[int]) -> None:
+        self.converter = converter
+        self.concat_dim = concat_dim
+        self.keys: dict[str, list[str]] = {}
+
+    def sources(self, name: str, experts: int) -> list[list[str]]:
+        found = []
+        for pattern in self.converter.source_patterns:
+            keys = self.keys.get(pattern, [])
+            if len(keys) != experts:
+                raise ValueError(
+                    f"{name} stacks {experts} experts, but the checkpoint holds {len(keys)} tensor(s) for its source "
+                    f"pattern {pattern!r} (e.g. {keys[:3]})"
+                )
+            found.append(keys)
+        return found
+
+    @torch.no_grad()
+    def fill(self, name: str, tensor: torch.Tensor, get: Any) -> None:
+        """Write this rank's part of `tensor`, reading one expert at a time."""
+        local, (experts_held, *within) = _local_and_indices(tensor)
+        sources = self.sources(name, tensor.shape[0])
+        for i, e in enumerate(experts_held.tolist()):
+            parts = [get(keys[e]) for keys in sources]
+            full = parts[0] if self.concat_dim is None else torch.cat(parts, dim=self.concat_dim - 1)
+            for dim, held in enumerate(within):
+                if held.numel() != full.shape[dim] or not torch.equal(held, torch.arange(full.shape[dim])):
+                    full = full.index_select(dim, held)
+            local[i].copy_(full)
+
+
+def _disk_layout(model: torch.nn.Module, config: Any, available: set[str], names: set[str]) -> tuple[dict[str, str], dict[str, _Stacked]]:
+    """Where each model tensor (named as in `names`) is on disk, found as `from_pretrained` finds it: every checkpoint
+    key is renamed by transformers' own mapping (renamings, then at most one converter) into a model key. Returns
+    {model key: disk key} for the tensors read as stored, and {model key: _Stacked} for those a converter builds."""
+    model_type = getattr(config, "model_type", None)
+    renamings, converters = _conversions(model_type)
+    direct: dict[str, str] = {}
+    stacked: dict[str, _Stacked] = {}
+    if not renamings and not converters:
+        return {key: key for key in available if key in names}, stacked
+    from transformers.core_model_loading import dot_natural_key, rename_source_key
+
+    plans = {id(converter): _stacking(converter, model_type) for converter in converters}
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+    prefix = getattr(model, "base_model_prefix", None) or None
+    meta = dict.fromkeys(names, True)
+    for disk_key in sorted(available, key=dot_natural_key):  # transformers stacks experts in this order
+        name, pattern = rename_source_key(disk_key, renamings, converters, prefix, meta)
+        if name not in meta and disk_key in meta:
+            name, pattern = disk_key, None
+        if name not in meta:
+            continue  # not a weight of this model (transformers reports it as unexpected)
+        if pattern is None:
+            direct.setdefault(name, disk_key)
+        else:
+            converter = by_pattern[pattern]
+            entry = stacked.setdefault(name, _Stacked(converter, plans[id(converter)]))
+            entry.keys.setdefault(pattern, []).append(disk_key)
+    return direct, stacked
 
 
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
     """Fill `model`'s (possibly sharded DTensor) parameters from the safetensors of `path`.
 
-    Each rank reads only the slices its shards cover. Works with or without a process group.
+    Each rank reads only the slices its shards cover. Checkpoint keys are mapped to the model's by transformers' own
+    conversion mapping, as `from_pretrained` does (e.g. Mixtral's `block_sparse_moe` -> `mlp`); experts stored one
+    tensor each are stacked into the model's fused expert tensors one expert at a time. Works with or without a
+    process group.
     """
     import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
@@ -179,48 +250,39 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
 
     path = check_hf_folder(path)
     config = getattr(model, "config", None)
-    layout = _CONVERTED_LAYOUTS.get(getattr(config, "model_type", None)) if config is not None else None
     if config is not None:
         check_sharded_loading_supported(config)
     available = safetensors_keys(path)
     # A PEFT-wrapped model (the transformers model inside a PeftModel): a wrapped layer keeps its weights under
     # `<layer>.base_layer.`, and the adapters (`.lora_A.` ...) are not in the checkpoint (initialised instead).
     state = {k: v for k, v in model.state_dict().items() if ".lora_" not in k}
+    checkpoint_name = {key: key.replace(".base_layer.", ".") for key in state}
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    fused = {k: v for k, v in state.items() if layout is not None and layout.is_fused(k)}
+    direct, stacked = _disk_layout(model, config, available, set(checkpoint_name.values()))
 
-    def on_disk(key: str) -> str:
-        key = key.replace(".base_layer.", ".")
-        return layout.disk_name(key) if layout is not None else key
-
-    wanted = {}
-    for key, value in state.items():
-        if key not in fused and on_disk(key) in available:
-            wanted[on_disk(key)] = value
+    wanted = {direct[checkpoint_name[key]]: value for key, value in state.items() if checkpoint_name[key] in direct}
+    fused = {key: value for key, value in state.items() if checkpoint_name[key] in stacked}
     missing = sorted(
-        k for k in state
-        if k not in fused and on_disk(k) not in available and not (tied and k.endswith("lm_head.weight"))
+        key for key in state
+        if checkpoint_name[key] not in direct and key not in fused and not (tied and key.endswith("lm_head.weight"))
     )
     if missing:
         raise ValueError(f"{path} lacks weights for {len(missing)} parameter(s) of the model, e.g. {missing[:5]}")
+    for key, value in fused.items():  # every expert's source there, before anything is read
+        stacked[checkpoint_name[key]].sources(key, value.shape[0])
     from ultrascale.parallel.checkpoint import dcp_storable
 
     with dcp_storable(wanted, read_back=True):  # a packed [gate; up] tp split is not one box: DCP reads a plain one
         dcp.load(wanted, storage_reader=HuggingFaceStorageReader(str(path)))
     if fused:
-        files = {}
-        for file in sorted(path.glob(f"*{WEIGHT_SUFFIX}")):
-            with safe_open(str(file), framework="pt") as f:
-                files.update({k: file for k in f.keys()})
+        handles = [safe_open(str(file), framework="pt") for file in sorted(path.glob(f"*{WEIGHT_SUFFIX}"))]
+        holder = {k: handle for handle in handles for k in handle.keys()}  # each file's header parsed once
 
         def get(key: str) -> torch.Tensor:
-            if key not in files:
-                raise ValueError(f"{path} lacks the expert weight {key}")
-            with safe_open(str(files[key]), framework="pt") as f:
-                return f.get_tensor(key)
+            return holder[key].get_tensor(key)
 
         for key, value in fused.items():
-            layout.fill(key, value, get)  # type: ignore[union-attr]
+            stacked[checkpoint_name[key]].fill(key, value, get)
     if not any(isinstance(v, DTensor) for v in wanted.values()):
         # Plain tensors: DCP may load into copies; make sure the module holds the values.
         model.load_state_dict({k: v for k, v in state.items() if k not in fused}, strict=False)

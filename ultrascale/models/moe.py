@@ -131,15 +131,21 @@ def hf_routers(model: nn.Module) -> list[nn.Module]:
     return routers
 
 
-def check_hf_experts(model: nn.Module) -> None:
-    """Refuse experts modules whose layout `experts_forward` does not compute (biases, transposed or interleaved weights, no gate)."""
+def hf_experts_problem(model: nn.Module) -> Optional[str]:
+    """Why `experts_forward` cannot compute some experts module of `model`, or None. It computes fused
+    [gate; up] SwiGLU experts without biases: the layout transformers' `use_experts_implementation` declares
+    (`has_gate`, `has_bias`, `is_transposed`, `is_concatenated`) says which."""
+    wanted = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}
     for experts in hf_experts_modules(model):
-        layout = {name: getattr(experts, name, None) for name in ("has_gate", "has_bias", "is_transposed", "is_concatenated")}
-        if layout != {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}:
-            raise ValueError(
-                f"expert parallel: {type(experts).__name__} stores its experts as {layout}; ultrascale dispatches "
-                "fused [gate; up] SwiGLU experts without biases (Mixtral, Qwen2-MoE, Qwen3-MoE)"
-            )
+        layout = {name: getattr(experts, name, None) for name in wanted}
+        if layout != wanted:
+            differs = ", ".join(f"{name}={value}" for name, value in layout.items() if value != wanted[name])
+            return (f"{type(experts).__name__} stores its experts with {differs} (ultrascale's dispatch computes fused "
+                    "[gate; up] SwiGLU experts without biases, not transposed)")
+        activation = getattr(experts, "act_fn", None)
+        if activation is not None and type(activation).__name__ not in ("SiLU", "SiLUActivation"):
+            return f"{type(experts).__name__} uses {type(activation).__name__}, not SiLU (ultrascale's dispatch computes SwiGLU)"
+    return None
 
 
 def attach_hf_routing(model: nn.Module, *, aux_loss_coef: float, z_loss_coef: float) -> None:
@@ -182,7 +188,7 @@ __all__ = [
     "MoE",
     "Router",
     "attach_hf_routing",
-    "check_hf_experts",
+    "hf_experts_problem",
     "hf_experts_modules",
     "hf_routers",
     "register_hf_experts",

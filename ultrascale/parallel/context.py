@@ -215,18 +215,27 @@ def _plan(layout: ContextLayout, rank: int, source: int) -> list[_Block]:
     return blocks
 
 
-def _document_bias(
-    layout: ContextLayout, rank: int, source: int, block: _Block, dtype: torch.dtype
+def _block_bias(
+    layout: ContextLayout, rank: int, source: int, block: _Block, q: torch.Tensor, window: Optional[int]
 ) -> Optional[torch.Tensor]:
-    """Additive (B, 1, Tq, Tk) mask: 0 where query and key share a document (and, in the own
-    block, key <= query), -inf elsewhere; None without packed documents."""
+    """Additive (B|1, 1, Tq, Tk) mask of one block: 0 where the query may see the key, -inf elsewhere; None when the
+    kernel's own causal flag says it all (no packed documents, no window). A key is seen when it shares the query's
+    document, is not later (own block) and, under a sliding window W, lies fewer than W tokens back:
+    q_pos - k_pos < W (transformers' `sliding_window_overlay`)."""
     q_docs, k_docs = layout.local_documents(rank), layout.local_documents(source)
-    if q_docs is None or k_docs is None:
+    if (q_docs is None or k_docs is None) and window is None:
         return None
-    allowed = q_docs[:, block.q_start : block.q_end, None] == k_docs[:, None, : block.k_end]  # (B, Tq, Tk)
+    if q_docs is not None and k_docs is not None:
+        allowed = q_docs[:, block.q_start : block.q_end, None] == k_docs[:, None, : block.k_end]  # (B, Tq, Tk)
+    else:
+        allowed = torch.ones((1, block.q_end - block.q_start, block.k_end), dtype=torch.bool, device=q.device)
     if block.causal:
-        allowed &= torch.ones(allowed.shape[1:], dtype=torch.bool, device=allowed.device).tril()
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        allowed = allowed & torch.ones(allowed.shape[1:], dtype=torch.bool, device=allowed.device).tril()
+    if window is not None:
+        q_pos = layout.token_index(rank, allowed.device)[block.q_start : block.q_end]  # global positions
+        k_pos = layout.token_index(source, allowed.device)[: block.k_end]
+        allowed = allowed & ((q_pos[:, None] - k_pos[None, :]) < window)
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
     return bias.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
 
 
@@ -299,7 +308,8 @@ def _masked_rows_to_minus_inf(lse: torch.Tensor, bias: Optional[torch.Tensor]) -
 
 class _ContextAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: "ContextParallel", scale: Optional[float]) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: "ContextParallel", scale: Optional[float],
+                window: Optional[int]) -> torch.Tensor:
         layout = cp.current_layout()
         group, rank = cp.group, cp.rank
         kernel_forward, _ = attention_kernel(q.device)
@@ -308,9 +318,9 @@ class _ContextAttention(torch.autograd.Function):
         kv = torch.stack([k, v]).contiguous()  # (2, B, Hkv, Tl, D): one message per exchange
         for source, kv_source in _sources(kv, group, cp.method):
             for block in _plan(layout, rank, source):
-                bias = _document_bias(layout, rank, source, block, q.dtype)
+                bias = _block_bias(layout, rank, source, block, q, window)
                 if bias is not None and torch.isinf(bias).all():
-                    continue  # no query of this block shares a document with any of its keys
+                    continue  # no query of this block may see any of its keys (other documents, out of the window)
                 q_block = q[:, :, block.q_start : block.q_end]
                 k_block, v_block = kv_source[0, :, :, : block.k_end], kv_source[1, :, :, : block.k_end]
                 block_out, block_lse = kernel_forward(q_block, k_block, v_block, block.causal and bias is None, bias, scale)
@@ -319,13 +329,13 @@ class _ContextAttention(torch.autograd.Function):
                 cp.attention_work += block.pairs()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.layout, ctx.scale = cp, layout, scale
+        ctx.cp, ctx.layout, ctx.scale, ctx.window = cp, layout, scale, window
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        cp, layout, scale = ctx.cp, ctx.layout, ctx.scale
+        cp, layout, scale, window = ctx.cp, ctx.layout, ctx.scale, ctx.window
         group, rank, size = cp.group, cp.rank, cp.size
         _, kernel_backward = attention_kernel(q.device)
         dout = dout.contiguous()
@@ -340,7 +350,7 @@ class _ContextAttention(torch.autograd.Function):
         for source, kv_source in _sources(kv, group, cp.method):
             contributions = []  # (k_end, dK, dV) of each block against this source
             for block in _plan(layout, rank, source):
-                bias = _document_bias(layout, rank, source, block, q.dtype)
+                bias = _block_bias(layout, rank, source, block, q, window)
                 if bias is not None and torch.isinf(bias).all():
                     continue
                 rows = slice(block.q_start, block.q_end)
@@ -367,7 +377,7 @@ class _ContextAttention(torch.autograd.Function):
             dkv = incoming
         if gathered_grads is not None:
             reduce_scatter_single(dkv, gathered_grads.flatten(0, 1), op=dist.ReduceOp.SUM, group=group)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 # --------------------------------------------------------------------------- all-to-all (Ulysses)
@@ -396,17 +406,17 @@ def _sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup, n: int) -> tor
 
 
 def _alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: "ContextParallel",
-                        scale: Optional[float]) -> torch.Tensor:
+                        scale: Optional[float], window: Optional[int], softcap: Optional[float],
+                        sinks: Optional[torch.Tensor]) -> torch.Tensor:
     """Causal attention of this rank's tokens over the whole sequence, through 1/cp of the heads per rank.
 
     The tokens arrive rank by rank in each rank's local (zig-zag) order and are put back in sequence order for
-    SDPA's causal kernel. Packed documents become a (B, 1, T, T) boolean mask over the whole sequence: B·T² bytes
-    per rank (the ring's bias covers one block at a time)."""
+    SDPA's causal kernel. Packed documents and sliding windows become a (B|1, 1, T, T) boolean mask over the whole
+    sequence: B·T² bytes per rank (the ring's bias covers one block at a time). Logit soft-capping and attention
+    sinks (`sinks`: one logit per query head of this rank, after tensor parallel) run the attention written out
+    (`_attention_math`), as transformers' eager attention does."""
     layout, n = cp.current_layout(), cp.size
     heads, kv_heads = q.shape[1], k.shape[1]
-    if heads % n:
-        raise ValueError(f"context_parallel_method='alltoall': the {heads} attention heads of a rank (after tensor "
-                         f"parallel) do not split over cp={n}")
     if kv_heads % n:  # repeat K/V heads to lcm(Hkv, n), which divides H: query head h still reads kv head h·Hkv/H
         repeat = n // math.gcd(kv_heads, n)
         k, v = _repeat_kv(k, repeat), _repeat_kv(v, repeat)
@@ -415,16 +425,48 @@ def _alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: "
     in_order = torch.argsort(gathered) if layout.load_balance else None  # zig-zag chunks back in sequence order
     if in_order is not None:
         q, k, v = (x.index_select(2, in_order) for x in (q, k, v))
-    if layout.documents is None:
+    allowed = None  # (B|1, 1, T, T): causal, same document, inside the window
+    if layout.documents is not None or window is not None or softcap is not None or sinks is not None:
+        t = q.shape[2]
+        allowed = torch.ones((t, t), dtype=torch.bool, device=q.device).tril()
+        if window is not None:
+            position = torch.arange(t, device=q.device)
+            allowed = allowed & ((position[:, None] - position[None, :]) < window)
+        allowed = allowed[None, None]
+        if layout.documents is not None:
+            docs = layout.documents.to(q.device)
+            allowed = allowed & (docs[:, :, None] == docs[:, None, :]).unsqueeze(1)
+    if softcap is not None or sinks is not None:
+        if sinks is not None:  # this rank's heads are head group `rank` of the rank's (tp-local) heads
+            sinks = sinks.reshape(n, heads // n)[cp.rank]
+        out = _attention_math(q, k, v, allowed, scale, softcap, sinks)
+    elif allowed is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     else:
-        docs = layout.documents.to(q.device)
-        allowed = (docs[:, :, None] == docs[:, None, :]).tril().unsqueeze(1)  # (B, 1, T, T): causal, same document
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
                                              enable_gqa=k.shape[1] != q.shape[1])
     if in_order is not None:
         out = out.index_select(2, gathered)
     return _sequence_to_heads(out, cp.group, n)
+
+
+def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: Optional[float],
+                    softcap: Optional[float], sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Attention written out, for what SDPA has no argument for:
+    S = scale·QKᵀ, S <- c·tanh(S/c) (soft-capping), P = softmax over [S masked, sink] (a sink is one more logit per
+    head whose value row is zero: it only takes probability mass), out = P[:, :, :, :T]·V."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+    scores = (q @ k.transpose(-1, -2)).float() * (scale if scale is not None else q.shape[-1] ** -0.5)  # (B, H, T, T)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return (probs.to(v.dtype) @ v)  # (B, H, T, Dv)
 
 
 # --------------------------------------------------------------------------- runtime
@@ -507,22 +549,55 @@ class ContextParallel:
         self.layout = layout
         return local
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None, *,
+                  window: Optional[int] = None, softcap: Optional[float] = None,
+                  sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Causal attention of this rank's queries over every rank's keys: ``q`` (B, H, Tl, D),
-        ``k``/``v`` (B, Hkv, Tl, D) in the local token order; returns (B, H, Tl, D)."""
-        if self.method == "ring":
-            return _ring_attention(q, k, v, self, scale)
-        if self.method == "alltoall":
-            return _alltoall_attention(q, k, v, self, scale)  # functional all-to-alls: traced whole under compile
-        return _ContextAttention.apply(q, k, v, self, scale)  # all-gather: traced whole under compile=True
+        ``k`` (B, Hkv, Tl, D), ``v`` (B, Hkv, Tl, Dv) in the local token order; returns (B, H, Tl, Dv).
+
+        `window`: a key is seen only if it lies fewer than `window` tokens before the query (sliding-window
+        attention). `softcap` (logit soft-capping) and `sinks` (one extra logit per query head) run under
+        "alltoall" only: the ring and the all-gather merge blocks by a kernel's log-sum-exp, which has neither
+        (the rulebook refuses them before any process starts; `context_parallel_kernel_problems`)."""
+        if self.method != "alltoall":
+            problem = ring_kernel_problem(softcap=softcap, sinks=sinks is not None)
+            if problem is not None:
+                raise NotImplementedError(f"context_parallel_method={self.method!r}: {problem}")
+        dv = v.shape[-1]
+        if dv != q.shape[-1]:
+            # The LSE kernels and the all-to-all take one head size: zero-pad the narrower side (multi-head latent
+            # attention's V is narrower than Q/K). Zero columns of Q and K add nothing to QKᵀ; zero columns of V
+            # give zero output columns, dropped. The scale stays the one of the real head size.
+            scale = scale if scale is not None else q.shape[-1] ** -0.5
+            width = max(dv, q.shape[-1])
+            q, k, v = (F.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
+        if self.method == "alltoall":  # functional all-to-alls: traced whole under compile
+            out = _alltoall_attention(q, k, v, self, scale, window, softcap, sinks)
+        elif self.method == "ring":
+            out = _ring_attention(q, k, v, self, scale, window)
+        else:
+            out = _ContextAttention.apply(q, k, v, self, scale, window)  # all-gather: traced whole under compile=True
+        return out[..., :dv] if out.shape[-1] != dv else out
+
+
+def ring_kernel_problem(*, softcap: Optional[float] = None, sinks: bool = False) -> Optional[str]:
+    """Why the ring / all-gather kernels cannot compute an attention, or None: they merge blocks by the log-sum-exp
+    of a fused kernel that has no soft-capping and no sink logit."""
+    missing = [name for name, present in (("logit soft-capping", softcap is not None), ("attention sinks", sinks))
+               if present]
+    if not missing:
+        return None
+    verb = "have" if len(missing) > 1 or sinks else "has"
+    return (f"{' and '.join(missing)} {verb} no ring / all-gather kernel (their blocks merge by a fused kernel's "
+            "log-sum-exp); use context_parallel_method='alltoall', which computes them whole")
 
 
 # Under `compile=True` the ring is the block's one graph break: its isend/irecv, overlapped with the attention of
 # the block in hand, cannot be traced (dynamo would give up on the whole attention function at the first one).
 @torch.compiler.disable(reason="ring attention: point-to-point K/V exchange")
 def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
-                    scale: Optional[float]) -> torch.Tensor:
-    return _ContextAttention.apply(q, k, v, cp, scale)
+                    scale: Optional[float], window: Optional[int]) -> torch.Tensor:
+    return _ContextAttention.apply(q, k, v, cp, scale, window)
 
 
 class ContextParallelAttention(nn.Module):
@@ -553,24 +628,22 @@ def hf_context_parallel_attention(
     dropout: float = 0.0,
     scaling: Optional[float] = None,
     sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    s_aux: Optional[torch.Tensor] = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature (``query`` (B, H, T, D) -> (B, T, H, D)), computed
-    over the context-parallel sequence. Causal masking and documents come from the layout; the
-    mask transformers would build is not built (the name has no mask function)."""
+    """transformers' attention-function signature (``query`` (B, H, T, D) -> (B, T, H, Dv)), computed
+    over the context-parallel sequence. Causal masking, documents and the layer's sliding window come from the
+    layout; the mask transformers would build is not built (the name has no mask function). `softcap` (Gemma 2's
+    logit soft-capping) and `s_aux` (GPT-OSS's attention sinks) are what those models pass."""
     cp = getattr(module, CONTEXT_PARALLEL_ATTRIBUTE, None)
     if cp is None:
         raise RuntimeError(f"{type(module).__name__} runs context parallel attention but was not set up for it")
-    if sliding_window is not None and sliding_window < cp.current_layout().seq_len:
-        raise NotImplementedError(
-            f"{type(module).__name__}: sliding-window attention (window {sliding_window} < sequence "
-            f"{cp.current_layout().seq_len}) is not supported under context parallel"
-        )
     if dropout and module.training:
         raise NotImplementedError(f"{type(module).__name__}: attention dropout is not supported under context parallel")
     if not getattr(module, "is_causal", True):
         raise NotImplementedError(f"{type(module).__name__}: context parallel supports causal self-attention only")
-    out = cp.attention(query, key, value, scale=scaling)
+    out = cp.attention(query, key, value, scale=scaling, window=sliding_window, softcap=softcap, sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -585,4 +658,5 @@ __all__ = [
     "attention_kernel",
     "document_ids",
     "hf_context_parallel_attention",
+    "ring_kernel_problem",
 ]

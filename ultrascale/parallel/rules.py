@@ -30,7 +30,7 @@ from typing import Optional
 from ultrascale.parallel.dims import ParallelDims
 
 __all__ = [
-    "CONTEXT_PARALLEL_METHODS", "HF_CONTEXT_PARALLEL_TYPES", "HF_EXPERT_PARALLEL_TYPES", "HF_PIPELINE_TYPES",
+    "CONTEXT_PARALLEL_METHODS",
     "LayoutKnobs", "ModelFacts", "Problem", "SCHEDULES", "SINGLE_STAGE_SCHEDULES", "V_SCHEDULES",
     "batch_problems", "knob_problems", "model_problems", "pipeline_problems", "raise_first", "resolve",
     "tp_divides_problem",
@@ -53,19 +53,6 @@ V_SCHEDULES: tuple[str, ...] = ("ZBVZeroBubble", "DualPipeV")
 SPLIT_BACKWARD_SCHEDULES: tuple[str, ...] = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 """Zero-bubble schedules: each backward runs in two passes (input gradients, then weight gradients later), so the
 autograd graph is kept between them (`retain_graph`)."""
-
-HF_EXPERT_PARALLEL_TYPES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")
-"""`config.model_type`s whose experts are transformers 5 fused SwiGLU experts behind the
-`ExpertsInterface` and whose routers return (logits, weights, indices): ultrascale's dispatch plugs in."""
-
-HF_CONTEXT_PARALLEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
-"""`config.model_type`s whose attention runs through transformers' AttentionInterface with
-RoPE from `position_ids`, so context parallel needs only the attention function swapped."""
-
-HF_PIPELINE_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
-"""`config.model_type`s whose `*ForCausalLM` forward takes `inputs_embeds`, runs `model.layers` in
-order on `hidden_states` and ends in `model.norm` and `lm_head` (their `base_model_pp_plan`), so
-a stage runs the unchanged HF forward with the other stages' parts as gaps."""
 
 ZERO_STAGES: tuple[int, ...] = (1, 2, 3)
 
@@ -150,15 +137,22 @@ class ModelFacts:
     sequence_parallel: bool = False
     """Its plan can shard norms and the residual stream on the sequence."""
     context_parallel: bool = False
-    """Its attention can be routed through ring / all-gather attention."""
+    """Its attention can be routed through ring / all-gather / all-to-all attention."""
+    context_parallel_refusal: Optional[str] = None
+    """Without `context_parallel`: the piece it lacks (attention outside transformers' AttentionInterface, a layer
+    without softmax attention), named by the adapter; None: the generic message."""
+    context_parallel_method_refusals: Mapping[str, str] = field(default_factory=dict)
+    """`context_parallel_method` -> why that method cannot compute some layer's attention (soft-capping, sinks)."""
     pipeline: bool = False
     """It can be split into stages (an adapter's or the module's own `pipeline_parts`)."""
     pipeline_refusal: Optional[str] = None
-    """Why its stage split cannot run (a missing part, tied embeddings); None: it can."""
+    """Why its stage split cannot run (a missing part, tied embeddings, no pp plan); None: it can."""
     n_experts: int = 0
     """Routed experts per MoE layer; 0: dense."""
     expert_parallel: bool = False
     """Its experts can be split over ep ranks (a dispatch hook exists)."""
+    expert_parallel_refusal: Optional[str] = None
+    """Of an MoE model without `expert_parallel`: the piece its experts or routers lack; None: the generic message."""
 
 
 # --------------------------------------------------------------------------- the rules
@@ -297,22 +291,25 @@ def model_problems(dims: ParallelDims, k: LayoutKnobs, facts: ModelFacts) -> lis
     problems: list[Problem] = []
     name = facts.name
     if dims.cp_enabled and not facts.context_parallel:
-        problems.append(Problem(
+        problems.append(Problem(facts.context_parallel_refusal or (
             f"context parallel (cp={dims.cp}) has no attention hook for {name}: ultrascale routes the attention of the "
-            f"built-in Llama and of Hugging Face {'/'.join(HF_CONTEXT_PARALLEL_TYPES)} models through ring / all-gather "
-            "/ all-to-all attention"))
+            "built-in Llama and of Hugging Face models whose attention runs through transformers' AttentionInterface")))
+    elif dims.cp_enabled and k.context_parallel_method in facts.context_parallel_method_refusals:
+        problems.append(Problem(
+            facts.context_parallel_method_refusals[k.context_parallel_method],
+            (f"context_parallel={dims.cp}", f"context_parallel_method={k.context_parallel_method!r}")))
     elif dims.cp_enabled and k.context_parallel_method == "alltoall" and facts.attention_heads:
         problems += _alltoall_problems(dims, facts)
     if dims.ep_enabled:
         if facts.n_experts == 0:
             problems.append(Problem(
                 f"expert parallel (ep={dims.ep}) needs a Mixture-of-Experts model, and {name} has no experts: set "
-                "`n_experts` in the LlamaConfig (e.g. preset 'tiny_moe'), or load an MoE checkpoint "
-                f"(Hugging Face {'/'.join(HF_EXPERT_PARALLEL_TYPES)})"))
+                "`n_experts` in the LlamaConfig (e.g. preset 'tiny_moe'), or load an MoE checkpoint"))
         elif not facts.expert_parallel:
-            problems.append(Problem(
+            problems.append(Problem(facts.expert_parallel_refusal or (
                 f"expert parallel (ep={dims.ep}) has no expert dispatch for {name}: ultrascale splits the experts of "
-                f"the built-in MoE Llama and of Hugging Face {'/'.join(HF_EXPERT_PARALLEL_TYPES)} models"))
+                "the built-in MoE Llama and of Hugging Face models with fused experts behind transformers' "
+                "ExpertsInterface")))
         elif facts.n_experts % dims.ep:
             valid = [d for d in range(1, facts.n_experts + 1) if facts.n_experts % d == 0]
             problems.append(Problem(
@@ -321,11 +318,11 @@ def model_problems(dims: ParallelDims, k: LayoutKnobs, facts: ModelFacts) -> lis
     if dims.pp_enabled:
         if not facts.pipeline:
             problems.append(Problem(
-                f"pipeline parallel has no stage split for {name}: ultrascale splits the built-in Llama and Hugging "
-                f"Face {'/'.join(t.capitalize() for t in HF_PIPELINE_TYPES)} models. For a model of your own, define "
-                "`pipeline_parts(self)` on the LightningModule returning `ultrascale.parallel.pipeline.PipelineParts("
-                "root=..., embed=..., layers=..., norm=..., head=..., run=..., loss=...)` and compute the loss with "
-                "`self.trainer.strategy.pipeline_loss(batch)` in the steps"))
+                (f"{facts.pipeline_refusal}. " if facts.pipeline_refusal else
+                 f"pipeline parallel has no stage split for {name}. ")
+                + "For a model of your own, define `pipeline_parts(self)` on the LightningModule returning "
+                "`ultrascale.parallel.pipeline.PipelineParts(root=..., embed=..., layers=..., norm=..., head=..., run=..., "
+                "loss=...)` and compute the loss with `self.trainer.strategy.pipeline_loss(batch)` in the steps"))
         elif facts.pipeline_refusal is not None:
             problems.append(Problem(facts.pipeline_refusal))
         elif facts.n_layers is not None:

@@ -1,0 +1,191 @@
+"""Every Hugging Face architecture people fine-tune today, under every layout: what runs trains like one process,
+what does not is refused before any process starts, naming the missing piece.
+
+One tiny checkpoint per architecture (2 layers, made here with `save_pretrained`), one cell per layout. A cell
+that runs is held to the parity of tests/_parity.py (masked labels with uneven counts per row and micro-batch,
+accumulation 2, against the inline one-process reference: first-step loss and every gradient, the weights
+after step 1, the 10-step curve), and the folder it exports is re-loaded by transformers and gives the
+one-process model's logits. A cell that is refused checks its message. `MATRIX` is the one statement of what
+runs; `benchmarks/hf_support_table.py` writes docs/huggingface.md's support table from it, and
+tests/test_docs.py checks the page holds that table.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Any
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import ultrascale
+from tests._dist import run_ranks
+from tests._parity import (
+    ParityData,
+    Recorder,
+    TokenDataset,
+    assert_parity,
+    make_hf,
+    parity_trainer,
+    reference_run,
+    step_losses,
+)
+
+VOCAB, SEQ, MICRO_BATCH, ACCUMULATE, STEPS = 128, 32, 4, 2, 10
+WINDOW = 12  # sliding windows shorter than the sequence, so the window masks something on every cp rank
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=None,
+               bos_token_id=1, eos_token_id=2)
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    # name: (config.model_type, config fields beyond _COMMON)
+    "Llama": ("llama", {}),
+    "Qwen3": ("qwen3", {"head_dim": 8}),
+    "Gemma2": ("gemma2", {"head_dim": 8, "sliding_window": WINDOW, "query_pre_attn_scalar": 12}),
+    "Gemma3": ("gemma3_text", {"head_dim": 8, "sliding_window": WINDOW,
+                               "layer_types": ["sliding_attention", "full_attention"]}),
+    "Phi3": ("phi3", {}),
+    "OLMo2": ("olmo2", {}),
+    "OLMo3": ("olmo3", {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}),
+    "Granite": ("granite", {"embedding_multiplier": 3.0, "attention_multiplier": 0.3, "residual_multiplier": 0.5,
+                            "logits_scaling": 2.0}),
+    "SmolLM3": ("smollm3", {"no_rope_layers": [1, 0]}),
+    "Mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "Qwen3-MoE": ("qwen3_moe", {"num_experts": 4, **_MOE, "head_dim": 8, "decoder_sparse_step": 1,
+                                "mlp_only_layers": []}),
+    "GPT-OSS": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8, "sliding_window": WINDOW,
+                            "layer_types": ["sliding_attention", "full_attention"],
+                            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "DeepSeek-V3": ("deepseek_v3", {"n_routed_experts": 4, **_MOE, "n_shared_experts": 1, "n_group": 1, "num_key_value_heads": 4,
+                                    "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": None,
+                                    "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 4,
+                                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "GLM-4-MoE": ("glm4_moe", {"n_routed_experts": 4, **_MOE, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+                               "first_k_dense_replace": 1, "head_dim": 8}),
+    "OLMoE": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
+}
+MOE = {"Mixtral", "Qwen3-MoE", "GPT-OSS", "DeepSeek-V3", "GLM-4-MoE", "OLMoE"}
+
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "ZeRO-3": {"data_parallel_shard": 2},
+    "TP 2": {"tensor_parallel": 2, "data_parallel_shard": 1},
+    "CP 2 ring": {"context_parallel": 2, "data_parallel_shard": 1},
+    "CP 2 all-to-all": {"context_parallel": 2, "context_parallel_method": "alltoall", "data_parallel_shard": 1},
+    "PP 2 (1F1B)": {"pipeline_parallel": 2, "pipeline_microbatches": 2, "data_parallel_shard": 1},
+    "EP 2": {"expert_parallel": 2, "data_parallel_shard": 2},
+}
+WORLD = 2
+
+_SOFTCAP = "logit soft-capping has no ring / all-gather kernel"
+_SINKS = "attention sinks have no ring / all-gather kernel"
+REFUSED: dict[tuple[str, str], str] = {
+    # (architecture, layout): a piece of the message (a regular expression) naming what is missing
+    ("Gemma2", "CP 2 ring"): _SOFTCAP,
+    ("Granite", "PP 2 (1F1B)"): r"its forward changes `inputs_embeds` .* before the first layer",
+    ("GPT-OSS", "CP 2 ring"): _SINKS,
+    ("GPT-OSS", "EP 2"): r"GptOssExperts stores its experts with has_bias=True, is_transposed=True, is_concatenated=False",
+    ("OLMoE", "PP 2 (1F1B)"): r"its config ships no `base_model_pp_plan`",
+}
+
+
+def expected(architecture: str, layout: str) -> str:
+    """"runs", "refused" or "n/a" (expert parallel of a dense model)."""
+    if layout == "EP 2" and architecture not in MOE:
+        return "n/a"
+    return "refused" if (architecture, layout) in REFUSED else "runs"
+
+
+MATRIX = {(a, layout): expected(a, layout) for a in ARCHITECTURES for layout in LAYOUTS}
+"""What runs, as the tests below hold it: the source of the support table in docs/huggingface.md."""
+
+
+def make_checkpoint(folder: Any, architecture: str) -> str:
+    import transformers
+
+    model_type, fields = ARCHITECTURES[architecture]
+    config = transformers.CONFIG_MAPPING[model_type](**{**_COMMON, **fields})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # every parameter off its init (norms at 1, biases at 0 would hide mistakes)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def data() -> TokenDataset:
+    return TokenDataset(STEPS * MICRO_BATCH * ACCUMULATE, SEQ, VOCAB, seed=7, masked=True, empty_rows=[5])
+
+
+@lru_cache(maxsize=None)
+def _reference(architecture: str, folder: str) -> dict[str, Any]:
+    return reference_run(make_hf(folder), data(), global_batch=MICRO_BATCH, steps=STEPS, accumulate=ACCUMULATE)
+
+
+def _train(rank, world_size, path, strategy_kwargs, export_dir):
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**strategy_kwargs), recorder, STEPS,
+                             accumulate_grad_batches=ACCUMULATE)
+    trainer.fit(make_hf(path, export_dir), ParityData(data(), MICRO_BATCH))
+    return recorder.result()
+
+
+def _refusal(rank, world_size, path, strategy_kwargs):
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**strategy_kwargs), Recorder(), 1)
+    try:
+        trainer.fit(make_hf(path), ParityData(data(), MICRO_BATCH))
+    except (ValueError, NotImplementedError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made: dict[str, str] = {}
+
+    def get(architecture: str) -> str:
+        if architecture not in made:
+            made[architecture] = make_checkpoint(tmp_path_factory.mktemp(architecture), architecture)
+        return made[architecture]
+
+    return get
+
+
+CELLS = [(a, layout) for (a, layout), outcome in MATRIX.items() if outcome != "n/a"]
+
+
+@pytest.mark.parametrize("architecture, layout", CELLS, ids=[f"{a}-{layout}" for a, layout in CELLS])
+def test_cell(architecture, layout, checkpoints, tmp_path):
+    import transformers
+
+    path = checkpoints(architecture)
+    kwargs = LAYOUTS[layout]
+    if MATRIX[(architecture, layout)] == "refused":
+        messages = run_ranks(_refusal, WORLD, path, kwargs)
+        assert messages[0] is not None, f"{architecture} under {layout} ran; the matrix says it is refused"
+        assert re.search(REFUSED[(architecture, layout)], messages[0]), messages[0]
+        return
+    reference = _reference(architecture, path)
+    results = run_ranks(_train, WORLD, path, kwargs, str(tmp_path / "exported"))
+    merged = {"grads": {}, "params": {}}
+    for result in results:  # each pipeline stage records the parameters it holds
+        for key in merged:
+            merged[key].update(result[key])
+    assert_parity(merged, reference, step_losses(results))
+
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True)
+    state = exported.state_dict()
+    final = {name[len("model."):]: value for name, value in reference["final_params"].items()}
+    for name, value in final.items():
+        # Ten Adam steps of one process vs the layout's reduction order: far below one update (lr 3e-3).
+        assert_close(state[name], value, rtol=0, atol=5e-5, msg=lambda m: f"exported {name}: {m}")
+    one_process = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    unexpected = one_process.load_state_dict(final, strict=False).unexpected_keys
+    assert not unexpected, unexpected
+    tokens = data().blocks[:2, :SEQ]
+    with torch.no_grad():
+        assert_close(exported(tokens).logits, one_process(tokens).logits, rtol=0, atol=1e-4)
