@@ -155,8 +155,9 @@ VARIANTS = {  # name: (methods, window, softcap, sinks, v head size)
     "sliding-window": (("allgather", "ring", "alltoall"), 5, None, False, D),
     "window-wider-than-sequence": (("ring", "alltoall"), 1000, None, False, D),
     "mla-head-sizes": (("allgather", "ring", "alltoall"), None, None, False, D // 2),
-    "softcap+window": (("alltoall",), 6, 2.0, False, D),
-    "sinks+window": (("alltoall",), 6, None, True, D),
+    "softcap+window": (("allgather", "ring", "alltoall"), 6, 2.0, False, D),
+    "sinks+window": (("allgather", "ring", "alltoall"), 6, None, True, D),
+    "softcap+sinks+mla": (("ring", "alltoall"), None, 2.0, True, D // 2),
 }
 
 
@@ -171,14 +172,6 @@ def test_attention_variants_match_the_written_out_attention(world, variant, pack
         results = run_ranks(_variant_worker, world, method, packed, window, softcap, sinks, v_dim)
         for rank, errors in enumerate(results):
             assert max(errors.values()) < 2e-6, f"{method} rank {rank}: {errors}"
-
-
-def test_softcap_and_sinks_refused_by_the_ring_kernel():
-    from ultrascale.parallel.context import ring_kernel_problem
-
-    assert ring_kernel_problem() is None
-    assert "logit soft-capping has no ring" in ring_kernel_problem(softcap=30.0)
-    assert "attention sinks" in ring_kernel_problem(sinks=True) and "alltoall" in ring_kernel_problem(sinks=True)
 
 
 @pytest.mark.parametrize("world", [2, 4])

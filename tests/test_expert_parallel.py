@@ -197,6 +197,37 @@ def test_grouped_mm_and_loop_match_dense_experts():
             assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_transposed_biased_clamped_experts_match_written_out():
+    """GPT-OSS's experts (E, H, 2I) / (E, I, H) with per-expert biases and its own gate (interleaved halves,
+    clamped, (up + 1) * gate * sigmoid(alpha gate)) through `apply_gate`: grouped and loop vs the formula."""
+    from ultrascale.parallel.expert import run_experts
+
+    g = torch.Generator().manual_seed(1)
+    counts = torch.tensor([2, 0, 4, 3, 0, 1])
+    x = torch.randn(int(counts.sum()), 8, generator=g, requires_grad=True)
+    gate_up = torch.randn(6, 8, 16, generator=g, requires_grad=True)  # (E, H, 2I), transposed
+    down = torch.randn(6, 8, 8, generator=g, requires_grad=True)  # (E, I, H)
+    b1, b2 = torch.randn(6, 16, generator=g, requires_grad=True), torch.randn(6, 8, generator=g, requires_grad=True)
+    limit, alpha = 1.5, 1.702
+
+    def gpt_oss_gate(h):
+        gate, up = h[..., ::2].clamp(max=limit), h[..., 1::2].clamp(-limit, limit)
+        return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+    expert = torch.repeat_interleave(torch.arange(6), counts)
+    hidden = torch.einsum("sh,shi->si", x, gate_up[expert]) + b1[expert]
+    dense = torch.einsum("si,sih->sh", gpt_oss_gate(hidden), down[expert]) + b2[expert]
+    grad_out = torch.randn_like(dense)
+    inputs = (x, gate_up, down, b1, b2)
+    want = torch.autograd.grad(dense, inputs, grad_out)
+    for grouped in (True, False):
+        out = run_experts(x, counts, gate_up, down, grouped=grouped, transposed=True, gate_up_bias=b1, down_bias=b2,
+                          apply_gate=gpt_oss_gate)
+        assert_close(out, dense, rtol=1e-5, atol=1e-5)
+        for got, ref in zip(torch.autograd.grad(out, inputs, grad_out), want):
+            assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_capacity_drops_over_capacity_copies_first_choices_first():
     from ultrascale.parallel.expert import capacity_mask
 

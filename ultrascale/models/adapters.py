@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from typing import Any, Optional
 
-import torch
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -44,8 +43,6 @@ class ModelAdapter:
     (`ultrascale.parallel.context.ContextParallel`); None: no context-parallel support."""
     context_parallel_refusal: Optional[str] = None
     """Without `enable_context_parallel`: the piece the model lacks, naming the layer."""
-    context_parallel_method_refusals: Mapping[str, str] = field(default_factory=dict)
-    """`context_parallel_method` -> why that method cannot compute some layer's attention."""
     pipeline_parts: Optional[Callable[[], Any]] = None
     """`pipeline_parts()` -> `ultrascale.parallel.pipeline.PipelineParts` (where the embedding,
     layers, norm and head are, and how to run the model on hidden states); None: no PP support."""
@@ -79,7 +76,6 @@ class ModelAdapter:
             sequence_parallel=self.supports_sequence_parallel,
             context_parallel=self.enable_context_parallel is not None,
             context_parallel_refusal=self.context_parallel_refusal,
-            context_parallel_method_refusals=dict(self.context_parallel_method_refusals),
             pipeline=parts is not None,
             pipeline_refusal=refusal,
             n_experts=self.num_experts,
@@ -217,7 +213,7 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
         down = experts.down_proj
         sizes["the experts' intermediate width"] = down.shape[1] if getattr(experts, "is_transposed", False) else down.shape[-1]
     name = common["name"]
-    context_refusal, method_refusals = _hf_context_parallel_problems(hf, name)
+    context_refusal = _hf_context_parallel_problems(hf, name)
     pipeline_refusal = _hf_pipeline_problem(hf, name)
     n_experts = hf_num_experts(config)
     expert_refusal = _hf_expert_parallel_problem(hf, name) if n_experts else None
@@ -230,7 +226,6 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
         supports_sequence_parallel=False,
         enable_context_parallel=(lambda cp: _hf_context_parallel(hf, cp)) if context_refusal is None else None,
         context_parallel_refusal=context_refusal,
-        context_parallel_method_refusals=method_refusals,
         pipeline_parts=(lambda: _hf_pipeline_parts(hf)) if pipeline_refusal is None else None,
         pipeline_refusal=pipeline_refusal,
         num_experts=n_experts,
@@ -255,39 +250,28 @@ def hf_attention_modules(hf: nn.Module) -> list[nn.Module]:
     return [m for m in hf.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
 
 
-def _hf_context_parallel_problems(hf: nn.Module, name: str) -> tuple[Optional[str], dict[str, str]]:
-    """(why context parallel cannot route this model's attention at all, or None; method -> why that method
-    cannot compute some layer's attention)."""
-    from ultrascale.parallel.context import CONTEXT_PARALLEL_METHODS, ring_kernel_problem
-
+def _hf_context_parallel_problems(hf: nn.Module, name: str) -> Optional[str]:
+    """Why context parallel cannot route this model's attention, naming the layer, or None. What the attention
+    function receives per layer (sliding window, scaling, soft-capping, sinks, head sizes) every method computes."""
     config = hf.config
     for layer, kind in enumerate(getattr(config, "layer_types", None) or ()):
         if kind not in SOFTMAX_LAYER_TYPES:
             return (f"context parallel: layer {layer} of {name} is {kind!r} (config.layer_types); only softmax "
-                    f"attention layers {SOFTMAX_LAYER_TYPES} have a context-parallel kernel"), {}
+                    f"attention layers {SOFTMAX_LAYER_TYPES} have a context-parallel kernel")
     if not getattr(type(hf), "_supports_attention_backend", False):
         return (f"context parallel: {name}'s attention does not run through transformers' AttentionInterface "
                 f"(`{type(hf).__name__}._supports_attention_backend` is not set), so ultrascale cannot route it "
-                "through ring / all-gather / all-to-all attention"), {}
+                "through ring / all-gather / all-to-all attention")
     modules = hf_attention_modules(hf)
     without = sorted(set(range(getattr(config, "num_hidden_layers", 0) or 0)) - {m.layer_idx for m in modules})
     if without:
         return (f"context parallel: layer(s) {without} of {name} have no attention module (a `*Attention` with "
-                "`layer_idx`) for ultrascale to route"), {}
+                "`layer_idx`) for ultrascale to route")
     for module in modules:
         if not getattr(module, "is_causal", True):
             return (f"context parallel: layer {module.layer_idx} of {name} ({type(module).__name__}) is not causal "
-                    "self-attention"), {}
-    refusals: dict[str, str] = {}
-    for module in modules:
-        problem = ring_kernel_problem(softcap=getattr(module, "attn_logit_softcapping", None),
-                                      sinks=isinstance(getattr(module, "sinks", None), torch.Tensor))
-        if problem is not None:
-            for method in CONTEXT_PARALLEL_METHODS:
-                if method != "alltoall":
-                    refusals.setdefault(method, f"context parallel on {name}, layer {module.layer_idx} "
-                                                f"({type(module).__name__}): {problem}")
-    return None, refusals
+                    "self-attention")
+    return None
 
 
 def _hf_pipeline_problem(hf: nn.Module, name: str) -> Optional[str]:

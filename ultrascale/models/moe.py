@@ -121,30 +121,34 @@ def hf_experts_modules(model: nn.Module) -> list[nn.Module]:
             and m.gate_up_proj.dim() == 3 and isinstance(getattr(m, "down_proj", None), torch.Tensor)]
 
 
+ROUTER_NAMES = ("gate", "router")
+"""Where transformers' MoE blocks keep the router beside `experts` (Mixtral / Qwen / DeepSeek: `gate`; GPT-OSS: `router`)."""
+
+
 def hf_routers(model: nn.Module) -> list[nn.Module]:
     """The top-k routers (``weight`` (E, H), ``top_k``) beside each experts module, in layer order."""
     routers = []
     for parent in model.modules():
-        experts, gate = getattr(parent, "experts", None), getattr(parent, "gate", None)
-        if experts is not None and gate is not None and hasattr(gate, "top_k") and isinstance(getattr(gate, "weight", None), torch.Tensor):
-            routers.append(gate)
+        if getattr(parent, "experts", None) is None:
+            continue
+        for name in ROUTER_NAMES:
+            router = getattr(parent, name, None)
+            if router is not None and hasattr(router, "top_k") and isinstance(getattr(router, "weight", None), torch.Tensor):
+                routers.append(router)
+                break
     return routers
 
 
 def hf_experts_problem(model: nn.Module) -> Optional[str]:
-    """Why `experts_forward` cannot compute some experts module of `model`, or None. It computes fused
-    [gate; up] SwiGLU experts without biases: the layout transformers' `use_experts_implementation` declares
-    (`has_gate`, `has_bias`, `is_transposed`, `is_concatenated`) says which."""
-    wanted = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}
+    """Why `experts_forward` cannot compute some experts module of `model`, or None. It computes gated experts in
+    every layout transformers' `use_experts_implementation` declares with `has_gate` (concatenated or interleaved
+    [gate, up] through the module's own `_apply_gate`, transposed or not, with or without biases), without a norm
+    after each expert."""
     for experts in hf_experts_modules(model):
-        layout = {name: getattr(experts, name, None) for name in wanted}
-        if layout != wanted:
-            differs = ", ".join(f"{name}={value}" for name, value in layout.items() if value != wanted[name])
-            return (f"{type(experts).__name__} stores its experts with {differs} (ultrascale's dispatch computes fused "
-                    "[gate; up] SwiGLU experts without biases, not transposed)")
-        activation = getattr(experts, "act_fn", None)
-        if activation is not None and type(activation).__name__ not in ("SiLU", "SiLUActivation"):
-            return f"{type(experts).__name__} uses {type(activation).__name__}, not SiLU (ultrascale's dispatch computes SwiGLU)"
+        if getattr(experts, "has_gate", True) is not True:
+            return f"{type(experts).__name__} has no gate projection (has_gate=False: `up_proj` experts)"
+        if getattr(experts, "has_post_expert_norm", False):
+            return f"{type(experts).__name__} normalises each expert's output (has_post_expert_norm=True)"
     return None
 
 
@@ -171,7 +175,7 @@ def attach_hf_routing(model: nn.Module, *, aux_loss_coef: float, z_loss_coef: fl
             router._ultrascale_rows = args[0].shape[0] if args[0].dim() == 3 else 1  # the MoE block sees (B, T, H)
 
         router.register_forward_hook(hook)
-        parent = next(m for m in model.modules() if getattr(m, "gate", None) is router)
+        parent = next(m for m in model.modules() if any(getattr(m, name, None) is router for name in ROUTER_NAMES))
         parent.register_forward_pre_hook(rows_hook)
 
 

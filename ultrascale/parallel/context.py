@@ -168,6 +168,50 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, bias, scale):
 _KERNELS = {"cpu": (_cpu_forward, _cpu_backward), "cuda": (_cuda_forward, _cuda_backward)}
 
 
+def _softcap_scores(q, k, causal, bias, scale, softcap):
+    """(S, T): T = tanh(scale·QKᵀ / c), S = c·T masked (-inf where the bias or causality hides a key)."""
+    k = _repeat_kv(k, q.shape[1] // k.shape[1])
+    raw = (q.float() @ k.float().transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    tanh = torch.tanh(raw / softcap)
+    scores = tanh * softcap
+    if bias is not None:
+        scores = scores + bias.float()
+    if causal:
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    return scores, tanh
+
+
+def softcap_kernel(softcap: float) -> tuple[Any, Any]:
+    """(forward, backward) of attention with logit soft-capping (Gemma 2: S = c·tanh(scale·QKᵀ/c)), written out in
+    the kernels' (out, lse) form, since no fused kernel soft-caps. Backward, with the merged out O and lse L:
+    P = exp(S - L), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)), through the cap dS_raw = dS ∘ (1 - tanh²),
+    dQ = scale·dS_raw K, dK = scale·dS_rawᵀ Q. Memory O(Tq·Tk) per block and head: a reference kernel."""
+
+    def forward(q, k, v, causal, bias, scale):
+        scores, _ = _softcap_scores(q, k, causal, bias, scale, softcap)
+        lse = torch.logsumexp(scores, dim=-1)  # (B, H, Tq); -inf for a row that sees no key
+        probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
+        out = probs @ _repeat_kv(v, q.shape[1] // v.shape[1]).float()
+        return out.to(q.dtype), lse
+
+    def backward(dout, q, k, v, out, lse, causal, bias, scale):
+        groups = q.shape[1] // k.shape[1]
+        scores, tanh = _softcap_scores(q, k, causal, bias, scale, softcap)
+        probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))  # (B, H, Tq, Tk)
+        dout, out = dout.float(), out.float()
+        dv = probs.transpose(-1, -2) @ dout  # (B, H, Tk, Dv)
+        dprobs = dout @ _repeat_kv(v, groups).float().transpose(-1, -2)
+        dscores = probs * (dprobs - (dout * out).sum(-1, keepdim=True))
+        draw = dscores * (1 - tanh * tanh) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        dq = draw @ _repeat_kv(k, groups).float()
+        dk = draw.transpose(-1, -2) @ q.float()
+        if groups > 1:  # the repeated heads' gradients sum back onto their kv head
+            dk, dv = (x.unflatten(1, (k.shape[1], groups)).sum(2) for x in (dk, dv))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    return forward, backward
+
+
 def attention_kernel(device: torch.device) -> tuple[Any, Any]:
     """(forward, backward) of the attention-with-LSE kernel for `device`: the one place that chooses it."""
     if device.type not in _KERNELS:
@@ -309,12 +353,16 @@ def _masked_rows_to_minus_inf(lse: torch.Tensor, bias: Optional[torch.Tensor]) -
 class _ContextAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: "ContextParallel", scale: Optional[float],
-                window: Optional[int]) -> torch.Tensor:
+                window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor]) -> torch.Tensor:
         layout = cp.current_layout()
         group, rank = cp.group, cp.rank
-        kernel_forward, _ = attention_kernel(q.device)
+        kernel_forward, _ = softcap_kernel(softcap) if softcap is not None else attention_kernel(q.device)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, H, Tl, D)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # (B, H, Tl)
+        if sinks is not None:
+            # A sink is one more logit per head whose value row is zero: the merge starts from it (out 0, lse = sink),
+            # so every block's weight exp(lse_block - lse) already counts the sink's share of the softmax.
+            lse.copy_(sinks.float().reshape(1, -1, 1).expand_as(lse))
         kv = torch.stack([k, v]).contiguous()  # (2, B, Hkv, Tl, D): one message per exchange
         for source, kv_source in _sources(kv, group, cp.method):
             for block in _plan(layout, rank, source):
@@ -328,16 +376,16 @@ class _ContextAttention(torch.autograd.Function):
                 _merge(out[:, :, block.q_start : block.q_end], lse[:, :, block.q_start : block.q_end], block_out, block_lse)
                 cp.attention_work += block.pairs()
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.layout, ctx.scale, ctx.window = cp, layout, scale, window
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.cp, ctx.layout, ctx.scale, ctx.window, ctx.softcap = cp, layout, scale, window, softcap
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        cp, layout, scale, window = ctx.cp, ctx.layout, ctx.scale, ctx.window
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        cp, layout, scale, window, softcap = ctx.cp, ctx.layout, ctx.scale, ctx.window, ctx.softcap
         group, rank, size = cp.group, cp.rank, cp.size
-        _, kernel_backward = attention_kernel(q.device)
+        _, kernel_backward = softcap_kernel(softcap) if softcap is not None else attention_kernel(q.device)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
@@ -377,7 +425,13 @@ class _ContextAttention(torch.autograd.Function):
             dkv = incoming
         if gathered_grads is not None:
             reduce_scatter_single(dkv, gathered_grads.flatten(0, 1), op=dist.ReduceOp.SUM, group=group)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        dsinks = None
+        if sinks is not None:
+            # d sink_h = -sum over rows of P_sink · rowsum(dO ∘ O), P_sink = exp(sink_h - lse): this rank's queries'
+            # share (the cp ranks' shares add up where the sinks' gradient is reduced, as every weight's is).
+            rows = (dout.float() * out.float()).sum(-1)  # (B, H, Tl)
+            dsinks = -(torch.exp(sinks.float().reshape(1, -1, 1) - lse) * rows).sum((0, 2)).to(sinks.dtype)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, dsinks
 
 
 # --------------------------------------------------------------------------- all-to-all (Ulysses)
@@ -556,13 +610,9 @@ class ContextParallel:
         ``k`` (B, Hkv, Tl, D), ``v`` (B, Hkv, Tl, Dv) in the local token order; returns (B, H, Tl, Dv).
 
         `window`: a key is seen only if it lies fewer than `window` tokens before the query (sliding-window
-        attention). `softcap` (logit soft-capping) and `sinks` (one extra logit per query head) run under
-        "alltoall" only: the ring and the all-gather merge blocks by a kernel's log-sum-exp, which has neither
-        (the rulebook refuses them before any process starts; `context_parallel_kernel_problems`)."""
-        if self.method != "alltoall":
-            problem = ring_kernel_problem(softcap=softcap, sinks=sinks is not None)
-            if problem is not None:
-                raise NotImplementedError(f"context_parallel_method={self.method!r}: {problem}")
+        attention). `softcap`: logit soft-capping c·tanh(S/c) (the ring and the all-gather then compute their
+        blocks with `softcap_kernel`, written out). `sinks` (H,): one more logit per query head, with a zero
+        value row (the ring and the all-gather start their merge from it)."""
         dv = v.shape[-1]
         if dv != q.shape[-1]:
             # The LSE kernels and the all-to-all take one head size: zero-pad the narrower side (multi-head latent
@@ -574,30 +624,18 @@ class ContextParallel:
         if self.method == "alltoall":  # functional all-to-alls: traced whole under compile
             out = _alltoall_attention(q, k, v, self, scale, window, softcap, sinks)
         elif self.method == "ring":
-            out = _ring_attention(q, k, v, self, scale, window)
-        else:
-            out = _ContextAttention.apply(q, k, v, self, scale, window)  # all-gather: traced whole under compile=True
+            out = _ring_attention(q, k, v, self, scale, window, softcap, sinks)
+        else:  # all-gather: traced whole under compile=True
+            out = _ContextAttention.apply(q, k, v, self, scale, window, softcap, sinks)
         return out[..., :dv] if out.shape[-1] != dv else out
-
-
-def ring_kernel_problem(*, softcap: Optional[float] = None, sinks: bool = False) -> Optional[str]:
-    """Why the ring / all-gather kernels cannot compute an attention, or None: they merge blocks by the log-sum-exp
-    of a fused kernel that has no soft-capping and no sink logit."""
-    missing = [name for name, present in (("logit soft-capping", softcap is not None), ("attention sinks", sinks))
-               if present]
-    if not missing:
-        return None
-    verb = "have" if len(missing) > 1 or sinks else "has"
-    return (f"{' and '.join(missing)} {verb} no ring / all-gather kernel (their blocks merge by a fused kernel's "
-            "log-sum-exp); use context_parallel_method='alltoall', which computes them whole")
 
 
 # Under `compile=True` the ring is the block's one graph break: its isend/irecv, overlapped with the attention of
 # the block in hand, cannot be traced (dynamo would give up on the whole attention function at the first one).
 @torch.compiler.disable(reason="ring attention: point-to-point K/V exchange")
-def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
-                    scale: Optional[float], window: Optional[int]) -> torch.Tensor:
-    return _ContextAttention.apply(q, k, v, cp, scale, window)
+def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, scale: Optional[float],
+                    window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    return _ContextAttention.apply(q, k, v, cp, scale, window, softcap, sinks)
 
 
 class ContextParallelAttention(nn.Module):
@@ -658,5 +696,5 @@ __all__ = [
     "attention_kernel",
     "document_ids",
     "hf_context_parallel_attention",
-    "ring_kernel_problem",
+    "softcap_kernel",
 ]

@@ -71,26 +71,51 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def run_experts(
     x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor] = F.silu, *, grouped: Optional[bool] = None,
+    transposed: bool = False, gate_up_bias: Optional[torch.Tensor] = None, down_bias: Optional[torch.Tensor] = None,
+    apply_gate: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> torch.Tensor:
-    """SwiGLU experts on tokens grouped by expert: rows ``[c_0 + ... + c_{e-1}, ... + c_e)`` of ``x``
-    (S, H) go to expert ``e``; ``counts`` (E,) sums to S; ``gate_up`` (E, 2I, H), ``down`` (E, H, I).
+    """Gated experts on tokens grouped by expert: rows ``[c_0 + ... + c_{e-1}, ... + c_e)`` of ``x``
+    (S, H) go to expert ``e``; ``counts`` (E,) sums to S; ``gate_up`` (E, 2I, H), ``down`` (E, H, I), or
+    (E, H, 2I) and (E, I, H) when ``transposed`` (GPT-OSS). Per expert:
+
+        h = x W_gu (+ b_gu[e]),   g = apply_gate(h) (S, I),   out = g W_d (+ b_d[e])
+
+    ``apply_gate`` defaults to SwiGLU of the concatenated halves, ``act(gate) * up``; a transformers experts
+    module passes its own `_apply_gate` (GPT-OSS: interleaved halves, clamped, ``(up + 1) * gate * sigmoid(α gate)``).
     Returns (S, H). ``grouped``: one grouped matmul per projection (`torch._grouped_mm`, forward and
     backward); False: a loop over the experts (one host sync for the counts); None: grouped where
     the device and dtype support it (`ultrascale.parallel.device.grouped_mm_supported`)."""
+    if apply_gate is None:
+        def apply_gate(hidden: torch.Tensor) -> torch.Tensor:
+            gate, up = hidden.chunk(2, dim=-1)  # (S, I) each
+            return act(gate) * up
+
+    w_gate_up = gate_up if transposed else gate_up.transpose(-2, -1)  # (E, H, 2I)
+    w_down = down if transposed else down.transpose(-2, -1)  # (E, I, H)
     if grouped is None:
         grouped = grouped_mm_supported(x.device, x.dtype)
     if grouped:
         offsets = counts.cumsum(0).to(torch.int32)  # (E,) end row of each expert
-        hidden = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets)  # (S, 2I)
-        gate, up = hidden.chunk(2, dim=-1)  # (S, I) each
-        return torch._grouped_mm((act(gate) * up).contiguous(), down.transpose(-2, -1), offs=offsets)  # (S, H)
+        hidden = torch._grouped_mm(x, w_gate_up, offs=offsets)  # (S, 2I)
+        if gate_up_bias is not None:  # each row's expert's bias (no host sync: the output size is known)
+            hidden = hidden + gate_up_bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
+        out = torch._grouped_mm(apply_gate(hidden).contiguous(), w_down, offs=offsets)  # (S, H)
+        if down_bias is not None:
+            out = out + down_bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
+        return out
     outputs = []
     # unbind, not gate_up[e]: indexing's backward writes each expert's gradient into a zero tensor of the
     # whole (E, ...) weight and sums E of them (memory traffic ~ E^2, benchmarks/ep_dispatch.py).
-    for rows, expert_gate_up, expert_down in zip(x.split(counts.tolist()), gate_up.unbind(0), down.unbind(0)):
-        gate, up = (rows @ expert_gate_up.t()).chunk(2, dim=-1)  # (c_e, I) each
-        outputs.append((act(gate) * up) @ expert_down.t())  # (c_e, H)
-    return torch.cat(outputs) if outputs else x.new_zeros(0, down.shape[1])
+    biases = (gate_up_bias.unbind(0) if gate_up_bias is not None else [None] * len(counts),
+              down_bias.unbind(0) if down_bias is not None else [None] * len(counts))
+    for rows, expert_gate_up, expert_down, b_gate_up, b_down in zip(
+            x.split(counts.tolist()), w_gate_up.unbind(0), w_down.unbind(0), *biases):
+        hidden = rows @ expert_gate_up  # (c_e, 2I)
+        if b_gate_up is not None:
+            hidden = hidden + b_gate_up
+        out = apply_gate(hidden) @ expert_down  # (c_e, H)
+        outputs.append(out + b_down if b_down is not None else out)
+    return torch.cat(outputs) if outputs else x.new_zeros(0, w_down.shape[-1])
 
 
 class ExpertParallel:
@@ -140,8 +165,10 @@ def experts_forward(
     index equal to the number of experts marks a dropped assignment (over capacity): it contributes
     nothing (this costs one host sync, for the number of kept copies).
 
-    Reads ``experts.gate_up_proj``/``down_proj`` (E, ...; the local E / ep under expert parallel)
-    and ``experts.act_fn`` if present (SiLU otherwise); under expert parallel the tokens travel to
+    Reads ``experts.gate_up_proj``/``down_proj`` (E, ...; the local E / ep under expert parallel), the layout
+    flags transformers' `use_experts_implementation` sets (``is_transposed``, ``has_bias``: then
+    ``gate_up_proj_bias``/``down_proj_bias``), its ``_apply_gate`` (else ``act_fn``, else SiLU, on the
+    concatenated [gate; up]); under expert parallel the tokens travel to
     the experts' ranks (`ExpertParallel`). The signature of transformers' experts forward, so it is
     also registered as a transformers experts implementation (`register_hf_experts`)."""
     n_tokens, top_k = top_k_index.shape
@@ -155,9 +182,13 @@ def experts_forward(
     counts = counts[:n_experts]
     x = hidden[kept // top_k]  # (S, H)
     act = getattr(experts, "act_fn", F.silu)
+    has_bias = bool(getattr(experts, "has_bias", False))
+    gate_up_bias = local_tensor(experts.gate_up_proj_bias) if has_bias else None
+    down_bias = local_tensor(experts.down_proj_bias) if has_bias else None
 
     def compute(tokens: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
-        return run_experts(tokens, local_counts, gate_up, down, act)
+        return run_experts(tokens, local_counts, gate_up, down, act, transposed=bool(getattr(experts, "is_transposed", False)),
+                           gate_up_bias=gate_up_bias, down_bias=down_bias, apply_gate=getattr(experts, "_apply_gate", None))
 
     y = ep(x, counts, compute) if ep is not None else compute(x, counts)  # (S, H)
     weights = top_k_weights.reshape(-1)[kept].unsqueeze(-1)  # (S, 1)
@@ -174,9 +205,10 @@ def count_per_expert(expert_ids: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def shard_experts(experts: nn.Module, ep: ExpertParallel) -> None:
-    """Split `experts`' weights over the ep mesh on the expert dim (DTensor ``Shard(0)``, names and
-    global shapes kept) and route its tokens through `ep`."""
-    for name in EXPERT_WEIGHTS:
+    """Split `experts`' weights (and their per-expert biases) over the ep mesh on the expert dim (DTensor
+    ``Shard(0)``, names and global shapes kept) and route its tokens through `ep`."""
+    biases = [f"{name}_bias" for name in EXPERT_WEIGHTS if isinstance(getattr(experts, f"{name}_bias", None), torch.Tensor)]
+    for name in (*EXPERT_WEIGHTS, *biases):
         weight = getattr(experts, name)
         if weight.shape[0] % ep.size:
             raise ValueError(f"{type(experts).__name__}.{name}: {weight.shape[0]} experts do not split over ep={ep.size}")

@@ -141,8 +141,6 @@ class ModelFacts:
     context_parallel_refusal: Optional[str] = None
     """Without `context_parallel`: the piece it lacks (attention outside transformers' AttentionInterface, a layer
     without softmax attention), named by the adapter; None: the generic message."""
-    context_parallel_method_refusals: Mapping[str, str] = field(default_factory=dict)
-    """`context_parallel_method` -> why that method cannot compute some layer's attention (soft-capping, sinks)."""
     pipeline: bool = False
     """It can be split into stages (an adapter's or the module's own `pipeline_parts`)."""
     pipeline_refusal: Optional[str] = None
@@ -294,10 +292,6 @@ def model_problems(dims: ParallelDims, k: LayoutKnobs, facts: ModelFacts) -> lis
         problems.append(Problem(facts.context_parallel_refusal or (
             f"context parallel (cp={dims.cp}) has no attention hook for {name}: ultrascale routes the attention of the "
             "built-in Llama and of Hugging Face models whose attention runs through transformers' AttentionInterface")))
-    elif dims.cp_enabled and k.context_parallel_method in facts.context_parallel_method_refusals:
-        problems.append(Problem(
-            facts.context_parallel_method_refusals[k.context_parallel_method],
-            (f"context_parallel={dims.cp}", f"context_parallel_method={k.context_parallel_method!r}")))
     elif dims.cp_enabled and k.context_parallel_method == "alltoall" and facts.attention_heads:
         problems += _alltoall_problems(dims, facts)
     if dims.ep_enabled:
