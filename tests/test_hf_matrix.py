@@ -48,6 +48,8 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "Gemma2": ("gemma2", {"head_dim": 8, "sliding_window": WINDOW, "query_pre_attn_scalar": 12}),
     "Gemma3": ("gemma3_text", {"head_dim": 8, "sliding_window": WINDOW,
                                "layer_types": ["sliding_attention", "full_attention"]}),
+    "Gemma3, tied": ("gemma3_text", {"head_dim": 8, "sliding_window": WINDOW, "tie_word_embeddings": True,
+                                      "layer_types": ["sliding_attention", "full_attention"]}),
     "Phi3": ("phi3", {}),
     "OLMo2": ("olmo2", {}),
     "OLMo3": ("olmo3", {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}),
@@ -82,9 +84,8 @@ WORLD = 2
 
 REFUSED: dict[tuple[str, str], tuple[str, str]] = {
     # (architecture, layout): (a regular expression the message must match, the reason in a few words for the table)
-    ("Granite", "PP 2 (1F1B)"): (r"its forward changes `inputs_embeds` .* before the first layer",
-                                 "the forward scales `inputs_embeds`"),
     ("OLMoE", "PP 2 (1F1B)"): (r"its config ships no `base_model_pp_plan`", "no `base_model_pp_plan`"),
+    ("Gemma3, tied", "PP 2 (1F1B)"): (r"ties its input embedding to its output head", "tied embeddings"),
 }
 
 
@@ -192,3 +193,49 @@ def test_the_docs_show_this_matrix():
     from benchmarks.hf_support import PAGE, render, table_in
 
     assert table_in(PAGE.read_text()) == render(), "docs/huggingface.md's table is stale: run python -m benchmarks.hf_support"
+
+
+# --------------------------------------------------------------------------- LoRA on this year's architectures
+
+LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "o_proj"]}
+LORA_ARCHITECTURES = ("Gemma2", "OLMo3", "GPT-OSS", "DeepSeek-V3")
+LORA_LAYOUTS = ("ZeRO-3", "TP 2", "PP 2 (1F1B)")
+
+
+def _train_lora(rank, world_size, path, strategy_kwargs, merged_dir):
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**strategy_kwargs), recorder, STEPS,
+                             accumulate_grad_batches=ACCUMULATE)
+    module = make_hf(path, lora=LORA, export_dir=merged_dir)
+    trainer.fit(module, ParityData(data(), MICRO_BATCH))
+    return recorder.result()
+
+
+LORA_CELLS = [(a, layout) for a in LORA_ARCHITECTURES for layout in LORA_LAYOUTS]
+
+
+@pytest.mark.parametrize("architecture, layout", LORA_CELLS, ids=[f"{a}-{layout}" for a, layout in LORA_CELLS])
+def test_lora_cell(architecture, layout, checkpoints, tmp_path):
+    """`HFCausalLM(lora=...)` (adapters on the attention's q and o projections, the base frozen and loaded shard by
+    shard) trains like one process, and the merged folder gives the one-process model's logits."""
+    import transformers
+
+    path = checkpoints(architecture)
+    reference = reference_run(make_hf(path, lora=LORA), data(), global_batch=MICRO_BATCH, steps=STEPS,
+                              accumulate=ACCUMULATE)
+    assert any("lora_A" in name for name in reference["grads"]) and all("lora_" in n for n in reference["grads"])
+    results = run_ranks(_train_lora, WORLD, path, LAYOUTS[layout], str(tmp_path / "merged"))
+    merged_result = {"grads": {}, "params": {}}
+    for result in results:
+        for key in merged_result:
+            merged_result[key].update(result[key])
+    assert_parity(merged_result, reference, step_losses(results))
+
+    trained = make_hf(path, lora=LORA)
+    trained.configure_model()
+    loaded = trained.load_state_dict(reference["final_params"], strict=False)  # parameters (buffers as loaded)
+    assert not loaded.unexpected_keys and not [k for k in loaded.missing_keys if k in dict(trained.named_parameters())]
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True)
+    tokens = data().blocks[:2, :SEQ]
+    with torch.no_grad():
+        assert_close(merged(tokens).logits, trained(tokens), rtol=0, atol=1e-4)

@@ -276,8 +276,7 @@ def _hf_context_parallel_problems(hf: nn.Module, name: str) -> Optional[str]:
 
 def _hf_pipeline_problem(hf: nn.Module, name: str) -> Optional[str]:
     """Why this model has no stage split, or None: its config's `base_model_pp_plan` names the embedding, the layers
-    and the final norm, and its forward hands `inputs_embeds` to the first layer unchanged (a later stage runs
-    the same forward on the hidden states it receives)."""
+    and the final norm."""
     plan = getattr(hf.config, "base_model_pp_plan", None) or {}
     if not plan:
         return f"pipeline parallel has no stage split for {name}: its config ships no `base_model_pp_plan`"
@@ -285,62 +284,7 @@ def _hf_pipeline_problem(hf: nn.Module, name: str) -> Optional[str]:
     if missing:
         return (f"pipeline parallel has no stage split for {name}: its `base_model_pp_plan` lacks {missing} "
                 f"(it names {sorted(plan)})")
-    changed = _forward_changes_inputs_embeds(hf)
-    if changed:
-        return (f"pipeline parallel has no stage split for {name}: its forward {changed} before the first layer, so a "
-                "later stage, which runs the same forward on the hidden states it receives, would apply it again")
     return None
-
-
-_STAGE_INPUT_CACHE: dict[str, Optional[str]] = {}
-
-
-def _forward_changes_inputs_embeds(hf: nn.Module) -> Optional[str]:
-    """What the model's forward does to `inputs_embeds` before its first layer ("scales `inputs_embeds`"), or None
-    when the first layer receives them as given. Found by running a copy built on the meta device up to the first
-    layer (no memory, no values: the layer's input is compared by identity). Cached per class and config."""
-    import copy
-
-    import torch
-
-    cls = next(c for c in type(hf).__mro__ if not c.__module__.startswith("torch."))  # not FSDP2's wrapper class
-    key = f"{cls.__module__}.{cls.__qualname__}:{hf.config.to_json_string()}"
-    if key in _STAGE_INPUT_CACHE:
-        return _STAGE_INPUT_CACHE[key]
-    from transformers import AttentionInterface
-
-    from ultrascale.parallel.context import HF_ATTENTION_NAME, hf_context_parallel_attention
-
-    class _Reached(Exception):
-        pass
-
-    AttentionInterface.register(HF_ATTENTION_NAME, hf_context_parallel_attention)  # no mask function: nothing read
-    config = copy.deepcopy(hf.config)
-    with torch.device("meta"):
-        probe = cls(config)
-    probe.set_attn_implementation(HF_ATTENTION_NAME)
-    plan = config.base_model_pp_plan
-    layers = probe.get_submodule(f"{probe.base_model_prefix}.{'layers' if 'layers' in plan else next(iter(plan))}")
-    hidden = torch.empty(1, 2, config.hidden_size, device="meta")
-    seen: dict[str, bool] = {}
-
-    def first_layer(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        received = args[0] if args else kwargs.get("hidden_states")
-        seen["kept"] = received is hidden
-        raise _Reached
-
-    handle = layers[0].register_forward_pre_hook(first_layer, with_kwargs=True)
-    try:
-        probe(inputs_embeds=hidden, position_ids=torch.arange(2, device="meta")[None], use_cache=False)
-        answer: Optional[str] = "never reaches its first layer"
-    except _Reached:
-        answer = None if seen["kept"] else "changes `inputs_embeds` (e.g. multiplies them by an embedding multiplier)"
-    except Exception as error:  # a forward that cannot take hidden states at all
-        answer = f"cannot run on `inputs_embeds` ({type(error).__name__}: {error})"
-    finally:
-        handle.remove()
-    _STAGE_INPUT_CACHE[key] = answer
-    return answer
 
 
 def _hf_expert_parallel_problem(hf: nn.Module, name: str) -> Optional[str]:
@@ -460,22 +404,37 @@ def _hf_pipeline_parts(hf: nn.Module) -> Any:
     paths = {id(module): name for name, module in hf.named_modules()}
     head = paths.get(id(hf.get_output_embeddings()), "lm_head")
 
+    first_layer = f"{base}.layers.0"
+
     def run(root: nn.Module, x: Any, position_ids: Any, is_first: bool) -> Any:
-        inputs = {"input_ids": x} if is_first else {"inputs_embeds": x}
-        # No KV cache: training never reuses it, and packed documents are detected only without one.
-        kwargs = dict(**inputs, position_ids=position_ids, use_cache=False)
+        # Each stage runs the model's own forward (its rotary embeddings, per-layer masks), the parts other
+        # stages hold being gaps. No KV cache: training never reuses it, and packed documents are detected only
+        # without one.
+        kwargs = dict(position_ids=position_ids, use_cache=False)
+        kwargs.update({"input_ids": x} if is_first else {"inputs_embeds": x})
+        hooks = []
+        if not is_first:
+            # A later stage's input is the hidden state the previous stage handed on: whatever the forward does to
+            # `inputs_embeds` before its first layer (Granite's embedding multiplier, added position embeddings)
+            # was done on the first stage, so the first layer's place receives exactly `x`.
+            def stage_input(module: nn.Module, args: tuple, layer_kwargs: dict) -> tuple:
+                if args:
+                    return (x, *args[1:]), layer_kwargs
+                return args, {**layer_kwargs, "hidden_states": x}
+
+            hooks.append(root.get_submodule(first_layer).register_forward_pre_hook(stage_input, with_kwargs=True))
         head_module = root.get_submodule(head)
-        if not isinstance(head_module, PipelineGap):
-            return root(**kwargs).logits
-        # A stage before the last: its output is what reaches the head's place. What the forward does to the
-        # logits after the head (Gemma 2's final soft-capping, Granite's logit scaling) is the last stage's.
         reached: dict[str, Any] = {}
-        handle = head_module.register_forward_hook(lambda module, args, output: reached.update(output=output))
+        if isinstance(head_module, PipelineGap):
+            # A stage before the last: its output is what reaches the head's place. What the forward does to the
+            # logits after the head (Gemma 2's final soft-capping, Granite's logit scaling) is the last stage's.
+            hooks.append(head_module.register_forward_hook(lambda module, args, output: reached.update(output=output)))
         try:
-            root(**kwargs)
+            logits = root(**kwargs).logits
         finally:
-            handle.remove()
-        return reached["output"]
+            for hook in hooks:
+                hook.remove()
+        return reached["output"] if "output" in reached else logits
 
     return PipelineParts(
         root=hf, embed=f"{base}.embed_tokens", layers=f"{base}.layers", norm=f"{base}.norm", head=head, run=run
