@@ -390,3 +390,29 @@ def test_truncated_safetensors_is_named(tmp_path):
     shard.write_bytes(shard.read_bytes()[:6])  # cut inside the header
     with pytest.raises(ValueError, match=rf"{shard.name}: not a readable safetensors file"):
         HFCausalLM(str(source))  # at construction, before any process or weight
+
+
+def _validate_hf(rank, world_size, path):
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy="ultrascale_zero3", logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(TokenDataset(16, SEQ, VOCAB, seed=4, masked=True), batch_size=2)
+    module = HFCausalLM(path)
+    metrics = trainer.validate(module, loader, verbose=False)
+    return metrics[0]["val_loss"], module.prefers_meta_init
+
+
+def test_val_loss_of_a_meta_built_model_is_the_token_mean(tmp_path):
+    """A model built on the meta device and materialised after sharding: its LightningModule's metric states (the
+    `val_loss` MeanMetric) are not meta, and keep their zeros; they were given uninitialised memory (val_loss
+    1.7e-05, -1.5e-31 or 4.9e+26 in the recipe's runs)."""
+    path = make_checkpoint(tmp_path / "source")
+    data = TokenDataset(16, SEQ, VOCAB, seed=4, masked=True)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    batch = data[0:16]
+    with torch.no_grad():
+        logits = reference(batch["input_ids"]).logits
+    valid = batch["labels"] != -100
+    expected = float(F.cross_entropy(logits[valid], batch["labels"][valid]))
+    for value, meta_built in run_ranks(_validate_hf, 2, path):
+        assert meta_built
+        assert_close(value, expected, rtol=1e-5, atol=1e-6)

@@ -34,8 +34,14 @@ def materialize_meta_module(module: nn.Module, device: torch.device) -> None:
     Initialisation is delegated to the model: the outermost submodules defining
     `init_weights()` (e.g. `Llama`) initialise their subtree; any other module with
     `reset_parameters()` resets its own parameters.
+
+    Only modules holding meta tensors are re-allocated: `module.to_empty` would also hand uninitialised memory
+    to tensors that hold values already, a LightningModule's torchmetrics states among them (a `MeanMetric`
+    for `val_loss` then starts from garbage).
     """
-    module.to_empty(device=device)
+    for sub in module.modules():
+        if any(t.is_meta for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False))):
+            sub.to_empty(device=device, recurse=False)
     covered: set[int] = set()
     for sub in module.modules():
         if id(sub) in covered:
