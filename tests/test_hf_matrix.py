@@ -195,6 +195,35 @@ def test_the_docs_show_this_matrix():
     assert table_in(PAGE.read_text()) == render(), "docs/huggingface.md's table is stale: run python -m benchmarks.hf_support"
 
 
+# --------------------------------------------------------------------------- combinations, world 4
+
+COMBINATIONS: dict[tuple[str, str], dict[str, Any]] = {
+    ("DeepSeek-V3", "EP 2 x PP 2"): {"expert_parallel": 2, "pipeline_parallel": 2, "data_parallel_shard": 2,
+                                     "pipeline_microbatches": 2},
+    ("GPT-OSS", "EP 2 x CP 2 all-to-all"): {"expert_parallel": 2, "context_parallel": 2, "data_parallel_shard": 2,
+                                             "context_parallel_method": "alltoall"},
+    ("Gemma2", "CP 2 ring x TP 2"): {"context_parallel": 2, "tensor_parallel": 2, "data_parallel_shard": 1},
+    ("GLM-4-MoE", "TP 2 x PP 2"): {"tensor_parallel": 2, "pipeline_parallel": 2, "data_parallel_shard": 1,
+                                   "pipeline_microbatches": 2},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture, layout", list(COMBINATIONS), ids=[f"{a}-{lay}" for a, lay in COMBINATIONS])
+def test_combination(architecture, layout, checkpoints, tmp_path):
+    """The new pieces together (MLA under pipeline stages with experts split, sinks and soft-capping with other
+    dimensions): the same parity as a cell, at world 4."""
+    kwargs = COMBINATIONS[(architecture, layout)]
+    path = checkpoints(architecture)
+    reference = _reference(architecture, path)
+    results = run_ranks(_train, 4, path, kwargs, str(tmp_path / "exported"))
+    merged = {"grads": {}, "params": {}}
+    for result in results:
+        for key in merged:
+            merged[key].update(result[key])
+    assert_parity(merged, reference, step_losses(results))
+
+
 # --------------------------------------------------------------------------- LoRA on this year's architectures
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "o_proj"]}

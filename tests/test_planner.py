@@ -1,6 +1,6 @@
 """The planner's formulas: hand-computed cases, the real modules' sizes, and CPU measurements.
 
-- parameter counts per component equal the modules' `numel()` (built-in presets, ten HF
+- parameter counts per component equal the modules' `numel()` (built-in presets, fifteen HF
   architectures) and Meta's published Llama-3 sizes;
 - model-state bytes per rank equal the bytes on live tensors within 2% for every ZeRO stage
   and for tp, pp and ep (forked CPU ranks, a real Lightning step);
@@ -89,6 +89,13 @@ def _hf_configs():
                                       shared_expert_intermediate_size=48, decoder_sparse_step=2, **moe),
         "qwen3_moe": T.Qwen3MoeConfig(**common, num_experts=4, moe_intermediate_size=32, **moe),
         "llama_tied": T.LlamaConfig(**common, tie_word_embeddings=True),
+        # Read from their structure (no list of model types): sliding windows, multipliers, NoPE layers, dense first
+        # layers with shared experts, q/k norms over the whole width.
+        "olmo3": T.Olmo3Config(**common, sliding_window=8), "granite": T.GraniteConfig(**common, embedding_multiplier=3.0),
+        "smollm3": T.SmolLM3Config(**common),
+        "glm4_moe": T.Glm4MoeConfig(**common, n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1,
+                                    first_k_dense_replace=1, n_group=1, topk_group=1, **moe),
+        "olmoe": T.OlmoeConfig(**common, num_experts=4, **moe),
     }
 
 
@@ -104,11 +111,15 @@ def test_hf_counts_match_modules(arch):
     assert shape.active_matmul_params() == model_flops(model).n_matmul_params
 
 
-def test_unknown_hf_architecture_is_named():
+def test_what_the_cost_model_does_not_describe_is_named():
     import transformers
 
-    with pytest.raises(ValueError, match="no cost model for Hugging Face model_type 'gpt2'"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel has no list of decoder layers"):
         ModelShape.from_hf_config(transformers.GPT2Config())
+    deepseek = transformers.DeepseekV3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=320,
+                                             n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
+    with pytest.raises(ValueError, match=r"DeepseekV3Attention\) has no q/k/v projections .*multi-head latent"):
+        ModelShape.from_hf_config(deepseek)
 
 
 # --------------------------------------------------------------------------- model-state formulas

@@ -359,51 +359,103 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config: object) -> "ModelShape":
-        """A Llama-family Hugging Face config (llama, mistral, qwen2/3, phi3, olmo2, gemma2/3, mixtral, qwen2/3-moe).
+        """A Hugging Face decoder's shape, read from the model itself built on the meta device (no memory): its
+        layers' norms, q/k norms and projection biases, which layers are MoE, the experts' and shared experts'
+        widths. Sizes the config states (heads, head size, hidden, vocabulary) come from the config.
 
-        Raises ValueError for a config whose layers this cost model does not describe (e.g. GPT-2's
-        learned positions and biased LayerNorms); the caller can count the module instead."""
+        The shape's parameter count is then held to the model's own (within 1%): ValueError, saying what differs,
+        for a decoder whose layers this cost model does not describe (multi-head latent attention, learned
+        positions), so the planner never prices a model it misreads. Cached per config."""
         c = config
-        model_type = getattr(c, "model_type", "?")
         needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-        if not all(hasattr(c, key) for key in needed) or model_type not in _HF_SHAPES:
-            raise ValueError(
-                f"ModelShape: no cost model for Hugging Face model_type {model_type!r}; described: {', '.join(sorted(_HF_SHAPES))}"
-            )
-        heads = c.num_attention_heads
-        kv_heads = getattr(c, "num_key_value_heads", None) or heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        norms, qk_norm = _HF_SHAPES[model_type]
-        qk_norm_params = {"none": 0, "head": 2 * head_dim, "width": (heads + kv_heads) * head_dim}[qk_norm]
-        n_experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
-        moe_layers, expert_hidden, shared_hidden = 0, 0, 0
-        if n_experts:
-            expert_hidden = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
-            shared_hidden = getattr(c, "shared_expert_intermediate_size", None) or 0
-            sparse_step = getattr(c, "decoder_sparse_step", 1) or 1
-            dense_only = set(getattr(c, "mlp_only_layers", None) or ())
-            moe_layers = sum(
-                1 for i in range(c.num_hidden_layers) if i not in dense_only and (i + 1) % sparse_step == 0
-            )
-        return cls(
-            name=model_type, n_layers=c.num_hidden_layers, hidden=c.hidden_size, n_heads=heads, n_kv_heads=kv_heads,
-            head_dim=head_dim, ffn_hidden=c.intermediate_size, vocab=c.vocab_size,
-            tied_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-            qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(getattr(c, "attention_bias", False)),
-            qk_norm_params=qk_norm_params, norms_per_layer=norms,
-            n_experts=n_experts, top_k=getattr(c, "num_experts_per_tok", 0) if n_experts else 0,
-            expert_hidden=expert_hidden, shared_expert_hidden=shared_hidden,
-            shared_expert_gate=bool(shared_hidden), moe_layers=moe_layers, builtin=False, model_type=model_type,
-            config=config,
-        )
+        missing = [key for key in needed if not hasattr(c, key)]
+        if missing:
+            raise ValueError(f"ModelShape: the Hugging Face config {type(c).__name__} has no {missing}")
+        key = f"{type(c).__name__}:{c.to_json_string()}"
+        if key not in _HF_SHAPE_CACHE:
+            _HF_SHAPE_CACHE[key] = _read_hf_shape(cls, c)
+        shape = _HF_SHAPE_CACHE[key]
+        return shape if shape.config is config else _replace(shape, config=config)
 
 
-# model_type -> (norms per layer, q/k norm kind). Gemma/OLMo2 add post-sublayer norms.
-_HF_SHAPES: dict[str, tuple[int, str]] = {
-    "llama": (2, "none"), "mistral": (2, "none"), "qwen2": (2, "none"), "qwen3": (2, "head"),
-    "phi3": (2, "none"), "olmo2": (2, "width"), "gemma": (2, "none"), "gemma2": (4, "none"),
-    "gemma3_text": (4, "head"), "mixtral": (2, "none"), "qwen2_moe": (2, "none"), "qwen3_moe": (2, "head"),
-}
+_HF_SHAPE_CACHE: dict[str, "ModelShape"] = {}
+
+
+def _replace(shape: "ModelShape", **changes: Any) -> "ModelShape":
+    import dataclasses
+
+    return dataclasses.replace(shape, **changes)
+
+
+def _read_hf_shape(cls: type, c: Any) -> "ModelShape":
+    import torch
+    import transformers
+
+    model_type = getattr(c, "model_type", "?")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(c)
+    layers = _decoder_layers(model)
+    if layers is None:
+        raise ValueError(f"ModelShape: {type(model).__name__} has no list of decoder layers the cost model reads")
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    layer = layers[0]
+    attention = next((m for name, m in layer.named_children() if "attn" in name or "attention" in name), None)
+    projections = dict(attention.named_children()) if attention is not None else {}
+    if not ({"q_proj", "k_proj", "v_proj"} <= set(projections) or "qkv_proj" in projections):
+        raise ValueError(
+            f"ModelShape: {type(model).__name__}'s attention ({type(attention).__name__}) has no q/k/v projections "
+            f"({sorted(projections)}: multi-head latent or linear attention): the cost model prices grouped-query attention only")
+    qkv_bias = any(getattr(projections.get(name), "bias", None) is not None for name in ("q_proj", "k_proj", "qkv_proj"))
+    qk_norm_params = sum(p.numel() for name, m in projections.items() if "norm" in name for p in m.parameters())
+    norms = sum(1 for name, m in layer.named_children() if "norm" in type(m).__name__.lower() or "norm" in name)
+    moe = [_experts_of(block) for block in layers]
+    moe_layers = sum(1 for experts in moe if experts is not None)
+    n_experts = expert_hidden = shared_hidden = 0
+    shared_gate = False
+    if moe_layers:
+        block = layers[next(i for i, experts in enumerate(moe) if experts is not None)]
+        experts = moe[moe.index(next(e for e in moe if e is not None))]
+        n_experts = experts.gate_up_proj.shape[0]
+        expert_hidden = experts.gate_up_proj[0].numel() // (2 * c.hidden_size)
+        for name, sub in block.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("shared_expert", "shared_experts") and hasattr(sub, "down_proj"):
+                shared_hidden += sub.down_proj.in_features
+            shared_gate |= leaf == "shared_expert_gate"
+    dense = next((block for block, experts in zip(layers, moe) if experts is None), None)
+    down = getattr(getattr(dense, "mlp", None), "down_proj", None)
+    ffn_hidden = down.in_features if isinstance(down, nn.Linear) else (getattr(c, "intermediate_size", None) or 0)
+    shape = cls(
+        name=model_type, n_layers=c.num_hidden_layers, hidden=c.hidden_size, n_heads=heads, n_kv_heads=kv_heads,
+        head_dim=head_dim, ffn_hidden=ffn_hidden, vocab=c.vocab_size,
+        tied_embeddings=bool(getattr(c, "tie_word_embeddings", False)), qkv_bias=qkv_bias, qk_norm_params=qk_norm_params,
+        norms_per_layer=norms, n_experts=n_experts, top_k=getattr(c, "num_experts_per_tok", 0) if n_experts else 0,
+        expert_hidden=expert_hidden, shared_expert_hidden=shared_hidden, shared_expert_gate=shared_gate,
+        moe_layers=moe_layers, builtin=False, model_type=model_type, config=c,
+    )
+    actual = sum(p.numel() for p in model.parameters())
+    if abs(shape.num_params - actual) > 0.01 * actual:
+        raise ValueError(
+            f"ModelShape: the cost model counts {shape.num_params:,} parameters for {type(model).__name__}, the model "
+            f"has {actual:,} ({shape.param_counts()}): its layers hold what the cost model does not describe")
+    return shape
+
+
+def _decoder_layers(model: nn.Module) -> Optional[nn.ModuleList]:
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    layers = getattr(base, "layers", None)
+    return layers if isinstance(layers, nn.ModuleList) and len(layers) else None
+
+
+def _experts_of(block: nn.Module) -> Optional[nn.Module]:
+    """The fused experts module of a decoder layer (``gate_up_proj`` (E, ...)), or None for a dense layer."""
+    for sub in block.modules():
+        weight = getattr(sub, "gate_up_proj", None)
+        if isinstance(weight, nn.Parameter) and weight.dim() == 3:
+            return sub
+    return None
 
 
 def model_shape(model: Any, name: Optional[str] = None) -> ModelShape:
