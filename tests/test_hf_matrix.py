@@ -224,6 +224,46 @@ def test_combination(architecture, layout, checkpoints, tmp_path):
     assert_parity(merged, reference, step_losses(results))
 
 
+# --------------------------------------------------------------------------- other pipeline schedules
+
+SCHEDULES: dict[str, dict[str, Any]] = {
+    "Interleaved1F1B": {"pipeline_parallel": 2, "pipeline_schedule": "Interleaved1F1B", "pipeline_virtual_stages": 2,
+                        "pipeline_microbatches": 2, "data_parallel_shard": 1},
+    "ZBVZeroBubble": {"pipeline_parallel": 2, "pipeline_schedule": "ZBVZeroBubble", "pipeline_microbatches": 2,
+                      "data_parallel_shard": 1},
+}
+SCHEDULE_CELLS = [(a, schedule) for a in ("Gemma2", "Granite", "GPT-OSS") for schedule in SCHEDULES]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture, schedule", SCHEDULE_CELLS, ids=[f"{a}-{s}" for a, s in SCHEDULE_CELLS])
+def test_pipeline_schedule(architecture, schedule, tmp_path_factory):
+    """Four stages on two ranks (a rank runs a stage after the first and the last one's head, or, in the V, the
+    first and the last stage): Gemma 2's final soft-capping on the last stage only, Granite's embedding multiplier
+    on the first only, GPT-OSS's sinks and experts; 4 layers, so each stage holds one."""
+    model_type, fields = ARCHITECTURES[architecture]
+    folder = tmp_path_factory.mktemp(architecture)
+    import transformers
+
+    layers = {"num_hidden_layers": 4}
+    if "layer_types" in fields:
+        layers["layer_types"] = fields["layer_types"] * 2
+    config = transformers.CONFIG_MAPPING[model_type](**{**_COMMON, **fields, **layers})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(folder)
+    reference = reference_run(make_hf(str(folder)), data(), global_batch=MICRO_BATCH, steps=STEPS, accumulate=ACCUMULATE)
+    results = run_ranks(_train, WORLD, str(folder), SCHEDULES[schedule], str(tmp_path_factory.mktemp("exported")))
+    merged = {"grads": {}, "params": {}}
+    for result in results:
+        for key in merged:
+            merged[key].update(result[key])
+    assert_parity(merged, reference, step_losses(results))
+
+
 # --------------------------------------------------------------------------- packed documents
 
 def packed_data() -> TokenDataset:
