@@ -259,6 +259,14 @@ def make_hf_checkpoint(folder: Any, arch: str, *, vocab_size: int, hidden_size: 
     config = config_class(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                           max_position_embeddings=64, tie_word_embeddings=False, **{**extra, **overrides})
+    return save_perturbed_hf(config, folder)
+
+
+def save_perturbed_hf(config: Any, folder: Any) -> str:
+    """The model of a Hugging Face `config` with every weight moved off its init (norms at 1 and biases at 0 would
+    hide mistakes), seeded, saved to `folder` with `save_pretrained`."""
+    import transformers
+
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

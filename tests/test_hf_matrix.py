@@ -30,6 +30,7 @@ from tests._parity import (
     make_hf,
     parity_trainer,
     reference_run,
+    save_perturbed_hf,
     step_losses,
 )
 
@@ -100,18 +101,11 @@ MATRIX = {(a, layout): expected(a, layout) for a in ARCHITECTURES for layout in 
 """What runs, as the tests below hold it: the source of the support table in docs/huggingface.md."""
 
 
-def make_checkpoint(folder: Any, architecture: str) -> str:
+def make_checkpoint(folder: Any, architecture: str, **overrides: Any) -> str:
     import transformers
 
     model_type, fields = ARCHITECTURES[architecture]
-    config = transformers.CONFIG_MAPPING[model_type](**{**_COMMON, **fields})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # every parameter off its init (norms at 1, biases at 0 would hide mistakes)
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    model.save_pretrained(folder)
-    return str(folder)
+    return save_perturbed_hf(transformers.CONFIG_MAPPING[model_type](**{**_COMMON, **fields, **overrides}), folder)
 
 
 def data() -> TokenDataset:
@@ -121,6 +115,15 @@ def data() -> TokenDataset:
 @lru_cache(maxsize=None)
 def _reference(architecture: str, folder: str) -> dict[str, Any]:
     return reference_run(make_hf(folder), data(), global_batch=MICRO_BATCH, steps=STEPS, accumulate=ACCUMULATE)
+
+
+def assert_stage_parity(results: list[dict[str, Any]], reference: dict[str, Any]) -> None:
+    """`assert_parity` of the ranks' records together: each pipeline stage records the parameters it holds."""
+    merged: dict[str, dict[str, Any]] = {"grads": {}, "params": {}}
+    for result in results:
+        for key in merged:
+            merged[key].update(result[key])
+    assert_parity(merged, reference, step_losses(results))
 
 
 def _train(rank, world_size, path, strategy_kwargs, export_dir):
@@ -168,11 +171,7 @@ def test_cell(architecture, layout, checkpoints, tmp_path):
         return
     reference = _reference(architecture, path)
     results = run_ranks(_train, WORLD, path, kwargs, str(tmp_path / "exported"))
-    merged = {"grads": {}, "params": {}}
-    for result in results:  # each pipeline stage records the parameters it holds
-        for key in merged:
-            merged[key].update(result[key])
-    assert_parity(merged, reference, step_losses(results))
+    assert_stage_parity(results, reference)
 
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True)
     state = exported.state_dict()
@@ -217,11 +216,7 @@ def test_combination(architecture, layout, checkpoints, tmp_path):
     path = checkpoints(architecture)
     reference = _reference(architecture, path)
     results = run_ranks(_train, 4, path, kwargs, str(tmp_path / "exported"))
-    merged = {"grads": {}, "params": {}}
-    for result in results:
-        for key in merged:
-            merged[key].update(result[key])
-    assert_parity(merged, reference, step_losses(results))
+    assert_stage_parity(results, reference)
 
 
 # --------------------------------------------------------------------------- other pipeline schedules
@@ -241,27 +236,14 @@ def test_pipeline_schedule(architecture, schedule, tmp_path_factory):
     """Four stages on two ranks (a rank runs a stage after the first and the last one's head, or, in the V, the
     first and the last stage): Gemma 2's final soft-capping on the last stage only, Granite's embedding multiplier
     on the first only, GPT-OSS's sinks and experts; 4 layers, so each stage holds one."""
-    model_type, fields = ARCHITECTURES[architecture]
-    folder = tmp_path_factory.mktemp(architecture)
-    import transformers
-
+    fields = ARCHITECTURES[architecture][1]
     layers = {"num_hidden_layers": 4}
     if "layer_types" in fields:
         layers["layer_types"] = fields["layer_types"] * 2
-    config = transformers.CONFIG_MAPPING[model_type](**{**_COMMON, **fields, **layers})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    model.save_pretrained(folder)
-    reference = reference_run(make_hf(str(folder)), data(), global_batch=MICRO_BATCH, steps=STEPS, accumulate=ACCUMULATE)
-    results = run_ranks(_train, WORLD, str(folder), SCHEDULES[schedule], str(tmp_path_factory.mktemp("exported")))
-    merged = {"grads": {}, "params": {}}
-    for result in results:
-        for key in merged:
-            merged[key].update(result[key])
-    assert_parity(merged, reference, step_losses(results))
+    folder = make_checkpoint(tmp_path_factory.mktemp(architecture), architecture, **layers)
+    reference = reference_run(make_hf(folder), data(), global_batch=MICRO_BATCH, steps=STEPS, accumulate=ACCUMULATE)
+    results = run_ranks(_train, WORLD, folder, SCHEDULES[schedule], str(tmp_path_factory.mktemp("exported")))
+    assert_stage_parity(results, reference)
 
 
 # --------------------------------------------------------------------------- packed documents
@@ -327,11 +309,7 @@ def test_lora_cell(architecture, layout, checkpoints, tmp_path):
                               accumulate=ACCUMULATE)
     assert any("lora_A" in name for name in reference["grads"]) and all("lora_" in n for n in reference["grads"])
     results = run_ranks(_train_lora, WORLD, path, LAYOUTS[layout], str(tmp_path / "merged"))
-    merged_result = {"grads": {}, "params": {}}
-    for result in results:
-        for key in merged_result:
-            merged_result[key].update(result[key])
-    assert_parity(merged_result, reference, step_losses(results))
+    assert_stage_parity(results, reference)
 
     trained = make_hf(path, lora=LORA)
     trained.configure_model()
