@@ -18,43 +18,13 @@ from typing import Any, Dict, Literal, Optional, Tuple
 import torch
 from torch.distributed.tensor import DTensor
 
+from ultrascale.models.hf_load import check_hf_folder, check_sharded_loading_supported, load_hf_weights, local_and_indices
 from ultrascale.models.lm import CausalLMModule, attached_strategy
 from ultrascale.strategies.contract import stage_mesh
 
-WEIGHT_SUFFIX = ".safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
-
-
-def check_hf_folder(path: str | Path) -> Path:
-    """A Hugging Face checkpoint folder with config.json and safetensors weights, or a clear error."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"Hugging Face checkpoint folder not found: {path}")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint folder")
-    if not list(path.glob(f"*{WEIGHT_SUFFIX}")):
-        found = sorted(p.name for p in path.iterdir())
-        hint = " (.bin weights are not supported: convert them with `save_pretrained(safe_serialization=True)`)" if any(
-            n.endswith(".bin") for n in found
-        ) else ""
-        raise FileNotFoundError(f"{path} has no *.safetensors weights{hint}; files: {found}")
-    safetensors_keys(path)  # reads each file's header only: a truncated or corrupt file is named now
-    return path
-
-
-def safetensors_keys(path: Path) -> set[str]:
-    from safetensors import safe_open
-
-    keys: set[str] = set()
-    for file in sorted(path.glob(f"*{WEIGHT_SUFFIX}")):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                keys.update(f.keys())
-        except Exception as error:  # safetensors' own error names no file
-            raise ValueError(f"{file}: not a readable safetensors file (truncated or corrupt?): {error}") from error
-    return keys
 
 
 def check_export_target(out_dir: str | Path, source_dir: Optional[str | Path], overwrite: bool = False) -> Path:
@@ -76,216 +46,6 @@ def check_export_target(out_dir: str | Path, source_dir: Optional[str | Path], o
             "new folder, or pass overwrite (`ultrascale export-hf --overwrite`, `HFCausalLM(export_overwrite=True)`)"
         )
     return out
-
-
-def _local_and_indices(tensor: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """This rank's part of `tensor` and, per dim, the global indices it holds (in order)."""
-    if not isinstance(tensor, DTensor):
-        return tensor, [torch.arange(n) for n in tensor.shape]
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    from ultrascale.parallel.checkpoint import box_placements
-
-    placements = list(tensor.placements)
-    # A packed [gate; up] split over tp holds several blocks of its dim; every other layout here holds one
-    # contiguous block per dim, whose offset torch computes (expert weights under expert parallel are FSDP
-    # shards of ep shards, both on the expert dim).
-    packed = {i: p for i, (p, boxed) in enumerate(zip(placements, box_placements(tuple(placements)))) if p != boxed}
-    for i in packed:
-        placements[i] = Replicate()
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)
-    indices = [torch.arange(start, start + size) for start, size in zip(offset, shape)]
-    for i, placement in packed.items():
-        ranks, rank = tensor.device_mesh.size(i), tensor.device_mesh.get_local_rank(i)
-        blocks = indices[placement.dim].chunk(placement.split_factor)  # e.g. [gate rows, up rows]
-        indices[placement.dim] = torch.cat([block.chunk(ranks)[rank] for block in blocks])
-    return tensor.to_local(), indices
-
-
-def _conversions(model_type: Optional[str]) -> tuple[list[Any], list[Any]]:
-    """The renamings and converters `from_pretrained` applies to a `model_type` checkpoint's keys (transformers'
-    own mapping for the architecture, then its legacy renamings), as fresh objects: ([], []) where there are none."""
-    try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-        from transformers.core_model_loading import WeightConverter
-    except ImportError:  # transformers 4: checkpoints load as stored, no conversion
-        return [], []
-    mapping = list(get_checkpoint_conversion_mapping(model_type) or []) if model_type else []
-    if not mapping:
-        return [], []
-    mapping += get_checkpoint_conversion_mapping("legacy") or []
-    converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
-    return [entry for entry in mapping if not isinstance(entry, WeightConverter)], converters
-
-
-def _stacking(converter: Any, model_type: Optional[str]) -> Optional[int]:
-    """How the sharded loader rebuilds a converter's target one expert at a time: the dim (of the stacked tensor)
-    its per-expert sources are concatenated along, None for a single source stacked alone. Refuses, naming the
-    architecture, the target and the operation, any conversion it cannot read that way."""
-    from transformers.core_model_loading import Concatenate, MergeModulelist
-
-    target = converter.target_patterns[0] if len(converter.target_patterns) == 1 else converter.target_patterns
-
-    def refuse(what: str) -> NotImplementedError:
-        return NotImplementedError(
-            f"model_type {model_type!r}: transformers converts this architecture's checkpoint while loading, and "
-            f"ultrascale's sharded loader cannot rebuild {target!r} from {converter.source_patterns}: {what}. It reads "
-            "per-expert weights stacked by MergeModulelist(dim=0), then optionally concatenated by Concatenate(dim>=1). "
-            "Under Lightning's own strategies HFCausalLM loads it with `from_pretrained`."
-        )
-
-    operations = list(converter.operations)
-    if len(converter.target_patterns) != 1:
-        raise refuse(f"operation(s) {operations} split one checkpoint tensor into {len(converter.target_patterns)}")
-    first = operations[0] if operations else None
-    if not (isinstance(first, MergeModulelist) and first.dim == 0):
-        if isinstance(first, Concatenate):
-            raise refuse(f"operation {first!r} over sources not stacked per expert by MergeModulelist(dim=0) first")
-        raise refuse(f"operation {first!r} is not supported")
-    for source in converter.source_patterns:
-        if "*" not in source:  # the `*` is the expert index; without it there is nothing to stack
-            raise refuse(f"operation {operations[0]!r} over the source pattern {source!r}, which has no expert index `*`")
-    rest = operations[1:]
-    if not rest:
-        if len(converter.source_patterns) > 1:
-            raise refuse(f"operation {operations[0]!r} alone over {len(converter.source_patterns)} sources")
-        return None
-    for op in rest:
-        if not isinstance(op, Concatenate) or op.dim < 1:
-            raise refuse(f"operation {op!r} is not supported")
-    if len(rest) > 1:
-        raise refuse(f"operations {rest} after {operations[0]!r}: one Concatenate at most")
-    return int(rest[0].dim)
-
-
-def check_sharded_loading_supported(config: Any) -> None:
-    """Sharded loading reads each rank's slices by name. An architecture whose checkpoint transformers converts while
-    loading (`transformers.conversion_mapping`) is read through the same mapping: renamed keys by their names on
-    disk, fused experts one expert at a time; a conversion the loader cannot reproduce is refused, naming it."""
-    model_type = getattr(config, "model_type", None)
-    for converter in _conversions(model_type)[1]:
-        _stacking(converter, model_type)
-
-
-class _Stacked:
-    """A model tensor that transformers builds from per-expert checkpoint tensors: `sources[p][e]` is the disk key
-    of expert `e` for source pattern `p`, in the converter's pattern order; the experts are stacked on dim 0 and
-    the sources concatenated along `concat_dim` (None: a single source)."""
-
-    def __init__(self, converter: Any, concat_dim: Optional[int]) -> None:
-        self.converter = converter
-        self.concat_dim = concat_dim
-        self.keys: dict[str, list[str]] = {}
-
-    def sources(self, name: str, experts: int) -> list[list[str]]:
-        found = []
-        for pattern in self.converter.source_patterns:
-            keys = self.keys.get(pattern, [])
-            if len(keys) != experts:
-                raise ValueError(
-                    f"{name} stacks {experts} experts, but the checkpoint holds {len(keys)} tensor(s) for its source "
-                    f"pattern {pattern!r} (e.g. {keys[:3]})"
-                )
-            found.append(keys)
-        return found
-
-    @torch.no_grad()
-    def fill(self, name: str, tensor: torch.Tensor, get: Any) -> None:
-        """Write this rank's part of `tensor`, reading one expert at a time."""
-        local, (experts_held, *within) = _local_and_indices(tensor)
-        sources = self.sources(name, tensor.shape[0])
-        for i, e in enumerate(experts_held.tolist()):
-            parts = [get(keys[e]) for keys in sources]
-            full = parts[0] if self.concat_dim is None else torch.cat(parts, dim=self.concat_dim - 1)
-            for dim, held in enumerate(within):
-                if held.numel() != full.shape[dim] or not torch.equal(held, torch.arange(full.shape[dim])):
-                    full = full.index_select(dim, held)
-            local[i].copy_(full)
-
-
-def _disk_layout(model: torch.nn.Module, config: Any, available: set[str], names: set[str]) -> tuple[dict[str, str], dict[str, _Stacked]]:
-    """Where each model tensor (named as in `names`) is on disk, found as `from_pretrained` finds it: every checkpoint
-    key is renamed by transformers' own mapping (renamings, then at most one converter) into a model key. Returns
-    {model key: disk key} for the tensors read as stored, and {model key: _Stacked} for those a converter builds."""
-    model_type = getattr(config, "model_type", None)
-    renamings, converters = _conversions(model_type)
-    direct: dict[str, str] = {}
-    stacked: dict[str, _Stacked] = {}
-    if not renamings and not converters:
-        return {key: key for key in available if key in names}, stacked
-    from transformers.core_model_loading import dot_natural_key, rename_source_key
-
-    plans = {id(converter): _stacking(converter, model_type) for converter in converters}
-    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
-    prefix = getattr(model, "base_model_prefix", None) or None
-    meta = dict.fromkeys(names, True)
-    for disk_key in sorted(available, key=dot_natural_key):  # transformers stacks experts in this order
-        name, pattern = rename_source_key(disk_key, renamings, converters, prefix, meta)
-        if name not in meta and disk_key in meta:
-            name, pattern = disk_key, None
-        if name not in meta:
-            continue  # not a weight of this model (transformers reports it as unexpected)
-        if pattern is None:
-            direct.setdefault(name, disk_key)
-        else:
-            converter = by_pattern[pattern]
-            entry = stacked.setdefault(name, _Stacked(converter, plans[id(converter)]))
-            entry.keys.setdefault(pattern, []).append(disk_key)
-    return direct, stacked
-
-
-@torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """Fill `model`'s (possibly sharded DTensor) parameters from the safetensors of `path`.
-
-    Each rank reads only the slices its shards cover. Checkpoint keys are mapped to the model's by transformers' own
-    conversion mapping, as `from_pretrained` does (e.g. Mixtral's `block_sparse_moe` -> `mlp`); experts stored one
-    tensor each are stacked into the model's fused expert tensors one expert at a time. Works with or without a
-    process group.
-    """
-    import torch.distributed.checkpoint as dcp
-    from safetensors import safe_open
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    path = check_hf_folder(path)
-    config = getattr(model, "config", None)
-    if config is not None:
-        check_sharded_loading_supported(config)
-    available = safetensors_keys(path)
-    # A PEFT-wrapped model (the transformers model inside a PeftModel): a wrapped layer keeps its weights under
-    # `<layer>.base_layer.`, and the adapters (`.lora_A.` ...) are not in the checkpoint (initialised instead).
-    state = {k: v for k, v in model.state_dict().items() if ".lora_" not in k}
-    checkpoint_name = {key: key.replace(".base_layer.", ".") for key in state}
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    direct, stacked = _disk_layout(model, config, available, set(checkpoint_name.values()))
-
-    wanted = {direct[checkpoint_name[key]]: value for key, value in state.items() if checkpoint_name[key] in direct}
-    fused = {key: value for key, value in state.items() if checkpoint_name[key] in stacked}
-    missing = sorted(
-        key for key in state
-        if checkpoint_name[key] not in direct and key not in fused and not (tied and key.endswith("lm_head.weight"))
-    )
-    if missing:
-        raise ValueError(f"{path} lacks weights for {len(missing)} parameter(s) of the model, e.g. {missing[:5]}")
-    for key, value in fused.items():  # every expert's source there, before anything is read
-        stacked[checkpoint_name[key]].sources(key, value.shape[0])
-    from ultrascale.parallel.checkpoint import dcp_storable
-
-    with dcp_storable(wanted, read_back=True):  # a packed [gate; up] tp split is not one box: DCP reads a plain one
-        dcp.load(wanted, storage_reader=HuggingFaceStorageReader(str(path)))
-    if fused:
-        handles = [safe_open(str(file), framework="pt") for file in sorted(path.glob(f"*{WEIGHT_SUFFIX}"))]
-        holder = {k: handle for handle in handles for k in handle.keys()}  # each file's header parsed once
-
-        def get(key: str) -> torch.Tensor:
-            return holder[key].get_tensor(key)
-
-        for key, value in fused.items():
-            stacked[checkpoint_name[key]].fill(key, value, get)
-    if not any(isinstance(v, DTensor) for v in wanted.values()):
-        # Plain tensors: DCP may load into copies; make sure the module holds the values.
-        model.load_state_dict({k: v for k, v in state.items() if k not in fused}, strict=False)
 
 
 @torch.no_grad()
@@ -560,7 +320,7 @@ def init_lora_weights(model: torch.nn.Module, seed: int) -> None:
         if ".lora_A." in f".{name}":
             generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             full = torch.nn.init.kaiming_uniform_(torch.empty(param.shape), a=math.sqrt(5), generator=generator)
-            local, indices = _local_and_indices(param)
+            local, indices = local_and_indices(param)
             local.copy_(full[torch.meshgrid(*indices, indexing="ij")].to(local.dtype))
         elif ".lora_B." in f".{name}":
             (param.to_local() if isinstance(param, DTensor) else param).zero_()
