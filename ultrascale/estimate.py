@@ -7,6 +7,7 @@ and the tests all read the same formulas. Symbols, as in the Ultra-Scale Playboo
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -375,16 +376,10 @@ class ModelShape:
         if key not in _HF_SHAPE_CACHE:
             _HF_SHAPE_CACHE[key] = _read_hf_shape(cls, c)
         shape = _HF_SHAPE_CACHE[key]
-        return shape if shape.config is config else _replace(shape, config=config)
+        return shape if shape.config is config else dataclasses.replace(shape, config=config)
 
 
 _HF_SHAPE_CACHE: dict[str, "ModelShape"] = {}
-
-
-def _replace(shape: "ModelShape", **changes: Any) -> "ModelShape":
-    import dataclasses
-
-    return dataclasses.replace(shape, **changes)
 
 
 def _read_hf_shape(cls: type, c: Any) -> "ModelShape":
