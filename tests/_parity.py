@@ -211,6 +211,23 @@ def reference_run(
     return out
 
 
+def merge_stages(results: list[dict[str, Any]], strip: str = "") -> dict[str, dict[str, torch.Tensor]]:
+    """Each rank records the gradients and weights of the parameters it holds; together they are the model's.
+    A parameter several ranks hold (a tied weight's two pipeline ends) must be recorded equal on each.
+    `strip`: a wrapper's name part to drop (activation checkpointing's)."""
+    from torch.testing import assert_close
+
+    merged: dict[str, dict[str, torch.Tensor]] = {"grads": {}, "params": {}}
+    for result in results:
+        for key in merged:
+            for name, value in result[key].items():
+                name = name.replace(strip, "") if strip else name
+                if name in merged[key]:
+                    assert_close(value, merged[key][name], rtol=0, atol=0, msg=lambda m: f"{key} {name} differs: {m}")
+                merged[key][name] = value
+    return merged
+
+
 def assert_parity(result: dict[str, Any], reference: dict[str, Any], losses: list[float], param_atol: float = 3e-5) -> None:
     """fp32 parity: first-step loss and every gradient, weights after step 1, the whole loss curve."""
     from torch.testing import assert_close

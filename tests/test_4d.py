@@ -14,8 +14,8 @@ import torch
 
 import ultrascale
 from tests._dist import run_ranks
-from tests._parity import ParityData, Recorder, assert_parity, parity_trainer, reference_run, step_losses
-from tests.test_pipeline_parallel import BATCH, SEQ, STEPS, _check, make_llama, masked_data, merge_stages
+from tests._parity import ParityData, Recorder, assert_parity, merge_stages, parity_trainer, reference_run, step_losses
+from tests.test_pipeline_parallel import BATCH, SEQ, STEPS, _check, make_llama, masked_data
 from ultrascale import planner
 from ultrascale.models.lm import LlamaLM
 

@@ -17,8 +17,7 @@ import torch
 
 import ultrascale
 from tests._dist import run_ranks
-from tests._parity import ParityData, Recorder, TokenDataset, assert_parity, parity_trainer, reference_run, step_losses
-from tests.test_pipeline_parallel import merge_stages
+from tests._parity import ParityData, Recorder, TokenDataset, assert_parity, merge_stages, parity_trainer, reference_run, step_losses
 from ultrascale.models.llama import LlamaConfig
 from ultrascale.models.lm import LlamaLM
 

@@ -28,6 +28,7 @@ from tests._parity import (
     TokenDataset,
     assert_parity,
     make_hf,
+    merge_stages,
     parity_trainer,
     reference_run,
     save_perturbed_hf,
@@ -86,7 +87,6 @@ WORLD = 2
 REFUSED: dict[tuple[str, str], tuple[str, str]] = {
     # (architecture, layout): (a regular expression the message must match, the reason in a few words for the table)
     ("OLMoE", "PP 2 (1F1B)"): (r"its config ships no `base_model_pp_plan`", "no `base_model_pp_plan`"),
-    ("Gemma3, tied", "PP 2 (1F1B)"): (r"ties its input embedding to its output head", "tied embeddings"),
 }
 
 
@@ -119,11 +119,7 @@ def _reference(architecture: str, folder: str) -> dict[str, Any]:
 
 def assert_stage_parity(results: list[dict[str, Any]], reference: dict[str, Any]) -> None:
     """`assert_parity` of the ranks' records together: each pipeline stage records the parameters it holds."""
-    merged: dict[str, dict[str, Any]] = {"grads": {}, "params": {}}
-    for result in results:
-        for key in merged:
-            merged[key].update(result[key])
-    assert_parity(merged, reference, step_losses(results))
+    assert_parity(merge_stages(results), reference, step_losses(results))
 
 
 def _train(rank, world_size, path, strategy_kwargs, export_dir):
@@ -204,6 +200,10 @@ COMBINATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("Gemma2", "CP 2 ring x TP 2"): {"context_parallel": 2, "tensor_parallel": 2, "data_parallel_shard": 1},
     ("GLM-4-MoE", "TP 2 x PP 2"): {"tensor_parallel": 2, "pipeline_parallel": 2, "data_parallel_shard": 1,
                                    "pipeline_microbatches": 2},
+    # Tied embeddings: the first and the last stage each shard their copy (FSDP, vocab-parallel) and sum its gradients.
+    ("Gemma3, tied", "ZeRO-3 2 x PP 2"): {"pipeline_parallel": 2, "data_parallel_shard": 2, "pipeline_microbatches": 2},
+    ("Gemma3, tied", "TP 2 x PP 2"): {"tensor_parallel": 2, "pipeline_parallel": 2, "data_parallel_shard": 1,
+                                      "pipeline_microbatches": 2},
 }
 
 
@@ -228,6 +228,7 @@ SCHEDULES: dict[str, dict[str, Any]] = {
                       "data_parallel_shard": 1},
 }
 SCHEDULE_CELLS = [(a, schedule) for a in ("Gemma2", "Granite", "GPT-OSS") for schedule in SCHEDULES]
+SCHEDULE_CELLS.append(("Gemma3, tied", "Interleaved1F1B"))  # the tied ends on stage 0 (rank 0) and stage 3 (rank 1)
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
     total_norm: torch.Tensor | None = None,
     across: dist.ProcessGroup | None = None,
+    not_counted: Iterable[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Clip gradients by their global norm over all ranks; returns the (unclipped) global norm.
 
@@ -30,11 +31,13 @@ def clip_grad_norm_(
     ranks at once: DTensor's own reduction of a 2-D partial norm would run one all-reduce
     per axis, in an order that can differ between ranks. `total_norm`: the global norm if the
     caller already has it (the strategy's non-finite check computed it this step). `across`: ranks
-    that hold *other* parameters (pipeline stages), whose gradients count in the norm too.
+    that hold *other* parameters (pipeline stages), whose gradients count in the norm too. `not_counted`:
+    gradients that another rank counts (a tied weight's copy on the last pipeline stage): clipped, not counted.
     """
     parameters = [p for p in parameters if p.grad is not None]
     if total_norm is None:
-        total_norm = global_grad_norm([p.grad for p in parameters], norm_type, across=across)
+        skip = {id(g) for g in not_counted}
+        total_norm = global_grad_norm([p.grad for p in parameters if id(p.grad) not in skip], norm_type, across=across)
     if not parameters:
         return total_norm
     total = total_norm

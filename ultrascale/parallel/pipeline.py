@@ -39,6 +39,7 @@ from torch.distributed.pipelining.schedules import (
     _ComputationType,
     get_schedule_class,
 )
+from torch.distributed.tensor import DTensor
 
 from ultrascale.parallel.expert import routing_not_counted
 from ultrascale.parallel.loss import IGNORE_INDEX, cross_entropy_sum
@@ -153,26 +154,55 @@ class PipelineParts:
         return layers
 
     def problem(self, model_name: str) -> Optional[str]:
-        """Why this model cannot be split (a part missing, embedding and head tied), or None."""
+        """Why this model cannot be split (a part missing), or None."""
         for role, path in (("embedding", self.embed), ("layers", self.layers), ("final norm", self.norm), ("head", self.head)):
             try:
                 self.root.get_submodule(path)
             except AttributeError:
                 return f"pipeline parallel: {model_name} has no {role} at `{path}`"
-        embed_params = {id(p) for p in self.root.get_submodule(self.embed).parameters()}
-        if any(id(p) in embed_params for p in self.root.get_submodule(self.head).parameters()):
-            return (
-                f"pipeline parallel: {model_name} ties its input embedding to its output head; the first and the last "
-                "stage would each need the one weight. Untie them (e.g. `tie_embeddings=False` / `tie_word_embeddings=False`)"
-            )
+        shared = {id(p) for p in self.root.get_submodule(self.embed).parameters()} & {
+            id(p) for p in self.root.get_submodule(self.head).parameters()}
+        if len(shared) != len(self.tied_weights()):
+            return (f"pipeline parallel: {model_name}'s input embedding and output head share a weight inside a "
+                    f"submodule of `{self.embed}`; only a weight of the modules themselves (`{self.embed}.weight`) "
+                    "can be tied across stages")
         return None
+
+    def tied_weights(self) -> list[tuple[str, str]]:
+        """(embedding attribute, head attribute) of each Parameter the input embedding shares with the output
+        head (tied embeddings: `[("weight", "weight")]`); empty when they share none."""
+        head = dict(self.root.get_submodule(self.head).named_parameters(recurse=False))
+        by_id = {id(p): name for name, p in head.items()}
+        return [(name, by_id[id(p)]) for name, p in self.root.get_submodule(self.embed).named_parameters(recurse=False)
+                if id(p) in by_id]
 
 
 class PipelineGap(nn.Module):
-    """Stands in for a part another stage holds: no parameters; passes its first input through."""
+    """Stands in for a part another stage holds: no parameters of its own (a `TiedGap` names the head's);
+    passes its first input through."""
 
     def forward(self, x: Any = None, *args: Any, **kwargs: Any) -> Any:
         return x if x is not None else kwargs.get("hidden_states")
+
+
+class TiedGap(PipelineGap):
+    """The input embedding's place on a rank whose last stage holds the output head tied to it.
+
+    It computes nothing, like any gap, but keeps the shared weight under the embedding's name: the
+    parameter is then named as in the whole model on every rank (`named_parameters` lists the
+    embedding's name first), so checkpoints, optimizer state and the HF export move between
+    pipeline degrees. `ties`: (embedding attribute, head attribute) pairs (`PipelineParts.tied_weights`).
+    It takes the head's Parameters in `retie`, once sharding (FSDP, TP) has given the head its own: before,
+    the tensor-parallel plan would see a tie it must keep and lay out only one end of it."""
+
+    def __init__(self, ties: Sequence[tuple[str, str]]) -> None:
+        super().__init__()
+        self.ties = list(ties)
+
+    def retie(self, head: nn.Module) -> None:
+        """Share the head's current Parameters."""
+        for embed_attribute, head_attribute in self.ties:
+            self._parameters[embed_attribute] = getattr(head, head_attribute)
 
 
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -191,17 +221,89 @@ def stage_slots(parts: PipelineParts, layout: PipelineLayout, stage: int) -> lis
 
 
 def split_model(parts: PipelineParts, layout: PipelineLayout, pp_rank: int) -> list[str]:
-    """Replace, in place, every part that rank `pp_rank`'s stages do not hold by a `PipelineGap`;
-    returns the paths of the parts it keeps."""
+    """Replace, in place, every part that rank `pp_rank`'s stages do not hold by a `PipelineGap` (a `TiedGap` for
+    an embedding tied to a head this rank holds); returns the paths of the parts it keeps. A second call changes
+    nothing."""
     keep = {slot for stage in layout.stage_ids(pp_rank) for slot in stage_slots(parts, layout, stage)}
     n_layers = len(parts.layer_list())
     if n_layers != sum(layout.layers_per_stage):
         raise ValueError(f"pipeline layout covers {sum(layout.layers_per_stage)} layers, the model has {n_layers}")
     every = [parts.embed, *(f"{parts.layers}.{i}" for i in range(n_layers)), parts.norm, parts.head]
+    ties = parts.tied_weights()
     for slot in every:
-        if slot not in keep:
-            _set_submodule(parts.root, slot, PipelineGap())
+        if slot not in keep and not isinstance(parts.root.get_submodule(slot), PipelineGap):  # split once
+            tied_head = ties and slot == parts.embed and parts.head in keep
+            _set_submodule(parts.root, slot, TiedGap(ties) if tied_head else PipelineGap())
     return [slot for slot in every if slot in keep]
+
+
+@dataclass
+class TiedStageWeights:
+    """The weights the first stage's embedding shares with the last stage's head, on one of the two
+    pipeline ranks that hold them (tied embeddings).
+
+    Each of the two ranks holds its own copy. Their gradients are the two halves of one gradient,
+    dL/dW = (embedding's) + (head's): `sync_gradients` sums them on both ranks, so both copies take
+    the same optimizer step and stay equal. The norm counts the first stage's copy only."""
+
+    params: list[nn.Parameter]
+    group: dist.ProcessGroup
+    """This rank and the other end of its pipeline (the same dp, cp and tp coordinates)."""
+    counted: bool
+    """Whether this rank's copy counts in the global gradient norm (the first stage's does)."""
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        """Once per optimizer step, after the last backward; both ranks call it."""
+        for param in self.params:
+            if not param.requires_grad:
+                continue
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grad = param.grad
+            # Both ends shard the weight alike (FSDP over the same dp ranks, the same tp layout: checked in
+            # `tie_stage_weights`), so the local blocks add up element by element.
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+
+    def not_counted(self) -> list[torch.Tensor]:
+        """The gradients a norm over this rank's parameters must leave out (another rank counts them)."""
+        return [] if self.counted else [p.grad for p in self.params if p.grad is not None]
+
+
+def tie_stage_weights(parts: PipelineParts, ties: Sequence[tuple[str, str]], world: Any, pp_rank: int) -> Optional[TiedStageWeights]:
+    """After sharding, for a model whose embedding and head share `ties` (`PipelineParts.tied_weights()`, read
+    before the split): the `TiedGap` of the rank holding the head shares the head's new Parameters, and the
+    first and last pipeline ranks of every (dp, cp, tp) coordinate get a process group for their tied
+    gradients. Every rank calls it (it creates process groups); returns None on a rank holding neither end.
+    `world`: the device mesh, pipeline axis first."""
+    if world.mesh_dim_names[0] != "pp":
+        raise ValueError(f"tie_stage_weights needs the pipeline axis first; the mesh has {world.mesh_dim_names}")
+    ranks = world.mesh.reshape(world.mesh.shape[0], -1)  # (pp, every other coordinate)
+    group, _ = dist.new_subgroups_by_enumeration([[int(ranks[0, j]), int(ranks[-1, j])] for j in range(ranks.shape[1])])
+    embed = parts.root.get_submodule(parts.embed)
+    if isinstance(embed, TiedGap):
+        embed.retie(parts.root.get_submodule(parts.head))
+    elif isinstance(embed, PipelineGap):
+        return None
+    assert group is not None
+    tied = TiedStageWeights([getattr(embed, name) for name, _ in ties], group, counted=pp_rank == 0)
+    _check_same_layout(tied)
+    return tied
+
+
+def _check_same_layout(tied: TiedStageWeights) -> None:
+    """The two copies must be cut alike (FSDP over the same dp ranks; the embedding's and the head's tensor-parallel
+    layouts, which the plan chooses separately, the same), or their local gradients do not add up."""
+    mine = [(tuple(p.placements) if isinstance(p, DTensor) else None, tuple(p.to_local().shape) if isinstance(p, DTensor)
+             else tuple(p.shape)) for p in tied.params]
+    both: list[Any] = [None, None]
+    dist.all_gather_object(both, [(str(placements), shape) for placements, shape in mine], group=tied.group)
+    if both[0] != both[1]:
+        raise ValueError(
+            "pipeline parallel with tied embeddings: the first stage's embedding and the last stage's head lay out their "
+            f"shared weight differently ({both[0]} vs {both[1]}: placements and local shape); give both the same "
+            "tensor-parallel layout (a vocab-parallel embedding and a column-parallel head both shard dim 0)"
+        )
 
 
 def plan_for_present(module: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:

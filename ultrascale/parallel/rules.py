@@ -144,7 +144,9 @@ class ModelFacts:
     pipeline: bool = False
     """It can be split into stages (an adapter's or the module's own `pipeline_parts`)."""
     pipeline_refusal: Optional[str] = None
-    """Why its stage split cannot run (a missing part, tied embeddings, no pp plan); None: it can."""
+    """Why its stage split cannot run (a missing part, no pp plan); None: it can."""
+    tied_embeddings: bool = False
+    """Its input embedding and output head share one weight (the first and the last stage each hold a copy)."""
     n_experts: int = 0
     """Routed experts per MoE layer; 0: dense."""
     expert_parallel: bool = False
@@ -320,11 +322,31 @@ def model_problems(dims: ParallelDims, k: LayoutKnobs, facts: ModelFacts) -> lis
         elif facts.pipeline_refusal is not None:
             problems.append(Problem(facts.pipeline_refusal))
         elif facts.n_layers is not None:
+            if facts.tied_embeddings:
+                problems += _tied_stage_problems(k, name, dims.pp)
             problems += pipeline_problems(n_layers=facts.n_layers, pp=dims.pp, schedule=k.pipeline_schedule,
                                           virtual_stages=k.pipeline_virtual_stages, microbatches=k.pipeline_microbatches,
                                           layers_per_stage=k.pipeline_layers)
     if dims.tp_enabled:
         problems += _tensor_parallel_problems(dims.tp, k, facts)
+    return problems
+
+
+def _tied_stage_problems(k: LayoutKnobs, name: str, pp: int) -> list[Problem]:
+    """Tied embeddings under pipeline parallel: the first and the last pipeline rank each keep a copy of the
+    weight and sum its gradient halves every step (`ultrascale.parallel.pipeline.TiedStageWeights`)."""
+    problems = []
+    if k.pipeline_schedule in V_SCHEDULES:
+        problems.append(Problem(
+            f"{name} ties its input embedding to its output head, and the V placement puts the first and the last "
+            "stage on one rank, where each stage is its own FSDP unit and one weight cannot belong to both: choose a "
+            "looped schedule (1F1B, Interleaved1F1B, ...) or untie them (`tie_word_embeddings=False`)",
+            (f"pipeline_schedule={k.pipeline_schedule!r}",), not_implemented=True))
+    if k.zero_stage in (1, 2):
+        problems.append(Problem(
+            f"{name} ties its input embedding to its output head; the two pipeline ends sum that weight's gradient "
+            "halves on the parameters, which ZeRO-1/2 have already reduced into their buckets: use zero_stage=3",
+            (f"zero_stage={k.zero_stage}", f"pipeline_parallel={pp}"), not_implemented=True))
     return problems
 
 

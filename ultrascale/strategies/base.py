@@ -29,7 +29,7 @@ from ultrascale.parallel.context import ContextLayout, ContextParallel, ContextP
 from ultrascale.parallel.device import process_group_backend, tune_cpu_allocator
 from ultrascale.parallel.dims import ParallelDims, ParallelMesh, build_mesh
 from ultrascale.parallel.fsdp import reshard
-from ultrascale.parallel.pipeline import PipelineLayout, PipelineRunner
+from ultrascale.parallel.pipeline import PipelineLayout, PipelineRunner, TiedStageWeights
 from ultrascale.parallel.resume import load_training_state
 from ultrascale.parallel.rules import LayoutKnobs, batch_problems, knob_problems, raise_first
 from ultrascale.parallel.tensor import has_tensor_parallel_dropout, maybe_loss_parallel, resolve_plan, synchronize_dropout_rng
@@ -207,6 +207,7 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
         self._pipeline: Optional[PipelineRunner] = None
         self._pipeline_layout: Optional[PipelineLayout] = None
         self._pipeline_grads = PipelineGradientStash()
+        self._tied_weights: Optional[TiedStageWeights] = None  # pipeline parallel with tied embeddings: this rank's end
         self.context_parallel_load_balance = context_parallel_load_balance
         self._context_parallel: Optional[ContextParallel] = None
         self.zero_stage = zero_stage
@@ -430,7 +431,9 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
         self.setup_precision_plugin()
         precision = self.precision_plugin
         if isinstance(precision, UltraScalePrecision):
-            precision.clip_across(self._step_groups.stages if self._step_groups is not None else None)
+            tied = self._tied_weights
+            precision.clip_across(self._step_groups.stages if self._step_groups is not None else None,
+                                  not_counted=tied.not_counted if tied is not None else lambda: ())
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
         self.checkpoint_publisher.open(fitting=trainer.state.fn == TrainerFn.FITTING)
@@ -453,6 +456,8 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
             reshard_after_forward=self.reshard_after_forward, zero_stage=self.zero_stage,
             sync_module_states=self.sync_module_states, owner=type(self).__name__)
         self._step.use_routers(sharded.routers, shape)
+        self._step.use_tied_weights(sharded.tied)
+        self._tied_weights = sharded.tied
         self._pipeline = sharded.pipeline
         self._tensor_parallel_dropout = has_tensor_parallel_dropout(module)
         if self._compiler is not None:

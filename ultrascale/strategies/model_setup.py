@@ -25,7 +25,7 @@ from ultrascale.parallel.expert import iter_routers, router_loads
 from ultrascale.parallel.fsdp import is_fsdp_sharded, set_gradient_sync
 from ultrascale.parallel.init import broadcast_module_state, has_meta_tensors, materialize_meta_module
 from ultrascale.parallel.parallelize import parallelize
-from ultrascale.parallel.pipeline import PipelineRunner, split_model
+from ultrascale.parallel.pipeline import PipelineRunner, TiedStageWeights, split_model, tie_stage_weights
 from ultrascale.parallel.transforms import ModelTransform
 from ultrascale.parallel.zero import ZeroEngine
 from ultrascale.strategies.precision import UltraScalePrecision
@@ -39,6 +39,9 @@ class ShardedModel:
     """Under pipeline parallel, the runner of this rank's stages; None otherwise."""
     routers: list[torch.nn.Module]
     """The MoE routers of this rank's layers (empty without MoE)."""
+    tied: Optional[TiedStageWeights] = None
+    """Under pipeline parallel with tied embeddings, on the first and the last pipeline rank: the weights
+    whose gradients the two sum every step; None otherwise."""
 
 
 def is_parallelized(module: torch.nn.Module) -> bool:
@@ -79,6 +82,7 @@ def shard_model(
             f"{owner}: no repeated blocks (a ModuleList of identical layers) found in "
             f"{type(module).__name__}; sharding it as one FSDP unit per top-level child"
         )
+    ties = pipeline[0].tied_weights() if pipeline is not None else []  # read while this rank holds both ends
     if pipeline is not None:  # before weights move: the parts other ranks hold never reach this device
         split_model(*pipeline, mesh["pp"].get_local_rank())
     meta = has_meta_tensors(module)
@@ -111,11 +115,13 @@ def shard_model(
     routers = list(iter_routers(module))
     if meta:
         materialize_meta_module(module, device)
-    runner = None
+    runner, tied = None, None
     if pipeline is not None:
         runner = PipelineRunner(stages, pipeline[1], mesh["pp"].get_group(), device, loss=pipeline[0].loss)
         rank_zero_info(f"pipeline parallel: {pipeline[1].describe()}")
-    return ShardedModel(runner, routers)
+        if ties:
+            tied = tie_stage_weights(pipeline[0], ties, mesh.world, mesh["pp"].get_local_rank())
+    return ShardedModel(runner, routers, tied)
 
 
 def make_zero_engine(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, Optional
 
@@ -31,12 +31,16 @@ class UltraScalePrecision(Precision):
             raise ValueError(f"ultrascale supports precision {SUPPORTED_PRECISION}, got precision={precision!r}")
         self.precision = precision
         self._norm_group: Optional[torch.distributed.ProcessGroup] = None
+        self._not_counted: Callable[[], Sequence[torch.Tensor]] = lambda: ()
         self._step_grad_norm: Optional[Callable[[], Optional[torch.Tensor]]] = None  # only inside `optimizer_step`
 
-    def clip_across(self, stages: Optional[torch.distributed.ProcessGroup]) -> None:
+    def clip_across(self, stages: Optional[torch.distributed.ProcessGroup],
+                    not_counted: Callable[[], Sequence[torch.Tensor]] = lambda: ()) -> None:
         """Under pipeline parallel, the ranks holding the other stages: their gradients count in the
-        clipping norm (the strategy calls it in `setup`; None: this rank's gradients are the model's)."""
+        clipping norm (the strategy calls it in `setup`; None: this rank's gradients are the model's).
+        `not_counted()`: this step's gradients that another stage counts (`TiedStageWeights.not_counted`)."""
         self._norm_group = stages
+        self._not_counted = not_counted
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -90,7 +94,8 @@ class UltraScalePrecision(Precision):
         if engine is not None:  # ZeRO-1/2: the reduced gradients are the engine's slices
             engine.clip_grad_norm_(clip_val, total_norm=total)
         else:
-            clip_grad_norm_(self.main_params(optimizer), clip_val, total_norm=total, across=self._norm_group)
+            clip_grad_norm_(self.main_params(optimizer), clip_val, total_norm=total, across=self._norm_group,
+                            not_counted=self._not_counted())
 
     @override
     def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:

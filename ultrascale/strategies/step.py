@@ -39,6 +39,7 @@ from ultrascale.parallel.expert import (
 )
 from ultrascale.parallel.grad import global_grad_norm
 from ultrascale.parallel.loss import NUM_TOKENS_KEY, StepTokens, scale_gradients
+from ultrascale.parallel.pipeline import TiedStageWeights
 from ultrascale.parallel.zero import zero_engine_for
 
 
@@ -254,11 +255,17 @@ class StepRunner:
         self.guard = StepGuard(nonfinite, max_nonfinite_skips)
         self._routers: list[torch.nn.Module] = []  # MoE routers of this rank's layers
         self._moe_shape: Optional[tuple[int, int]] = None  # (MoE layers, experts) of the whole model: same on every rank
+        self._tied: Optional[TiedStageWeights] = None
 
     def use_routers(self, routers: Sequence[torch.nn.Module], moe_shape: Optional[tuple[int, int]]) -> None:
         """The MoE routers of this rank's layers and the (MoE layers, experts) of the whole model (None: no MoE)."""
         self._routers = list(routers)
         self._moe_shape = moe_shape
+
+    def use_tied_weights(self, tied: Optional[TiedStageWeights]) -> None:
+        """Under pipeline parallel with tied embeddings, this rank's end of the tie (None elsewhere): `finish`
+        sums the two ends' gradients and counts them once."""
+        self._tied = tied
 
     def start_micro_batch(self, accumulate: int) -> None:
         if self._moe_shape is not None:
@@ -280,6 +287,8 @@ class StepRunner:
 
         `loss_divisor`: what Lightning divided each micro-batch's loss by (`accumulate_grad_batches`
         under automatic optimisation, else 1). Raises FloatingPointError where `nonfinite` says to stop."""
+        if self._tied is not None:
+            self._tied.sync_gradients()
         engine = zero_engine_for(optimizer)
         if engine is not None:
             engine.reduce_gradients()
@@ -292,7 +301,8 @@ class StepRunner:
             if engine is not None:
                 norm = engine.grad_norm()
             else:
-                present = [g for g in grads if g is not None]
+                elsewhere = {id(g) for g in self._tied.not_counted()} if self._tied is not None else set()
+                present = [g for g in grads if g is not None and id(g) not in elsewhere]
                 stages = groups.stages
                 norm = global_grad_norm(present, across=stages) if present or stages else torch.zeros((), device=groups.device)
             # One host sync for both numbers.
