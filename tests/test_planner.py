@@ -552,11 +552,12 @@ def test_activation_peak_under_tensor_and_sequence_parallel(recompute):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [dict(dp_shard=8, recompute="full"), dict(dp_shard=4, tp=2, recompute="full"),
-                                    dict(dp_shard=8, recompute="none"), dict(dp_shard=4, cp=2, recompute="none"),
-                                    dict(dp_shard=8, zero_stage=2, recompute="full")])
+@pytest.mark.parametrize("layout", [dict(dp_shard=8, recompute="full"), dict(dp_shard=8, recompute="none")])
 def test_measure_agrees_with_the_formulas_on_8b_at_world_8(layout):
-    """`ultrascale plan --measure`: the real model under FakeTensorMode and FSDPMemTracker / MemTracker (20-45 s)."""
+    """`ultrascale plan --measure`: the real model under FakeTensorMode and FSDPMemTracker (30-40 s each here). The
+    tp, cp and ZeRO-2 rows at this size (60-130 s each on 2 cores) are benchmarks/planner_validation.py's measured
+    table; the suite holds their formulas at small sizes (`test_model_state_matches_live_tensors`,
+    `test_activation_peak_under_tensor_and_sequence_parallel`, `test_activation_peak_matches_memtracker`)."""
     from ultrascale.measure import measure_layout
 
     measured = measure_layout("llama3_8b", world=8, seq_len=8192, micro_batch=1, **layout)
