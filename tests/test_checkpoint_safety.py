@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from tests._dist import run_ranks
 from ultrascale.data import CausalLMDataModule
 from ultrascale.models.lm import LlamaLM
+from ultrascale.parallel.manifest import write_manifest
 from ultrascale.parallel.safe_load import SafeLoadPlanner, UnsafeCheckpointError, read_dcp_metadata
 
 
@@ -78,6 +79,7 @@ def _plant_meta(path: Path, marker: Path) -> None:
     meta = torch.load(path / "meta.pt", weights_only=True)
     meta["hyper_parameters"]["learning_rate"] = Payload(marker)
     torch.save(meta, path / "meta.pt")
+    write_manifest(path)  # whoever plants a payload also rewrites the manifest: the loader itself must refuse
 
 
 def _plant_dcp_metadata(path: Path, marker: Path) -> None:
@@ -85,6 +87,7 @@ def _plant_dcp_metadata(path: Path, marker: Path) -> None:
     metadata.planner_data = {"evil": Payload(marker)}
     with open(path / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
+    write_manifest(path)
 
 
 @pytest.mark.parametrize("how", ["fit", "validate"])

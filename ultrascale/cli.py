@@ -63,6 +63,7 @@ class UltraScaleCLI(DefaultCallbacksCLI):
     def before_fit(self) -> None:
         self._restore_interrupted_last()
         self._resolve_auto_resume()
+        self._verify_given_checkpoint()
         self._say_where_outputs_go()
 
     before_validate = before_test = before_predict = before_fit
@@ -89,6 +90,29 @@ class UltraScaleCLI(DefaultCallbacksCLI):
             if getattr(callback, "dirpath", None):
                 for restored in restore_old_versions(callback.dirpath):
                     print(f"ultrascale: restored {restored} from the copy an interrupted save left behind")
+
+    def _verify_given_checkpoint(self) -> None:
+        """`--ckpt_path PATH`: a checkpoint that is missing or damaged (its manifest, or DCP's index for one saved
+        before manifests) is refused here, naming the files, before any rank process starts (`CheckpointDamaged`,
+        exit status 2 in `main`). The strategy checks again when it loads (the Trainer API's path)."""
+        from ultrascale.parallel.checkpoint import check_checkpoint_dir
+        from ultrascale.parallel.manifest import CheckpointDamaged, damage_message, verify_checkpoint
+        from ultrascale.strategies.autoresume import AUTO, verify_level
+
+        given = self.config.get(self.subcommand, {}).get("ckpt_path")
+        if given in (None, AUTO, "last", "hpc", "registry"):
+            return
+        import warnings
+
+        try:
+            with warnings.catch_warnings():  # a `.old` fallback is announced once, when it is loaded
+                warnings.simplefilter("ignore")
+                path = check_checkpoint_dir(given)
+        except (FileNotFoundError, ValueError) as error:
+            raise CheckpointDamaged(str(error)) from None
+        problems = verify_checkpoint(path, verify_level(self.trainer))
+        if problems:
+            raise CheckpointDamaged(damage_message(path, problems))
 
     def _resolve_auto_resume(self) -> None:
         """`--ckpt_path auto`: the newest complete checkpoint where the run's ModelCheckpoint writes, or none
@@ -184,6 +208,7 @@ train and evaluate (LightningCLI, with ultrascale's strategies registered):
 ultrascale's own:
   plan         rank the layouts for a model on a cluster, explain one, or check a recipe (--recipe)
   export-hf    write an HFCausalLM training checkpoint as a Hugging Face folder (safetensors)
+  checkpoint   verify checkpoints against their manifests: ultrascale checkpoint verify PATH...
   verify       train a recipe a few steps under its layout and on one device, compare loss and gradient norm
   verify-matrix  the same for every named layout at one world size: a Markdown table (parity, tokens/s, memory)
   prepare-data tokenize a corpus once (text, JSONL, Parquet, a saved dataset) into a folder every rank
@@ -290,8 +315,50 @@ def main(args: list[str] | None = None) -> None:
             print(f"ultrascale plan: error: {error}", file=sys.stderr)
             raise SystemExit(2) from None
         return
-    # LightningCLI reads sys.argv itself; handing it the same list as `args` makes it warn on every call.
-    UltraScaleCLI(args=given)
+    if args and args[0] == "checkpoint":
+        checkpoint_main(args[1:])
+        return
+    from ultrascale.parallel.manifest import CheckpointDamaged
+
+    try:
+        # LightningCLI reads sys.argv itself; handing it the same list as `args` makes it warn on every call.
+        UltraScaleCLI(args=given)
+    except CheckpointDamaged as error:  # a wrong or damaged checkpoint: say which file, no traceback
+        print(f"ultrascale {args[0]}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def checkpoint_main(args: list[str]) -> None:
+    """`ultrascale checkpoint verify PATH...`: each checkpoint against its manifest; exit status 1 if any is damaged."""
+    import argparse
+
+    from ultrascale.parallel.checkpoint import check_checkpoint_dir
+    from ultrascale.parallel.manifest import MANIFEST_FILE, VERIFY_LEVELS, damage_message, verify_checkpoint
+
+    parser = argparse.ArgumentParser(prog="ultrascale checkpoint", description="Operate on ultrascale checkpoints.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    verify = commands.add_parser("verify", help="check checkpoint directories against the manifest their save wrote")
+    verify.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint directories (e.g. runs/x/checkpoints/last.ckpt)")
+    verify.add_argument("--level", choices=VERIFY_LEVELS, default="checksum",
+                        help="checksum (sizes and CRC-32 of every file, the default) or size (a stat per file)")
+    options = parser.parse_args(args)
+    damaged = 0
+    for given in options.paths:
+        try:
+            path = check_checkpoint_dir(given)
+        except (FileNotFoundError, ValueError) as error:
+            print(f"{given}: error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
+        problems = verify_checkpoint(path, options.level)
+        if problems:
+            damaged += 1
+            print(f"{path}: DAMAGED: {damage_message(path, problems)}")
+        else:
+            legacy = f" (no {MANIFEST_FILE}: saved before manifests; sizes checked against DCP's index)"
+            how = "" if (path / MANIFEST_FILE).is_file() else legacy
+            print(f"{path}: ok{how}")
+    if damaged:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

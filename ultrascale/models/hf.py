@@ -433,9 +433,13 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path, max_shard_
     from transformers import AutoConfig
 
     from ultrascale.parallel.checkpoint import check_checkpoint_dir, read_checkpoint_metadata
+    from ultrascale.parallel.manifest import CheckpointDamaged, damage_message, verify_checkpoint
     from ultrascale.parallel.safe_load import load_dcp, read_dcp_metadata
 
     path = check_checkpoint_dir(checkpoint)
+    problems = verify_checkpoint(path, "checksum")
+    if problems:
+        raise CheckpointDamaged(damage_message(path, problems))
     meta = read_checkpoint_metadata(path)  # data, not code: a planted payload is refused, never run
     tensors = read_dcp_metadata(path).state_dict_metadata
     hparams = meta.get("hyper_parameters", {})

@@ -3,6 +3,7 @@
 Layout of a checkpoint directory `path/`:
     .metadata, __<rank>_0.distcp   DCP shards of model and optimizer state (reshardable)
     meta.pt                        everything else (loop progress, schedulers, callbacks, data state)
+    manifest.json                  every other file's size and CRC-32, written last (`ultrascale.parallel.manifest`)
 
 Atomicity: all ranks write into a fresh sibling `.<name>.tmp-<nonce>/` (`nonce`: 12 hex digits);
 only after every rank has finished, and the files and the directory are on disk (fsync), does
@@ -53,6 +54,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ultrascale.parallel.manifest import VerifyLevel, damage_message, verify_checkpoint, write_manifest
 from ultrascale.parallel.safe_load import UnsafeCheckpointError, load_dcp, read_torch_file
 
 METADATA_FILE = "meta.pt"
@@ -164,6 +166,7 @@ def _complete_save(tmp: Path, path: Path, nonce: str, metadata: bytes) -> None:
     if _rank() == 0:
         _write_synced(metadata, tmp / METADATA_FILE)
     _barrier()  # every rank's shard files are complete and fsynced
+    write_manifest(tmp, rank=_rank(), world=dist.get_world_size() if dist.is_initialized() else 1)
     if _rank() == 0:
         _fsync_dir(tmp)  # the directory entries of the shards, .metadata and meta.pt
         previous = _publish(tmp, path, nonce)
@@ -290,8 +293,8 @@ def read_checkpoint_metadata(path: str | Path) -> dict[str, Any]:
         raise RuntimeError(f"could not read {file}: {error}") from error
 
 
-def latest_checkpoint(folders: Iterable[str | Path]) -> Path | None:
-    """The newest complete ultrascale checkpoint directly inside any of `folders`, or None.
+def latest_checkpoint(folders: Iterable[str | Path], verify: VerifyLevel = "checksum") -> Path | None:
+    """The newest complete ultrascale checkpoint directly inside any of `folders` that verifies, or None.
 
     Newest: the highest `global_step` in its `meta.pt` (a checkpoint without one counts as -1),
     then the later `meta.pt`, then the name; never the directory's mtime alone, which a copy or
@@ -299,10 +302,24 @@ def latest_checkpoint(folders: Iterable[str | Path]) -> Path | None:
     still in progress or an interrupted one left (`.<name>.tmp-<nonce>/`) is never chosen; a
     complete `.<name>.old-<nonce>/` whose `<name>` is missing stands for `<name>` (the path
     returned is `<name>`: loading it falls back with a warning, see `check_checkpoint_dir`).
-    A candidate whose `meta.pt` cannot be read is skipped with a warning. Read-only, no
-    collective: every process that sees the same folders gets the same answer.
+    A candidate whose `meta.pt` cannot be read, or that does not verify at `verify`
+    (`ultrascale.parallel.manifest.verify_checkpoint`), is skipped with a warning naming the
+    damaged files. Read-only, no collective: every process that sees the same folders gets the
+    same answer.
     """
-    best: tuple[tuple[int, int, str], Path] | None = None
+    for name, source in checkpoint_candidates(folders):
+        problems = verify_checkpoint(source, verify)
+        if not problems:
+            return name
+        warnings.warn(f"skipping checkpoint {source} while looking for the newest one: {damage_message(source, problems)}",
+                      stacklevel=2)
+    return None
+
+
+def checkpoint_candidates(folders: Iterable[str | Path]) -> list[tuple[Path, Path]]:
+    """(name to resume from, directory holding it) of every complete checkpoint in `folders`, newest first
+    (the order of `latest_checkpoint`, which verifies them in turn)."""
+    found: list[tuple[tuple[int, int, str], Path, Path]] = []
     seen: set[Path] = set()
     for folder in dict.fromkeys(Path(f) for f in folders):
         try:
@@ -333,9 +350,8 @@ def latest_checkpoint(folders: Iterable[str | Path]) -> Path | None:
             except (RuntimeError, UnsafeCheckpointError) as error:
                 warnings.warn(f"skipping checkpoint {source} while looking for the newest one: {error}", stacklevel=2)
                 continue
-            if best is None or key > best[0]:
-                best = (key, folder / name)
-    return None if best is None else best[1]
+            found.append((key, folder / name, real))
+    return [(name, real) for _, name, real in sorted(found, key=lambda item: item[0], reverse=True)]
 
 
 def remove_leftovers(folder: str | Path, grace_s: float | None = None) -> list[Path]:

@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ultrascale.parallel.checkpoint import latest_checkpoint as _latest_in
+from ultrascale.parallel.manifest import VerifyLevel
 
 AUTO = "auto"
 """The `ckpt_path` value that asks for the newest complete checkpoint (or a fresh start)."""
@@ -66,8 +67,13 @@ def latest_checkpoint(where: Union["pl.Trainer", str, Path, Iterable[Union[str, 
         folders = [Path(where)]
     else:
         folders = [Path(folder) for folder in where]
-    found = _latest_in(folders)
+    found = _latest_in(folders, verify_level(where) if isinstance(where, pl.Trainer) else "checksum")
     return None if found is None else str(found)
+
+
+def verify_level(trainer: "pl.Trainer") -> VerifyLevel:
+    """The Trainer's strategy's `checkpoint_verify` ("checksum" for a strategy without the knob)."""
+    return getattr(trainer.strategy, "checkpoint_verify", "checksum")
 
 
 def roll_back(module: "pl.LightningModule", *, rollbacks: int, guard: Any, rank: int,
@@ -102,4 +108,4 @@ def roll_back(module: "pl.LightningModule", *, rollbacks: int, guard: Any, rank:
         module.log("rollbacks", float(rollbacks), sync_dist=False)
 
 
-__all__ = ["AUTO", "checkpoint_folders", "latest_checkpoint", "roll_back"]
+__all__ = ["AUTO", "checkpoint_folders", "latest_checkpoint", "roll_back", "verify_level"]

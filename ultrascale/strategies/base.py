@@ -29,6 +29,7 @@ from ultrascale.parallel.context import ContextLayout, ContextParallel, ContextP
 from ultrascale.parallel.device import process_group_backend, tune_cpu_allocator
 from ultrascale.parallel.dims import ParallelDims, ParallelMesh, build_mesh
 from ultrascale.parallel.fsdp import reshard
+from ultrascale.parallel.manifest import VERIFY_LEVELS, CheckpointDamaged, VerifyLevel, damage_message, verify_distributed
 from ultrascale.parallel.pipeline import PipelineLayout, PipelineRunner, TiedStageWeights
 from ultrascale.parallel.resume import load_training_state
 from ultrascale.parallel.rules import LayoutKnobs, batch_problems, knob_problems, raise_first
@@ -135,6 +136,10 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
             name (and found by a resume or `latest_checkpoint`) only once every rank has written it: at the first step after that,
             at the next save, before a load or at the end of `fit`; removals `ModelCheckpoint` asks for wait until then. Costs one
             host copy of this rank's shards while writing, and two gloo process groups.
+        checkpoint_verify: what a resume checks before it loads a checkpoint against the manifest its save wrote
+            (`ultrascale.parallel.manifest`): "checksum" (every file's size and CRC-32, read by the ranks in parallel; a damaged
+            checkpoint is refused naming its files, and `--ckpt_path auto` / `latest_checkpoint` take the newest one that
+            verifies), "size" (sizes only: a stat per file, for very large checkpoints) or "off".
         auto_layout: choose the layout with `ultrascale plan`'s planner when the processes start: the fastest predicted layout that
             fits this world size, device memory, model and batch (see `ultrascale.strategies.auto_layout`), logged on rank 0.
             Degrees, `zero_stage` and pipeline knobs left at their defaults are searched; those set are kept. Needs a model the
@@ -184,6 +189,7 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
         max_nonfinite_skips: int = 10,
         auto_layout: bool = False,
         async_checkpoint: bool = False,
+        checkpoint_verify: VerifyLevel = "checksum",
         compile: bool = False,
         compile_backend: str = "inductor",
     ) -> None:
@@ -223,6 +229,9 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
         self._step = StepRunner(nonfinite, max_nonfinite_skips)
         self._step_groups: Optional[StepGroups] = None  # known once the mesh exists
         self._rollbacks = 0
+        if checkpoint_verify not in VERIFY_LEVELS:
+            raise ValueError(f"{type(self).__name__}(`checkpoint_verify={checkpoint_verify!r}`): choose one of {VERIFY_LEVELS}")
+        self.checkpoint_verify = checkpoint_verify
         self.checkpoint_publisher = AsyncCheckpointPublisher(async_checkpoint)
         """Writes this strategy's checkpoints (in the background under `async_checkpoint`) and publishes them."""
         self._step_caller = StepCaller()  # remembers, per step hook, whether it calls `self(...)` itself
@@ -692,6 +701,9 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
         checkpoint_io.refuse_auto(checkpoint_path, type(self).__name__)  # before any collective
         self.finish_checkpoint()
         path = checkpoint_io.agreed_checkpoint(checkpoint_path, self.broadcast, self.global_rank)
+        problems = verify_distributed(path, self.checkpoint_verify)  # every rank gets every finding: all refuse
+        if problems:
+            raise CheckpointDamaged(damage_message(path, problems))
         assert self.model is not None and self.lightning_module is not None
         return load_training_state(path, self.model, checkpoint_io.plain_optimizers(self.optimizers),
                                    strict=self.lightning_module.strict_loading, zero_stage=self.zero_stage)
