@@ -87,6 +87,35 @@ def test_saved_dataset_and_the_command(tmp_path, tokenizer, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_bad_records_are_named_where_they_are(tmp_path, tokenizer, capsys):
+    """A malformed JSONL line names its file, line and column; a Parquet row that is not text its row group and row;
+    bytes that are not UTF-8 are replaced and counted (`--strict` refuses them, naming the file and line); a run too
+    short to time prints no rate."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests._cli import run_main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "fine"}) + "\n" + '{"text": "tab\there"}\n')
+    code, _, err = run_main(capsys, "prepare-data", "--tokenizer", tokenizer, "--out", str(tmp_path / "o1"), "--no-progress", str(bad))
+    assert code == 2 and f"{bad}, line 2, column" in err and "not a JSON record (Invalid control character" in err, err
+    table = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"text": ["a", "b", None]}), table, row_group_size=2)
+    code, _, err = run_main(capsys, "prepare-data", "--tokenizer", tokenizer, "--out", str(tmp_path / "o2"), "--no-progress", str(table))
+    assert code == 2 and f"{table}, row group 1, row 0: 'text' is null" in err, err
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(json.dumps({"text": "ok"}).encode() + b"\n" + b'{"text": "caf\xe9 cr\xe8me"}\n')
+    code, out, _ = run_main(capsys, "prepare-data", "--tokenizer", tokenizer, "--out", str(tmp_path / "o3"), "--no-progress", str(latin))
+    assert code == 0 and "2 bytes that are not UTF-8, in 1 document(s), were replaced by U+FFFD" in out, out
+    assert "too short to give a rate" in out and "tokens/s" not in out, out
+    assert PreparedTokens.open(tmp_path / "o3").metadata["replaced_bytes"] == 2
+    code, _, err = run_main(capsys, "prepare-data", "--tokenizer", tokenizer, "--out", str(tmp_path / "o4"), "--no-progress",
+                            "--strict", str(latin))
+    assert code == 2 and f"{latin}, line 2: byte 13 is not UTF-8" in err, err
+    assert not any((tmp_path / f"o{i}").exists() for i in (1, 2, 4))
+
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, tokenizer):
     """Two prepared folders of different documents (blends)."""

@@ -268,10 +268,13 @@ def prepare_data_main(args: list[str]) -> None:
     parser.add_argument("--text-field", default="text", help="JSONL / Parquet / dataset field with the text")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--strict", action="store_true",
+                        help="refuse bytes that are not UTF-8 (default: replace them with U+FFFD and count them)")
     options = parser.parse_args(args)
     try:
         out = prepare_data(options.inputs, options.tokenizer, options.out, workers=options.workers,
-                           text_field=options.text_field, overwrite=options.overwrite, progress=not options.no_progress)
+                           text_field=options.text_field, overwrite=options.overwrite, progress=not options.no_progress,
+                           strict=options.strict)
     except (ValueError, FileNotFoundError, FileExistsError) as error:
         print(f"ultrascale prepare-data: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -279,8 +282,17 @@ def prepare_data_main(args: list[str]) -> None:
 
     metadata = json.loads((out / "metadata.json").read_text())
     print(f"wrote {out}: {metadata['num_tokens']:,} tokens ({metadata['dtype']}), {metadata['num_documents']:,} documents "
-          f"in {metadata['seconds']:.1f} s ({metadata['num_tokens'] / max(metadata['seconds'], 1e-9):,.0f} tokens/s, "
-          f"{metadata['workers']} worker(s))")
+          f"in {_duration_and_rate(metadata['seconds'], metadata['num_tokens'])}, {metadata['workers']} worker(s)")
+    if metadata["replaced_bytes"]:
+        print(f"ultrascale prepare-data: {metadata['replaced_bytes']:,} bytes that are not UTF-8, in "
+              f"{metadata['documents_with_replaced_bytes']:,} document(s), were replaced by U+FFFD (--strict refuses them)")
+
+
+def _duration_and_rate(seconds: float, tokens: int) -> str:
+    """"12.3 s (45,600 tokens/s)"; a run too short to time gives no rate (a rate over a few ms says nothing)."""
+    if seconds < 0.5:
+        return f"{seconds * 1e3:.0f} ms (too short to give a rate)"
+    return f"{seconds:.1f} s ({tokens / seconds:,.0f} tokens/s)"
 
 
 def main(args: list[str] | None = None) -> None:

@@ -80,25 +80,73 @@ def _kind(path: Path) -> str:
     return {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}.get(suffix, "text")
 
 
-def iter_documents(inputs: Sequence[str], text_field: str = "text") -> Iterator[str]:
+@dataclass
+class DecodeCount:
+    """Bytes of the inputs that are not UTF-8: replaced by U+FFFD (counted here), or, under `strict`, refused."""
+
+    strict: bool = False
+    replaced_bytes: int = 0
+    documents: int = 0
+    """Documents with at least one replaced byte."""
+
+    def decode(self, data: bytes, where: str) -> str:
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            if self.strict:
+                raise ValueError(f"prepare-data: {where}: byte {error.start} is not UTF-8 ({error.reason}); "
+                                 "drop --strict to replace such bytes with U+FFFD (they are counted)") from None
+        text = data.decode("utf-8", errors="replace")
+        self.replaced_bytes += _undecodable_bytes(data)
+        self.documents += 1
+        return text
+
+
+def _undecodable_bytes(data: bytes) -> int:
+    count, start = 0, 0
+    while True:
+        try:
+            data[start:].decode("utf-8")
+            return count
+        except UnicodeDecodeError as error:
+            count += error.end - error.start
+            start += error.end
+
+
+def iter_documents(inputs: Sequence[str], text_field: str = "text", decoding: Optional[DecodeCount] = None) -> Iterator[str]:
     """The documents of `inputs` in order: a text file is one document; a JSONL line, a Parquet row or a
-    saved dataset's row is one (its `text_field`)."""
+    saved dataset's row is one (its `text_field`). A record that cannot be read is a ValueError naming its
+    file and line (JSONL) or row group and row (Parquet); bytes that are not UTF-8 go through `decoding`."""
+    decoding = decoding if decoding is not None else DecodeCount()
     for path, kind in _input_files(inputs):
         if kind == "text":
-            yield path.read_text(encoding="utf-8", errors="replace")
+            yield decoding.decode(path.read_bytes(), str(path))
         elif kind == "jsonl":
-            with path.open(encoding="utf-8") as lines:
-                for number, line in enumerate(lines, 1):
-                    if line.strip():
-                        yield _field(json.loads(line), text_field, f"{path}:{number}")
+            with path.open("rb") as lines:
+                for number, raw in enumerate(lines, 1):
+                    where = f"{path}, line {number}"
+                    line = decoding.decode(raw, where)
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as error:
+                        raise ValueError(f"prepare-data: {where}, column {error.colno}: not a JSON record "
+                                         f"({error.msg})") from None
+                    yield _field(record, text_field, where)
         elif kind == "parquet":
             import pyarrow.parquet as pq
 
             parquet = pq.ParquetFile(path)
             if text_field not in parquet.schema_arrow.names:
                 raise ValueError(f"prepare-data: {path} has no column {text_field!r} (columns: {parquet.schema_arrow.names})")
-            for batch in parquet.iter_batches(columns=[text_field], batch_size=1024):
-                yield from batch.column(0).to_pylist()
+            for group in range(parquet.num_row_groups):
+                values = parquet.read_row_group(group, columns=[text_field]).column(0).to_pylist()
+                for row, value in enumerate(values):
+                    if not isinstance(value, str):
+                        raise ValueError(f"prepare-data: {path}, row group {group}, row {row}: {text_field!r} is "
+                                         f"{'null' if value is None else type(value).__name__}, not a string")
+                yield from values
         else:
             import datasets
 
@@ -186,11 +234,13 @@ def prepare_data(
     text_field: str = "text",
     overwrite: bool = False,
     progress: bool = True,
+    strict: bool = False,
 ) -> Path:
     """Tokenize `inputs` once into the folder `out` (see the module docstring); returns its path.
 
     `workers` processes tokenize batches of documents in parallel; the output is the same for any number
-    of them (batches are written in input order)."""
+    of them (batches are written in input order). Bytes that are not UTF-8 are replaced by U+FFFD and
+    counted in metadata.json (`replaced_bytes`); `strict` refuses them, naming the file and line."""
     out = Path(out).resolve()
     if workers < 1:
         raise ValueError(f"prepare-data: --workers={workers} must be >= 1")
@@ -210,7 +260,8 @@ def prepare_data(
     total, started = 0, time.perf_counter()
     bar = _progress(progress)
     try:
-        batches = _batched(iter_documents(inputs, text_field), _BATCH_DOCUMENTS)
+        decoding = DecodeCount(strict)
+        batches = _batched(iter_documents(inputs, text_field, decoding), _BATCH_DOCUMENTS)
         with (staging / TOKENS).open("wb") as sink:
             if workers == 1:
                 _init_worker(str(tokenizer_dir))
@@ -233,7 +284,8 @@ def prepare_data(
                           "sha256": tokenizer_fingerprint(tokenizer_dir), "vocab_size": vocab_size,
                           "eos_id": int(tokenizer.eos_token_id)},
             "sources": [str(path) for path, _ in files], "text_field": text_field,
-            "seconds": round(seconds, 2), "workers": workers,
+            "seconds": seconds, "workers": workers,
+            "replaced_bytes": decoding.replaced_bytes, "documents_with_replaced_bytes": decoding.documents,
         }
         (staging / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
         if out.exists():
