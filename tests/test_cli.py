@@ -155,3 +155,33 @@ def test_known_noise_is_dropped_and_nothing_else():
         for name in names:
             logging.getLogger(name).removeHandler(handler)
     assert seen == ["Seed set to 1234", "`Trainer.fit` stopped: `max_steps=3` reached.", "something torchao really means"]
+
+
+RECIPE_2D = RECIPE.parent / "tiny_cpu_2d.yaml"
+COMMAND_LINE_ERRORS = {
+    "misspelt knob": (["--trainer.strategy.init_args.tensor_paralel", "2"],
+                      "`tensor_paralel` is not a knob of UltraScaleStrategy (ultrascale.UltraScaleStrategy); did you mean `tensor_parallel`?"),
+    "choice": (["--trainer.strategy.init_args.context_parallel_method", "ringg"],
+               "`context_parallel_method=ringg`: choose one of 'allgather', 'ring', 'alltoall'"),
+    "layout vs world": (["--trainer.strategy.init_args.tensor_parallel", "3"],
+                        "invalid layout for 4 processes: dp_replicate(1) * dp_shard(2) * cp(1) * tp(3) * pp(1) != world size(4)"),
+    "layout vs model": (["--trainer.strategy.init_args.tensor_parallel", "4", "--trainer.strategy.init_args.data_parallel_shard", "1"],
+                        "`tensor_parallel=4` must divide n_kv_heads=2"),
+    "missing data": (["--data.init_args.data_path", "/nowhere/corpus"],
+                     "`data_path='/nowhere/corpus'` is neither a file, a directory nor 'stdlib'"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+@pytest.mark.parametrize("case", list(COMMAND_LINE_ERRORS))
+def test_the_command_reports_a_bad_recipe_in_one_message(case, capsys, tmp_path, monkeypatch):
+    """Exit status 2, the message alone on stderr (no traceback, no jsonargparse dump), before any rank starts."""
+    from tests._cli import run_main
+
+    monkeypatch.chdir(tmp_path)
+    extra, message = COMMAND_LINE_ERRORS[case]
+    code, out, err = run_main(capsys, "fit", "--config", str(RECIPE_2D), "--trainer.max_steps", "1", *extra)
+    assert code == 2, (out, err)
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("ultrascale fit: error: ") and message in errors[0], err
+    assert "Traceback" not in out + err and "NestedArg" not in err and "Given value" not in err

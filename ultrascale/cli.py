@@ -13,6 +13,7 @@ use `ultrascale.models.LlamaLM` and `ultrascale.data.CausalLMDataModule`.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -41,6 +42,8 @@ class UltraScaleCLI(DefaultCallbacksCLI):
             subclass_mode_data=True,
             trainer_defaults={**TRAINER_DEFAULTS, **kwargs.pop("trainer_defaults", {})},
             save_config_kwargs={"overwrite": True},
+            # A recipe error raises (`main` words it) instead of printing jsonargparse's raw text and exiting.
+            parser_kwargs={"exit_on_error": False, **kwargs.pop("parser_kwargs", {})},
             args=args,
             run=run,
             **kwargs,
@@ -60,7 +63,16 @@ class UltraScaleCLI(DefaultCallbacksCLI):
             defaults.append(StepProgressBar())
         return defaults
 
+    def instantiate_classes(self) -> None:
+        """The recipe's objects; an error of their arguments (a layout the rules refuse, a data path that is not
+        there, a value out of range) becomes a `RecipeError`, which `main` prints as one message."""
+        try:
+            super().instantiate_classes()
+        except (ValueError, FileNotFoundError, NotImplementedError) as error:
+            raise RecipeError(describe_argument_error(error)) from error
+
     def before_fit(self) -> None:
+        self._check_layout_fits_the_world()
         self._restore_interrupted_last()
         self._resolve_auto_resume()
         self._verify_given_checkpoint()
@@ -90,6 +102,13 @@ class UltraScaleCLI(DefaultCallbacksCLI):
             if getattr(callback, "dirpath", None):
                 for restored in restore_old_versions(callback.dirpath):
                     print(f"ultrascale: restored {restored} from the copy an interrupted save left behind")
+
+    def _check_layout_fits_the_world(self) -> None:
+        """The degrees against the Trainer's world size (devices x nodes), in the launching process: a layout
+        that does not fit is told before any rank starts (`LayoutError`, exit status 2 in `main`)."""
+        strategy = self.trainer.strategy
+        if hasattr(strategy, "resolve_dims") and hasattr(strategy, "layout_knobs"):
+            strategy.resolve_dims(self.trainer.num_nodes * self.trainer.num_devices)
 
     def _verify_given_checkpoint(self) -> None:
         """`--ckpt_path PATH`: a checkpoint that is missing or damaged (its manifest, or DCP's index for one saved
@@ -330,14 +349,58 @@ def main(args: list[str] | None = None) -> None:
     if args and args[0] == "checkpoint":
         checkpoint_main(args[1:])
         return
+    import argparse
+
     from ultrascale.parallel.manifest import CheckpointDamaged
+    from ultrascale.parallel.rules import LayoutError, LayoutNotImplemented
 
     try:
         # LightningCLI reads sys.argv itself; handing it the same list as `args` makes it warn on every call.
         UltraScaleCLI(args=given)
-    except CheckpointDamaged as error:  # a wrong or damaged checkpoint: say which file, no traceback
+    except argparse.ArgumentError as error:  # the recipe or the command line: a knob that does not exist, a bad value
+        print(f"ultrascale {args[0]}: error: {describe_argument_error(error)}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (RecipeError, LayoutError, LayoutNotImplemented, CheckpointDamaged) as error:
+        # A layout the rules refuse (before launch, or on every rank at setup), a wrong or damaged checkpoint,
+        # a missing file: one message, no traceback (`ULTRASCALE_DEBUG=1` shows it).
+        if os.environ.get("ULTRASCALE_DEBUG"):
+            raise
         print(f"ultrascale {args[0]}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+class RecipeError(ValueError):
+    """An argument of the recipe's objects that their constructors refuse."""
+
+
+def describe_argument_error(error: Exception) -> str:
+    """jsonargparse's error, with a close knob named when a strategy (or another class) is given one it lacks."""
+    import difflib
+    import importlib
+    import inspect
+    import re
+
+    text = str(error)
+    unknown = re.search(r"class_path '([\w.]+)':\s+Option '([\w.]+)' is not accepted", text)
+    if unknown is None:
+        choice = re.search(r'Parser key "([\w.]+)":\s+Expected a typing.Literal\[(.*?)\]\. Got value: (\S+)', text)
+        if choice is not None:
+            key, choices, value = choice.groups()
+            return f"`{key}={value}`: choose one of {choices}"
+        # A constructor's own error inside jsonargparse's list of the union's subtypes ("- Expected a <class ...>").
+        refusals = [line.strip()[2:] for line in text.splitlines() if line.strip().startswith("- ")
+                    and not line.strip().startswith(("- Expected a", "- Problem with given class_path"))]
+        return refusals[0] if refusals else text.strip()
+    class_path, option = unknown.groups()
+    try:
+        module, _, name = class_path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        knobs = [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
+    except Exception:  # noqa: BLE001 - no suggestion then
+        return text.strip()
+    close = difflib.get_close_matches(option, knobs, n=1)
+    hint = f"did you mean `{close[0]}`?" if close else f"its knobs: {', '.join(knobs)}"
+    return f"`{option}` is not a knob of {name} ({class_path}); {hint}"
 
 
 def checkpoint_main(args: list[str]) -> None:

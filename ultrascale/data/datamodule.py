@@ -43,14 +43,20 @@ def stdlib_files() -> list[Path]:
     return sorted(files)
 
 
+def _text_path(data_path: str) -> Path:
+    """A raw-text `data_path` (a file or a directory): FileNotFoundError naming it when it is neither."""
+    path = Path(data_path)
+    if not path.is_file() and not path.is_dir():
+        raise FileNotFoundError(f"`data_path={data_path!r}` is neither a file, a directory nor 'stdlib'")
+    return path
+
+
 def _text_files(data_path: str, file_glob: str) -> list[Path]:
     if data_path == "stdlib":
         return stdlib_files()
-    path = Path(data_path)
+    path = _text_path(data_path)
     if path.is_file():
         return [path]
-    if not path.is_dir():
-        raise FileNotFoundError(f"`data_path={data_path!r}` is neither a file, a directory nor 'stdlib'")
     # Sorted so every rank (and every rerun) concatenates documents in the same order.
     return sorted(p for p in path.glob(file_glob) if p.is_file())
 
@@ -232,6 +238,8 @@ class CausalLMDataModule(BlockDataModule):
         # Opened and checked eagerly, before any process group: `vocab_size` must be readable right after
         # construction, when LightningCLI links it to the model's arguments.
         self.prepared = _prepared_sources(name, data_path, dataset_path, tokenizer_path)
+        if self.prepared is None and dataset_path is None and data_path != "stdlib":
+            _text_path(str(data_path))  # a path that is not there fails here, in the launching process
         if self.prepared is None and document_positions:
             raise ValueError(f"{name}: `document_positions=True` needs prepared data (`ultrascale prepare-data`), "
                              f"which records where documents start; got `data_path={data_path!r}`")

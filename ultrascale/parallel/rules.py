@@ -31,7 +31,7 @@ from ultrascale.parallel.dims import ParallelDims
 
 __all__ = [
     "CONTEXT_PARALLEL_METHODS",
-    "LayoutKnobs", "ModelFacts", "Problem", "SCHEDULES", "SINGLE_STAGE_SCHEDULES", "V_SCHEDULES",
+    "LayoutError", "LayoutKnobs", "LayoutNotImplemented", "ModelFacts", "Problem", "SCHEDULES", "SINGLE_STAGE_SCHEDULES", "V_SCHEDULES",
     "batch_problems", "knob_problems", "model_problems", "pipeline_problems", "raise_first", "resolve",
     "tp_divides_problem",
 ]
@@ -59,6 +59,14 @@ ZERO_STAGES: tuple[int, ...] = (1, 2, 3)
 # --------------------------------------------------------------------------- inputs and answers
 
 
+class LayoutError(ValueError):
+    """A layout the rules refuse (the `ultrascale` command prints it as one message, exit status 2)."""
+
+
+class LayoutNotImplemented(NotImplementedError):
+    """A combination ultrascale does not run yet (printed like `LayoutError`)."""
+
+
 @dataclass(frozen=True)
 class Problem:
     """One reason a layout does not run: the knobs to change and what is wrong with them."""
@@ -77,7 +85,7 @@ class Problem:
         return f"{knobs}: {self.message}" if knobs else self.message
 
     def error(self, owner: str = "") -> Exception:
-        return (NotImplementedError if self.not_implemented else ValueError)(self.text(owner))
+        return (LayoutNotImplemented if self.not_implemented else LayoutError)(self.text(owner))
 
 
 def raise_first(problems: Sequence[Problem], owner: str = "") -> None:
