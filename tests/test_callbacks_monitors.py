@@ -346,3 +346,33 @@ def test_step_progress_bar_counts_optimizer_steps_across_epochs_and_resumes(tmp_
     # Resumed at step 7 towards 10: the bar continues from 7 (not 0/3, nor "7/1").
     _, bar, seen = run(10, ckpt_path=checkpoint)
     assert seen[0] == (8, 8) and (bar.n, bar.total) == (10, 10)
+
+
+GPU_NAMES = {"H100 SXM": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200", "A100": "NVIDIA A100-SXM4-80GB", "B200": "NVIDIA B200",
+             "H100 PCIe": "NVIDIA H100 PCIe", "L4": "NVIDIA L4", "MI300X": "AMD Instinct MI300X"}
+
+
+@pytest.mark.parametrize("precision, tf32, dtype", [("bf16-mixed", False, "bf16"), ("16-mixed", False, "fp16"),
+                                                    ("32-true", True, "tf32"), ("32-true", False, "fp32")])
+def test_every_gpu_kind_has_a_peak_for_every_precision(monkeypatch, precision, tf32, dtype):
+    """`32-true` on CUDA without TF32 (torch's default) asks for the fp32 column: every device of the table has one,
+    and a device the table does not know (H800, L40S, the NVL parts) gives tokens/s under the CLI's `mfu=None`
+    and a clear error under `mfu=True`."""
+    from types import SimpleNamespace
+
+    from ultrascale.planner.hardware import GPU_TABLE
+
+    assert set(GPU_NAMES) == set(GPU_TABLE)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), precision=precision, callbacks=[])
+    for key, name in GPU_NAMES.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_, name=name: name)
+        monitor = MFUMonitor()
+        monitor._resolve_peak(trainer)
+        assert monitor.peak == GPU_TABLE[key].peaks[dtype] and monitor.peak_source == f"table: {key} {dtype} dense"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H800")
+    quiet = MFUMonitor(mfu=None)
+    quiet._resolve_peak(trainer)
+    assert quiet.peak is None and not quiet._mfu_active
+    with pytest.raises(ValueError, match=rf"no {dtype} peak for device 'NVIDIA H800'.*set `peak_tflops=`"):
+        MFUMonitor()._resolve_peak(trainer)

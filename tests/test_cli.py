@@ -160,7 +160,8 @@ def test_known_noise_is_dropped_and_nothing_else():
 RECIPE_2D = RECIPE.parent / "tiny_cpu_2d.yaml"
 COMMAND_LINE_ERRORS = {
     "misspelt knob": (["--trainer.strategy.init_args.tensor_paralel", "2"],
-                      "`tensor_paralel` is not a knob of UltraScaleStrategy (ultrascale.UltraScaleStrategy); did you mean `tensor_parallel`?"),
+                      "`tensor_paralel` is not a knob of UltraScaleStrategy (ultrascale.UltraScaleStrategy); "
+                      "did you mean `tensor_parallel`?"),
     "choice": (["--trainer.strategy.init_args.context_parallel_method", "ringg"],
                "`context_parallel_method=ringg`: choose one of 'allgather', 'ring', 'alltoall'"),
     "layout vs world": (["--trainer.strategy.init_args.tensor_parallel", "3"],

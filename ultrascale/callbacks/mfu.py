@@ -131,6 +131,11 @@ class MFUMonitor(Callback):
         elif device.type == "cuda":
             name = torch.cuda.get_device_name(device)
             found = find_peak_tflops(name, dtype)
+            if found is None and self.mfu is None:  # the CLI's default monitor: tokens/s still mean something
+                rank_zero_info(f"MFUMonitor: no {dtype} peak for device {name!r} in ultrascale.planner.hardware.GPU_TABLE; "
+                               "logging tokens/s only (set `peak_tflops=` for MFU)")
+                self._mfu_active = False
+                return
             if found is None:
                 raise ValueError(
                     f"MFUMonitor: no {dtype} peak for device {name!r} in ultrascale.planner.hardware.PEAK_TFLOPS "
@@ -186,7 +191,8 @@ class MFUMonitor(Callback):
             self._model = _whole_pipeline(self._model, trainer)
         self._ac = next((cb for cb in trainer.callbacks if isinstance(cb, ActivationCheckpointing)), None)
         self._resolve_peak(trainer)
-        rank_zero_info(f"MFUMonitor: peak {self.peak:.4g} TFLOP/s per device ({self.peak_source})")
+        if self._mfu_active:
+            rank_zero_info(f"MFUMonitor: peak {self.peak:.4g} TFLOP/s per device ({self.peak_source})")
 
     # ------------------------------------------------------------------ per step
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

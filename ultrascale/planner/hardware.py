@@ -70,11 +70,14 @@ class GpuFigures:
     hbm_gbps: Optional[float] = None
     intra_node_gbps: Optional[float] = None
     inter_node_gbps: Optional[float] = None
+    fp32_tflops: Optional[float] = None
+    """Plain fp32 (CUDA cores, no TF32): what a `32-true` run computes in with TF32 off, torch's default."""
 
     @property
     def peaks(self) -> dict[str, float]:
-        """TFLOP/s by dtype ("bf16", "fp16", "fp8", "tf32"), without the dtypes the device lacks."""
-        peaks = {"bf16": self.bf16_tflops, "fp16": self.bf16_tflops, "fp8": self.fp8_tflops, "tf32": self.tf32_tflops}
+        """TFLOP/s by dtype ("bf16", "fp16", "fp8", "tf32", "fp32"), without the dtypes the device lacks."""
+        peaks = {"bf16": self.bf16_tflops, "fp16": self.bf16_tflops, "fp8": self.fp8_tflops, "tf32": self.tf32_tflops,
+                 "fp32": self.fp32_tflops}
         return {dtype: peak for dtype, peak in peaks.items() if peak is not None}
 
     def spec(self, name: str) -> GpuSpec:
@@ -93,16 +96,17 @@ class GpuFigures:
 #   450 GB/s per direction, NCCL bus bandwidth ~80% of it; NVLink 3 (A100) 300 GB/s; NVLink 5 (B200)
 #   900 GB/s. Between nodes one 400 Gb/s NIC per GPU (50 GB/s; A100 clusters: 200 Gb/s HDR, 25 GB/s),
 #   ~80% reached.
+# fp32 (no tensor cores): the same datasheets' "FP32" row (B200: HGX B200's 600 TFLOP/s over 8 GPUs).
 GPU_TABLE: dict[str, GpuFigures] = {
     #                        bf16     fp8    tf32 memory GiB  HBM GB/s  intra  inter
-    "H100 SXM": GpuFigures(989.4, 1978.9, 494.7, 79.6, 3350.0, 360.0, 40.0),
-    "H200": GpuFigures(989.4, 1978.9, 494.7, 140.4, 4800.0, 360.0, 40.0),
-    "A100": GpuFigures(312.0, None, 156.0, 80.0, 2039.0, 240.0, 20.0),
-    "B200": GpuFigures(2250.0, 4500.0, 1100.0, 179.1, 8000.0, 720.0, 40.0),
+    "H100 SXM": GpuFigures(989.4, 1978.9, 494.7, 79.6, 3350.0, 360.0, 40.0, fp32_tflops=66.9),
+    "H200": GpuFigures(989.4, 1978.9, 494.7, 140.4, 4800.0, 360.0, 40.0, fp32_tflops=66.9),
+    "A100": GpuFigures(312.0, None, 156.0, 80.0, 2039.0, 240.0, 20.0, fp32_tflops=19.5),
+    "B200": GpuFigures(2250.0, 4500.0, 1100.0, 179.1, 8000.0, 720.0, 40.0, fp32_tflops=75.0),
     # Peaks only (for MFU): no measured memory total or NCCL bandwidth, so `ultrascale plan` has no --gpu for them.
-    "H100 PCIe": GpuFigures(756.0, 1513.0, 378.0),
-    "L4": GpuFigures(121.0, 242.5, 60.0),
-    "MI300X": GpuFigures(1307.4, 2614.9, 653.7),
+    "H100 PCIe": GpuFigures(756.0, 1513.0, 378.0, fp32_tflops=51.2),
+    "L4": GpuFigures(121.0, 242.5, 60.0, fp32_tflops=30.3),
+    "MI300X": GpuFigures(1307.4, 2614.9, 653.7, fp32_tflops=163.4),
 }
 
 # `ultrascale plan --gpu` kinds: rows of the table under the names the plans print.
