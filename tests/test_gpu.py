@@ -302,3 +302,94 @@ def test_grouped_mm_experts_equal_the_loop():
         results.append([out.detach(), *(t.grad for t in inputs)])
     for got, expected in zip(*results):
         assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+# --------------------------------------------------------------------------- issue 48: what a first GPU run found
+
+
+def test_mfu_monitor_on_a_32_true_fit(tmp_path):
+    """`32-true` without TF32 (torch's default) asks the peak table for its fp32 column: the fit logs MFU."""
+    from ultrascale.callbacks import MFUMonitor
+
+    monitor = MFUMonitor()
+    _tiny_fit(tmp_path, [monitor], "32-true")
+    assert monitor.peak is not None and "fp32" in monitor.peak_source
+
+
+def _reference_attention(q, k, v, allowed):
+    """fp64 attention with GQA by repeat; `allowed` (B, 1, T, T) bool."""
+    groups = q.shape[1] // k.shape[1]
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    out = F.scaled_dot_product_attention(qd, kd.repeat_interleave(groups, 1), vd.repeat_interleave(groups, 1),
+                                         attn_mask=allowed)
+    return out, (qd, kd, vd)
+
+
+def _cp_attention_one_rank(rank: int, world: int) -> dict:
+    """Context parallel attention (all-gather) on a one-rank NCCL mesh, bf16 and fp16, GQA, with and without packed
+    documents over 74 tokens (two zig-zag chunks of 37: a bias row not a multiple of 8; the documents leave rows
+    fully masked inside a block): the output and dQ, dK, dV against an fp64 reference. On one rank the local
+    order is the sequence's own (chunks 0 and 1)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ultrascale.parallel.context import ContextParallel
+
+    mesh = init_device_mesh("cuda", (1,))
+    errors = {}
+    t = 74
+    for dtype in (torch.bfloat16, torch.float16):
+        for documents in (False, True):
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(2, heads, t, 32, device="cuda", dtype=dtype) for heads in (8, 2, 2))
+            dout = torch.randn_like(q)
+            positions = torch.arange(t, device="cuda").expand(2, t).clone()
+            if documents:
+                positions[0, 30:] -= 30
+                positions[1, 41:] -= 41
+            cp = ContextParallel(mesh, "allgather")
+            local = cp.shard_batch({"input_ids": torch.zeros(2, t, dtype=torch.long, device="cuda"), "position_ids": positions})
+            assert torch.equal(local["position_ids"], positions)
+            lq, lk, lv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+            out = cp.attention(lq, lk, lv)
+            out.backward(dout)
+            starts = (positions == 0).cumsum(-1)
+            allowed = (torch.ones(t, t, dtype=torch.bool, device="cuda").tril()[None]
+                       & (starts[:, :, None] == starts[:, None, :]))[:, None]
+            reference, (qd, kd, vd) = _reference_attention(q, k, v, allowed)
+            reference.backward(dout.double())
+            got = [out.detach(), lq.grad, lk.grad, lv.grad]
+            want = [reference.detach(), qd.grad, kd.grad, vd.grad]
+            errors[(str(dtype), documents)] = [float((g.double() - w).norm() / w.norm()) for g, w in zip(got, want)]
+    return errors
+
+
+def test_context_parallel_backward_in_bf16_and_fp16_equals_attention():
+    """The merged output handed to the efficient kernel's backward in the layout it assumes (it was (B, H, T, D)-
+    contiguous: dQ and dK 50-75 % off in bf16/fp16), and a document bias whose rows are padded to the kernel's
+    alignment (37 keys per block raised 'attn_bias is not correctly aligned')."""
+    for (dtype, documents), errors in run_nccl("_cp_attention_one_rank", world=1)[0].items():
+        for name, error in zip(("out", "dQ", "dK", "dV"), errors):
+            assert error < 1e-2, f"{dtype}, documents={documents}: {name} is {error:.2e} off (relative norm)"
+
+
+@pytest.mark.parametrize("dtype, masked", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)])
+def test_grouped_query_attention_never_needs_the_math_kernel(dtype, masked):
+    """GQA in fp32 or with a mask under `sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION])`, which forbids the
+    math fallback (O(H·T²) memory): the built-in Llama's attention (packed documents) and `grouped_sdpa`."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ultrascale.models.llama import ScaledDotProductAttention
+    from ultrascale.parallel.device import grouped_sdpa
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 8, 128, 64, device="cuda", dtype=dtype)
+    k, v = (torch.randn(1, 2, 128, 64, device="cuda", dtype=dtype) for _ in range(2))
+    mask = torch.ones(128, 128, dtype=torch.bool, device="cuda").tril()[None, None] if masked else None
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        out = ScaledDotProductAttention()(q, k, v, mask)
+        direct = grouped_sdpa(q, k, v, attn_mask=mask, is_causal=mask is None)
+    causal = torch.ones(128, 128, dtype=torch.bool, device="cuda").tril()[None, None]
+    reference, _ = _reference_attention(q, k, v, causal)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    assert_close(out.double(), reference.detach(), **tol)
+    assert_close(direct.double(), reference.detach(), **tol)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ultrascale.parallel.device import attention_backend
+from ultrascale.parallel.device import attention_backend, grouped_sdpa
 
 __all__ = [
     "LLAMA_PRESETS",
@@ -328,14 +328,13 @@ class ScaledDotProductAttention(nn.Module):
         ``mask`` (``(B, 1, T, T)`` bool, True = may attend) replaces the plain causal mask,
         e.g. with a per-document causal mask for packed sequences.
         """
-        gqa = q.shape[1] != k.shape[1]
         if mask is None:
             if attention_backend(q.device, q.dtype) == "flash":
                 return flash_causal_attention(q, k, v)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return grouped_sdpa(q, k, v, is_causal=True)
         # Packed documents: SDPA with the block-diagonal causal mask (flash-attn would need its varlen
         # entry point and the documents' cumulative lengths).
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return grouped_sdpa(q, k, v, attn_mask=mask)
 
 
 def flash_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
-from ultrascale.parallel.device import all_gather_single, reduce_scatter_single
+from ultrascale.parallel.device import all_gather_single, grouped_sdpa, reduce_scatter_single
 from ultrascale.parallel.rules import CONTEXT_PARALLEL_METHODS
 
 ContextParallelMethod = Literal["allgather", "ring", "alltoall"]
@@ -139,11 +139,29 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
+def _aligned_bias(bias: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor) -> Optional[torch.Tensor]:
+    """`bias` (B|1, 1, Tq, Tk) expanded to the heads, its rows in memory padded to a multiple of 8 elements: the
+    efficient kernel reads the bias in aligned vectors (it refuses a row stride not a multiple of 8 in 16 bits, of 4 in
+    fp32: measured on an H200 with Tk = 37), as torch's public SDPA pads it."""
+    if bias is None:
+        return None
+    tk = k.shape[2]
+    if tk % 8:
+        bias = F.pad(bias, (0, 8 - tk % 8))[..., :tk]
+    return bias.expand(q.shape[0], q.shape[1], q.shape[2], tk)
+
+
+def _heads_inner(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, T, D) with the memory of (B, T, H, D), the layout of the efficient kernel's own output: its backward
+    computes rowsum(dO * O) assuming it for `out` and `dout` (the merged (B, H, T, D)-contiguous out of the ring gave
+    dQ and dK 50-75 % off in bf16/fp16 on an H200; fp32 takes another path)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _cuda_forward(q, k, v, causal, bias, scale):
     # torch's memory-efficient kernel: fp32/bf16/fp16, additive bias, equal head counts.
     groups = q.shape[1] // k.shape[1]
-    if bias is not None:
-        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    bias = _aligned_bias(bias, q, k)
     out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, _repeat_kv(k, groups), _repeat_kv(v, groups), bias, True, 0.0, causal, scale=scale
     )
@@ -152,11 +170,11 @@ def _cuda_forward(q, k, v, causal, bias, scale):
 
 def _cuda_backward(dout, q, k, v, out, lse, causal, bias, scale):
     groups = q.shape[1] // k.shape[1]
-    if bias is not None:
-        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    bias = _aligned_bias(bias, q, k)
     seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: never read
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, _repeat_kv(k, groups), _repeat_kv(v, groups), bias, out, lse.contiguous(), seed, offset,
+        _heads_inner(dout), q, _repeat_kv(k, groups), _repeat_kv(v, groups), bias, _heads_inner(out), lse.contiguous(),
+        seed, offset,
         0.0, [True, True, True, False], causal, scale=scale,
     )
     if groups > 1:  # the repeated heads' gradients sum back onto their kv head
@@ -494,11 +512,8 @@ def _alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: "
         if sinks is not None:  # this rank's heads are head group `rank` of the rank's (tp-local) heads
             sinks = sinks.reshape(n, heads // n)[cp.rank]
         out = _attention_math(q, k, v, allowed, scale, softcap, sinks)
-    elif allowed is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
-                                             enable_gqa=k.shape[1] != q.shape[1])
+        out = grouped_sdpa(q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=scale)
     if in_order is not None:
         out = out.index_select(2, gathered)
     return _sequence_to_heads(out, cp.group, n)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import platform
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 # torch 2.13 names the single-tensor collectives `*_single` and deprecates the `*_tensor` spellings.
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -80,6 +82,22 @@ def attention_backend(device: torch.device, dtype: torch.dtype) -> str:
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or not flash_attn_installed():
         return "sdpa"
     return "flash" if torch.cuda.get_device_capability(device) >= (8, 0) else "sdpa"
+
+
+def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: Optional[torch.Tensor] = None,
+                 is_causal: bool = False, scale: Optional[float] = None) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` for grouped-query heads (k, v with fewer heads than q, query head h reading
+    kv head h // groups).
+
+    On CUDA only torch's flash kernel takes `enable_gqa`, and it runs neither fp32 nor a mask: with either, SDPA
+    falls back to its math kernel, O(B·H·T²) memory (32.5 GiB for one T=8192, H=32 fp32 call on an H200, against
+    1.25 GiB with K/V repeated). There K and V are repeated to the query heads (O(B·H·T·D) more), which keeps the
+    memory-efficient kernel. Elsewhere (CPU, or bf16 without a mask) `enable_gqa` reads them in place."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and q.device.type == "cuda" and (attn_mask is not None or q.dtype == torch.float32):
+        k, v, groups = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=groups > 1)
 
 
 def hf_attention_implementation(device: torch.device, dtype: torch.dtype) -> str:
