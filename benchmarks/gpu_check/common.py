@@ -11,7 +11,7 @@ import types
 import torch
 
 DEV = torch.device(os.environ.get("DEV", "cuda" if torch.cuda.is_available() else "cpu"))
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
