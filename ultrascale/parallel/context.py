@@ -158,6 +158,12 @@ def _heads_inner(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def _padded_lse(lse: torch.Tensor) -> torch.Tensor:
+    """(B, H, Tq) fp32 log-sum-exp padded to the kernel's own (B, H, ceil(Tq / 32) * 32): its backward reads it with
+    that head stride (37 query rows raised "LSE is not correctly aligned (strideH)" on an H200)."""
+    return F.pad(lse, (0, -lse.shape[-1] % 32)).contiguous()
+
+
 def _cuda_forward(q, k, v, causal, bias, scale):
     # torch's memory-efficient kernel: fp32/bf16/fp16, additive bias, equal head counts.
     groups = q.shape[1] // k.shape[1]
@@ -173,8 +179,8 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, bias, scale):
     bias = _aligned_bias(bias, q, k)
     seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: never read
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        _heads_inner(dout), q, _repeat_kv(k, groups), _repeat_kv(v, groups), bias, _heads_inner(out), lse.contiguous(),
-        seed, offset,
+        _heads_inner(dout), q, _repeat_kv(k, groups), _repeat_kv(v, groups), bias, _heads_inner(out),
+        _padded_lse(lse), seed, offset,
         0.0, [True, True, True, False], causal, scale=scale,
     )
     if groups > 1:  # the repeated heads' gradients sum back onto their kv head
