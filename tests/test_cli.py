@@ -174,6 +174,19 @@ COMMAND_LINE_ERRORS = {
 
 
 @pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_a_knob_on_a_strategy_given_by_name_says_how_to_set_it(capsys, tmp_path, monkeypatch):
+    """tiny_cpu.yaml names `strategy: ultrascale_zero3`, which takes no knobs: the message says so, with the close knob."""
+    from tests._cli import run_main
+
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(capsys, "fit", "--config", str(RECIPE), "--trainer.strategy.init_args.tensor_paralel", "2")
+    assert code == 2 and "Traceback" not in out + err and "NestedArg" not in err, err
+    assert err.strip() == ("ultrascale fit: error: `tensor_paralel` (did you mean `tensor_parallel`?): the recipe names its "
+                           "strategy by its registered name `ultrascale_zero3`, which takes no knobs; give it as "
+                           "`class_path: ultrascale.ZeRO3Strategy` with `init_args` to set them"), err
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 @pytest.mark.parametrize("case", list(COMMAND_LINE_ERRORS))
 def test_the_command_reports_a_bad_recipe_in_one_message(case, capsys, tmp_path, monkeypatch):
     """Exit status 2, the message alone on stderr (no traceback, no jsonargparse dump), before any rank starts."""

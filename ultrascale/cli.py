@@ -369,6 +369,22 @@ def main(args: list[str] | None = None) -> None:
         raise SystemExit(2) from None
 
 
+def _knobs(cls: type) -> list[str]:
+    """The keyword arguments `cls(...)` takes, following `**knobs` up to the base class that names them."""
+    import inspect
+
+    names: list[str] = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = list(inspect.signature(init).parameters.values())
+        names += [p.name for p in params[1:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in names]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names
+
+
 class RecipeError(ValueError):
     """An argument of the recipe's objects that their constructors refuse."""
 
@@ -377,10 +393,20 @@ def describe_argument_error(error: Exception) -> str:
     """jsonargparse's error, with a close knob named when a strategy (or another class) is given one it lacks."""
     import difflib
     import importlib
-    import inspect
     import re
 
+    from lightning.pytorch.strategies import StrategyRegistry
+
     text = str(error)
+    by_name = re.search(r"Expected a dot import path string: (\w+).*NestedArg\(key='([\w.]+)'", text, flags=re.DOTALL)
+    if by_name is not None and by_name.group(1) in StrategyRegistry:
+        name, option = by_name.groups()
+        cls = StrategyRegistry[name]["strategy"]
+        knobs = _knobs(cls)
+        close = difflib.get_close_matches(option, knobs, n=1)
+        hint = "" if option in knobs else (f" (did you mean `{close[0]}`?)" if close else f" (its knobs: {', '.join(knobs)})")
+        return (f"`{option}`{hint}: the recipe names its strategy by its registered name `{name}`, which takes no knobs; "
+                f"give it as `class_path: {cls.__module__.split('.')[0]}.{cls.__name__}` with `init_args` to set them")
     unknown = re.search(r"class_path '([\w.]+)':\s+Option '([\w.]+)' is not accepted", text)
     if unknown is None:
         choice = re.search(r'Parser key "([\w.]+)":\s+Expected a typing.Literal\[(.*?)\]\. Got value: (\S+)', text)
@@ -395,7 +421,7 @@ def describe_argument_error(error: Exception) -> str:
     try:
         module, _, name = class_path.rpartition(".")
         cls = getattr(importlib.import_module(module), name)
-        knobs = [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
+        knobs = _knobs(cls)
     except Exception:  # noqa: BLE001 - no suggestion then
         return text.strip()
     close = difflib.get_close_matches(option, knobs, n=1)
