@@ -393,3 +393,30 @@ def test_grouped_query_attention_never_needs_the_math_kernel(dtype, masked):
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     assert_close(out.double(), reference.detach(), **tol)
     assert_close(direct.double(), reference.detach(), **tol)
+
+
+def _norm_without_gradients(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ultrascale.parallel.device import collective_device
+    from ultrascale.parallel.grad import global_grad_norm
+    from ultrascale.parallel.zero import ZeroEngine
+
+    model = torch.nn.Linear(4, 4, device="cuda")
+    model.weight.requires_grad_(False)
+    model.bias.requires_grad_(False)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1, device="cuda"))], lr=0.1)
+    optimizer.param_groups[0]["params"] = []  # a stage whose optimizer holds nothing this rank trains
+    mesh = init_device_mesh("cuda", (world,))
+    engine = ZeroEngine(model, optimizer, stage=1, dp_mesh=mesh, norm_group=dist.group.WORLD)
+    return {"device": str(collective_device()), "norm": global_grad_norm([], across=dist.group.WORLD).item(),
+            "zero_norm": engine.grad_norm().item()}
+
+
+def test_a_rank_without_gradients_takes_part_in_the_norm_over_nccl():
+    """A pipeline stage with no gradient (frozen, or no parameters) still joins the norm's all-reduce: its
+    made-up zero must be a CUDA tensor, which NCCL requires."""
+    result = run_nccl("_norm_without_gradients", world=1)[0]
+    assert result["device"].startswith("cuda")
+    assert result["norm"] == 0.0 and result["zero_norm"] == 0.0

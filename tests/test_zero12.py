@@ -251,3 +251,82 @@ def test_second_fit_replaces_the_engine():
     result = run_ranks(_fit_twice, 2)[0]
     assert result["hooks"] == result["params"]  # one gradient hook per parameter, not two
     assert result["losses"][1][0] < result["losses"][0][0]  # the second fit continues from trained weights
+
+
+def _odd_model() -> torch.nn.Module:
+    """Odd sizes, so buckets, rank slices and checkpoint chunks all cut parameters in different places."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Embedding(11, 3), torch.nn.Linear(3, 13))
+
+
+def _steps_of(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+    """Per step, a gradient per parameter that bf16 holds exactly (multiples of 1/4), the same on every rank."""
+    generator = torch.Generator().manual_seed(5)
+    return [{n: torch.randint(-4, 5, p.shape, generator=generator) / 4 for n, p in model.named_parameters()}
+            for _ in range(3)]
+
+
+def _zero_step(model, optimizer, engine, grads) -> None:
+    optimizer.zero_grad()
+    sum((p * grads[n].to(p.dtype)).sum() for n, p in model.named_parameters()).backward()
+    optimizer.step()
+
+
+def _save_then_load_elsewhere(rank, world_size, stage, folder, saving_world):
+    """Ranks < `saving_world` train 2 steps and save; then every rank loads into a fresh engine, steps once more."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests._dist import init_gloo
+    from ultrascale.parallel.checkpoint import save_sharded_checkpoint
+    from ultrascale.parallel.resume import load_training_state
+
+    init_gloo(rank, world_size)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard_cp",))
+    model = _odd_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    # 200 bytes: two buckets of several parameters, so one pair of ranks exchanges several runs per bucket
+    engine = zero_module.ZeroEngine(model, optimizer, stage=stage, dp_mesh=mesh, bucket_bytes=200,
+                                    compute_dtype=torch.bfloat16)
+    steps = _steps_of(model)
+    out = {}
+    if world_size == saving_world:
+        for grads in steps[:2]:
+            _zero_step(model, optimizer, engine, grads)
+        saved = engine.sharded_state_dict()
+        out["saved"] = {f"{n}.{k}": v.full_tensor() for n, entry in saved["state"].items() for k, v in entry.items()}
+        save_sharded_checkpoint({"state_dict": get_model_state_dict(model), "optimizer_0": saved}, {}, folder)
+        return out
+    engine.init_state()
+    load_training_state(folder, model, [optimizer], zero_stage=stage)
+    _zero_step(model, optimizer, engine, steps[2])
+    out["masters"] = engine.full_master_weights()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_checkpoint_relayout_is_exact_across_world_sizes(tmp_path, stage):
+    """Saved at dp3 (every parameter's chunk cut at rank-slice and bucket boundaries), loaded at dp2 and
+    dp4: the checkpoint holds one process's AdamW state, and the step after the load is one process's third."""
+    saved = run_ranks(_save_then_load_elsewhere, 3, stage, tmp_path / "ckpt", 3)[0]["saved"]
+    reference = _one_process_adamw(ranks_per_step=(3, 3))
+    assert set(saved) == set(reference)
+    for key, value in reference.items():
+        torch.testing.assert_close(saved[key], value.reshape(-1), rtol=1e-6, atol=1e-7, msg=key)
+    for world in (2, 4):
+        masters = run_ranks(_save_then_load_elsewhere, world, stage, tmp_path / "ckpt", 3)[0]["masters"]
+        reference = _one_process_adamw(ranks_per_step=(3, 3, world))
+        for name in masters:
+            torch.testing.assert_close(masters[name], reference[f"{name}.master"], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _one_process_adamw(ranks_per_step: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """AdamW's weights and state after one step per entry, each on the sum of that many ranks' gradients."""
+    model = _odd_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    for grads, ranks in zip(_steps_of(model), ranks_per_step):
+        for n, p in model.named_parameters():
+            p.grad = grads[n] * ranks
+        optimizer.step()
+    return ({f"{n}.{k}": v for n, p in model.named_parameters() for k, v in optimizer.state[p].items() if v.dim()}
+            | {f"{n}.master": p.detach() for n, p in model.named_parameters()})

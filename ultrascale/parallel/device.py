@@ -21,6 +21,15 @@ def process_group_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where a tensor must live to go through a collective over `group`: this process's CUDA device
+    under NCCL (which only moves device tensors), the CPU otherwise. For the tensors a rank makes up
+    when it holds nothing to contribute (no gradients on this stage, no buckets)."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def async_checkpoint_backend() -> str:
     """The backend of the process group asynchronous checkpoint saves run their collectives on: gloo, on
     CPU and CUDA alike. DCP's `async_save` plans and gathers in a background thread while training uses

@@ -11,6 +11,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from ultrascale.parallel.device import collective_device
+
 
 @torch.no_grad()
 def clip_grad_norm_(
@@ -60,7 +62,7 @@ def global_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0, across: 
         if mesh is not None and mesh.size() > 1:
             dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=_flat_group(mesh))
         parts.append(value)
-    device = parts[-1].device
+    device = parts[-1].device if len(parts) > 1 else collective_device(across)  # no gradients here: NCCL's device
     combined = torch.stack([p.to(device) for p in parts])
     total = combined.max() if inf else combined.sum()
     if across is not None and dist.get_world_size(across) > 1:

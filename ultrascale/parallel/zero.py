@@ -29,8 +29,13 @@ Bytes sent per rank per step: (N-1)/N * Ψ elements for the reduce-scatter plus 
 the all-gather, i.e. 2Ψ(N-1)/N, the same as DDP's ring all-reduce.
 
 Checkpoints: the bucket layout depends on N, so state is saved per parameter (by its
-name) as 1-D DTensors sharded over the dp ranks and re-laid out on load (one all-to-all),
-which makes a ZeRO-1/2 checkpoint loadable at any world size.
+name) as 1-D DTensors sharded over the dp ranks, which makes a ZeRO-1/2 checkpoint loadable at
+any world size. A rank's bucket slice and its checkpoint chunks share contiguous runs of elements
+(at most (params + 1) x N per bucket, derived alike on every rank), so the re-layout on save and
+on load sends runs, not per-element indices: one all-to-all per (state, bucket), whose buffers
+hold what changes rank. Extra memory per rank: the state in the checkpoint's layout (one copy,
+what DCP writes from or reads into) plus one bucket slice sent and received
+(measured: benchmarks/zero_checkpoint_memory.py).
 
 Tensor parallel (parameters that are DTensors on a 1-D tp mesh): the engine works on each rank's
 local tp shard, so ZeRO-1 keeps 2Ψ/tp + 2Ψ/tp + 12Ψ/(tp·N) bytes (Megatron's distributed optimizer
@@ -65,7 +70,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ultrascale.parallel.device import all_gather_single, reduce_scatter_single
+from ultrascale.parallel.device import all_gather_single, collective_device, reduce_scatter_single
 from ultrascale.parallel.grad import power_sum
 from ultrascale.parallel.zero_layouts import _chunk_size, _clean_name, _saved_entries, _saved_groups, _saved_state_names
 
@@ -100,6 +105,20 @@ def zero_engine_for(optimizer: Any) -> Optional["ZeroEngine"]:
         return _ENGINES.get(optimizer)
     except TypeError:
         return None
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Elements that rank `slice_rank` holds at `slice_at` of its slice of bucket `bucket`, and rank
+    `chunk_rank` at `chunk_at` of its checkpoint chunk of parameter `name`."""
+
+    bucket: int
+    slice_rank: int
+    slice_at: int
+    name: str
+    chunk_rank: int
+    chunk_at: int
+    length: int
 
 
 @dataclass
@@ -493,7 +512,8 @@ class ZeroEngine:
                    if b.grad_shard is not None and (inf or b.split_over_tp or self.tp_rank == 0)]
         has_shards = any(b.grad_shard is not None for b in self.buckets)
         if not counted:
-            total = torch.zeros((), device=self.buckets[0].param_buffer.device if self.buckets else None)
+            total = torch.zeros((), device=self.buckets[0].param_buffer.device if self.buckets
+                                else collective_device(self.group))
         elif inf:
             total = torch.stack([s.abs().max().float() for s in counted]).max()
         else:
@@ -557,62 +577,73 @@ class ZeroEngine:
         return out
 
     # ------------------------------------------------------------------ checkpoints
-    def _chunk_layout(self) -> tuple[list[tuple[str, int]], dict[str, list[int]], list[int]]:
-        """The N-independent layout: each flattened parameter (a tp parameter: its local shard) split like
-        DTensor Shard(0), in whole dim-0 rows for a tp parameter (`_row_numel`); per rank, its chunks
-        concatenated in parameter order. Returns (name, local numel) per parameter, each parameter's chunk
-        offset on every rank, and each rank's total."""
-        params = [(name, _local(p).numel()) for b in self.buckets for name, p in zip(b.names, b.params)]
-        rows = self._row_numels()
-        bases: dict[str, list[int]] = {}
-        totals = [0] * self.world
-        for name, numel in params:
-            bases[name] = list(totals)
-            for q in range(self.world):
-                totals[q] += _chunk_size(numel // rows[name], self.world, q) * rows[name]
-        return params, bases, totals
-
     def _row_numels(self) -> dict[str, int]:
         return {name: _row_numel(p) for b in self.buckets for name, p in zip(b.names, b.params)}
 
-    def _slice_to_chunks(self, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For every element of rank `rank`'s bucket slices (concatenated in bucket order): the rank
-        holding it in the chunk layout, its position there, and whether it is real (not padding)."""
-        _, bases, _ = self._chunk_layout()
-        rows = self._row_numels()
-        owners, positions, reals = [], [], []
-        for bucket in self.buckets:
-            pos = torch.arange(rank * bucket.shard, (rank + 1) * bucket.shard)
-            offsets = torch.tensor(bucket.offsets)
-            index = (torch.searchsorted(offsets, pos, right=True) - 1).clamp(max=len(bucket.params) - 1)
-            within = pos - offsets[index]
-            chunk = torch.tensor([math.ceil(_local(p).numel() / rows[n] / self.world) * rows[n]
-                                  for n, p in zip(bucket.names, bucket.params)])[index]
-            real = pos < bucket.numel
-            owner = torch.where(real, within // chunk.clamp(min=1), 0)
-            base = torch.tensor([bases[name] for name in bucket.names])[index, owner]
-            owners.append(owner)
-            positions.append(torch.where(real, base + within - owner * chunk, 0))
-            reals.append(real)
-        return torch.cat(owners), torch.cat(positions), torch.cat(reals)
+    def _chunk_numel(self, name: str, p: torch.Tensor, rank: int) -> int:
+        """Elements of rank `rank`'s chunk of `p`'s state in the checkpoint: the flattened parameter (a tp
+        parameter: its local shard) split like DTensor Shard(0), in whole dim-0 rows for a tp parameter."""
+        row = _row_numel(p)
+        return _chunk_size(_local(p).numel() // row, self.world, rank) * row
 
-    def _exchange(self, values: torch.Tensor, rank_of: torch.Tensor, pos_of: torch.Tensor, out_numel: int) -> torch.Tensor:
-        """Send values[i] to rank rank_of[i], position pos_of[i] of a fresh (out_numel,) tensor there (one all-to-all)."""
-        # Everything on the weights' device: NCCL only moves device tensors.
-        device = self.buckets[0].param_buffer.device
-        rank_of, pos_of, values = rank_of.to(device), pos_of.to(device), values.to(device)
-        order = torch.argsort(rank_of, stable=True)
-        send_counts = torch.bincount(rank_of, minlength=self.world)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        send, recv = send_counts.tolist(), recv_counts.tolist()
-        received = torch.empty(sum(recv), dtype=values.dtype, device=device)
-        positions = torch.empty(sum(recv), dtype=torch.long, device=device)
-        dist.all_to_all_single(received, values[order].contiguous(), recv, send, group=self.group)
-        dist.all_to_all_single(positions, pos_of[order].contiguous(), recv, send, group=self.group)
-        out = torch.zeros(out_numel, dtype=values.dtype, device=device)
-        out[positions] = received
-        return out
+    def _runs(self) -> list[list[_Run]]:
+        """Per bucket, the contiguous runs of elements that one rank's bucket slice and one rank's checkpoint
+        chunk share, in one order every rank derives alike (so a receiver knows what each sender sends, and
+        in which order, without being told). At most (params + 1) x N runs per bucket."""
+        rows = self._row_numels()
+        per_bucket = []
+        for index, bucket in enumerate(self.buckets):
+            runs = []
+            for name, p, offset in zip(bucket.names, bucket.params, bucket.offsets):
+                numel = _local(p).numel()
+                chunk = math.ceil(numel / rows[name] / self.world) * rows[name]
+                for chunk_rank in range(math.ceil(numel / chunk) if chunk else 0):
+                    start, end = offset + chunk_rank * chunk, offset + min((chunk_rank + 1) * chunk, numel)
+                    while start < end:  # the chunk may straddle the slices of several ranks
+                        slice_rank = start // bucket.shard
+                        stop = min(end, (slice_rank + 1) * bucket.shard)
+                        runs.append(_Run(index, slice_rank, start - slice_rank * bucket.shard, name, chunk_rank,
+                                         start - offset - chunk_rank * chunk, stop - start))
+                        start = stop
+            per_bucket.append(runs)
+        return per_bucket
+
+    def _move(self, runs: list[_Run], to_chunks: bool, read: Any, write: Any, dtype: torch.dtype) -> None:
+        """Move every run from the rank holding it on one side (bucket slices, or checkpoint chunks when not
+        `to_chunks`) to the rank holding it on the other: `write(run, values)` on the receiver gets what
+        `read(run)` gave on the sender. One all-to-all whose buffers hold only what changes rank; runs
+        that stay are copied. Every rank calls it with the same `runs`."""
+        def source(run: _Run) -> int:
+            return run.slice_rank if to_chunks else run.chunk_rank
+
+        def target(run: _Run) -> int:
+            return run.chunk_rank if to_chunks else run.slice_rank
+
+        outgoing: list[list[_Run]] = [[] for _ in range(self.world)]
+        incoming: list[list[_Run]] = [[] for _ in range(self.world)]
+        for run in runs:
+            if source(run) == self.rank and target(run) == self.rank:
+                write(run, read(run))
+            elif source(run) == self.rank:
+                outgoing[target(run)].append(run)
+            elif target(run) == self.rank:
+                incoming[source(run)].append(run)
+        if all(source(run) == target(run) for run in runs):  # the same answer on every rank: all skip the collective
+            return
+        device = self.buckets[0].param_buffer.device  # NCCL only moves device tensors
+        pieces = [read(run).to(device=device, dtype=dtype) for group in outgoing for run in group]
+        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
+        del pieces
+        send_sizes = [sum(run.length for run in group) for group in outgoing]
+        recv_sizes = [sum(run.length for run in group) for group in incoming]
+        received = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+        dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=self.group)
+        del send
+        at = 0
+        for group in incoming:
+            for run in group:
+                write(run, received[at : at + run.length])
+                at += run.length
 
     def _to_dtensor(self, local: torch.Tensor, numel: int) -> DTensor:
         placements = [Shard(0)] if self.dp_mesh.ndim == 1 else [Replicate(), Shard(0)]
@@ -640,59 +671,85 @@ class ZeroEngine:
     def _params_by_name(self) -> dict[str, torch.Tensor]:
         return {name: p for b in self.buckets for name, p in zip(b.names, b.params)}
 
-    def _elementwise_tensors(self) -> dict[str, torch.Tensor]:
-        """This rank's slices of every elementwise state (and the master weights if they are a copy), concatenated."""
-        keys = sorted({k for b in self.buckets for k, v in self.optimizer.state.get(b.master, {}).items() if _elementwise(v, b)})
-        tensors = {key: torch.cat([self.optimizer.state[b.master][key].reshape(-1) for b in self.buckets]) for key in keys}
-        if self.buckets and not self.buckets[0].master_is_view:
-            tensors["master"] = torch.cat([b.master.detach().reshape(-1) for b in self.buckets])
-        return tensors
+    def _state_keys(self) -> dict[str, torch.dtype]:
+        """The elementwise optimizer states (and "master" when the masters are copies), with their dtypes."""
+        keys = {k: v.dtype for b in self.buckets for k, v in self.optimizer.state.get(b.master, {}).items()
+                if _elementwise(v, b)}
+        if self.has_master_copies:
+            keys["master"] = self.buckets[0].master.dtype
+        return dict(sorted(keys.items()))
 
-    @torch.no_grad()
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """Optimizer state per parameter name, as 1-D DTensors sharded over the dp ranks (N-independent)."""
-        params, bases, totals = self._chunk_layout()
-        rows, by_name = self._row_numels(), self._params_by_name()
-        rank_of, pos_of, real = self._slice_to_chunks(self.rank)
-        state: dict[str, dict[str, Any]] = {name: {} for name, _ in params}
-        for key, values in self._elementwise_tensors().items():
-            laid = self._exchange(values[real], rank_of[real], pos_of[real], totals[self.rank])
-            for name, numel in params:
-                base, size = bases[name][self.rank], _chunk_size(numel // rows[name], self.world, self.rank) * rows[name]
-                state[name][key] = self._state_dtensor(by_name[name], laid[base : base + size].clone())
+    def _bucket_state(self, bucket: _Bucket, key: str) -> torch.Tensor:
+        return bucket.master.detach() if key == "master" else self.optimizer.state[bucket.master][key]
+
+    def _groups_state(self) -> list[dict[str, Any]]:
         groups = []
         for group, buckets in zip(self.optimizer.param_groups, self.group_buckets):
             first = self.optimizer.state.get(buckets[0].master, {}) if buckets else {}
             scalars = {k: v for k, v in first.items() if not _elementwise(v, buckets[0])}
             hyper = {k: v for k, v in group.items() if k != "params"}
             groups.append({"hyper": hyper, "scalars": scalars, "params": [n for b in buckets for n in b.names]})
-        return {"state": state, "param_groups": groups}
+        return groups
+
+    def _empty_state_dict(self) -> dict[str, Any]:
+        """`sharded_state_dict`'s layout, zero-filled (what DCP reads a checkpoint into)."""
+        device = self.buckets[0].param_buffer.device if self.buckets else None
+        state = {name: {key: self._state_dtensor(p, torch.zeros(self._chunk_numel(name, p, self.rank), dtype=dtype,
+                                                                device=device))
+                        for key, dtype in self._state_keys().items()}
+                 for name, p in self._params_by_name().items()}
+        return {"state": state, "param_groups": self._groups_state()}
+
+    @torch.no_grad()
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Optimizer state per parameter name, as 1-D DTensors sharded over the dp ranks (N-independent).
+
+        The slices are re-laid out one (state, bucket) at a time, in contiguous runs: beyond the returned
+        state (one copy of this rank's), the working memory is one bucket slice's worth sent and received."""
+        saved = self._empty_state_dict()
+        runs = self._runs()
+        for key, dtype in self._state_keys().items():
+            chunks = {name: entry[key].to_local().view(-1) for name, entry in saved["state"].items()}
+
+            def read(run: _Run, key: str = key) -> torch.Tensor:
+                return self._bucket_state(self.buckets[run.bucket], key)[run.slice_at : run.slice_at + run.length]
+
+            def write(run: _Run, values: torch.Tensor, chunks: dict[str, torch.Tensor] = chunks) -> None:
+                chunks[run.name][run.chunk_at : run.chunk_at + run.length].copy_(values)
+
+            for bucket_runs in runs:
+                self._move(bucket_runs, True, read, write, dtype)
+        return saved
 
     @torch.no_grad()
     def load_sharded_state_dict(self, saved: dict[str, Any]) -> None:
-        """Inverse of `sharded_state_dict`; the DTensors may have been written at any world size."""
-        params, _, totals = self._chunk_layout()
-        # Invert every rank's slice -> chunk map to find, for each element of this rank's
-        # chunks, which rank's bucket slice (and where) it belongs to.
-        back_rank = torch.zeros(totals[self.rank], dtype=torch.long)  # index maps are built on the CPU
-        back_pos = torch.zeros(totals[self.rank], dtype=torch.long)
-        for r in range(self.world):
-            rank_of, pos_of, real = self._slice_to_chunks(r)
-            mine = (rank_of == self.rank) & real
-            back_rank[pos_of[mine]] = r
-            back_pos[pos_of[mine]] = torch.nonzero(mine).flatten()
-        slice_numel = sum(b.shard for b in self.buckets)
+        """Inverse of `sharded_state_dict`; the DTensors may have been written at any world size. The states
+        are written into the optimizer's own tensors where they exist (as after `init_state`)."""
         keys = sorted({k for entry in saved["state"].values() for k in entry})
         by_name = self._params_by_name()
+        runs = self._runs()
         for key in keys:
-            local = torch.cat([self._own_layout(by_name[name], saved["state"][name][key]).to_local().reshape(-1)
-                               for name, _ in params])
-            laid = self._exchange(local, back_rank, back_pos, slice_numel)
-            for bucket, piece in zip(self.buckets, laid.split([b.shard for b in self.buckets])):
+            for bucket, bucket_runs in zip(self.buckets, runs):
                 if key == "master":
-                    bucket.master.copy_(piece)
+                    target = bucket.master.detach()
                 else:
-                    self.optimizer.state.setdefault(bucket.master, {})[key] = piece.to(bucket.master.dtype).clone()
+                    state = self.optimizer.state.setdefault(bucket.master, {})
+                    target = state.get(key)
+                    if not (isinstance(target, torch.Tensor) and _elementwise(target, bucket)
+                            and target.dtype == bucket.master.dtype):
+                        target = state[key] = torch.zeros_like(bucket.master, requires_grad=False)
+                    target.zero_()  # the padding past the last parameter
+                chunks = {name: self._own_layout(by_name[name], saved["state"][name][key]).to_local().reshape(-1)
+                          for name in bucket.names}
+
+                def read(run: _Run, chunks: dict[str, torch.Tensor] = chunks) -> torch.Tensor:
+                    return chunks[run.name][run.chunk_at : run.chunk_at + run.length]
+
+                def write(run: _Run, values: torch.Tensor, target: torch.Tensor = target) -> None:
+                    target[run.slice_at : run.slice_at + run.length].copy_(values)
+
+                self._move(bucket_runs, False, read, write, target.dtype)
+                del chunks
         for group, buckets, saved_group in zip(self.optimizer.param_groups, self.group_buckets, saved["param_groups"]):
             group.update(saved_group["hyper"])
             for bucket in buckets:
@@ -737,7 +794,7 @@ class ZeroEngine:
         shaped, or the reverse), which are read as saved and converted by `load_sharded_state_dict`."""
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        own = self.sharded_state_dict()
+        own = self._empty_state_dict()
         by_name = self._params_by_name()
         for name, entry in own["state"].items():
             p = by_name[name]
