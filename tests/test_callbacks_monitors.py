@@ -154,6 +154,35 @@ def test_cpu_peak_without_fast_bf16_falls_back_to_fp32(monkeypatch):
 # --------------------------------------------------------------------------- tokens once per dp group
 
 
+def test_mfu_on_cuda_synchronises_only_at_logged_optimizer_steps(monkeypatch):
+    """A CUDA `synchronize` stalls the host: the monitor waits for the GPU only at the optimizer steps Lightning
+    writes to its loggers, and then reports the tokens of every batch since the last one over their time."""
+    from types import SimpleNamespace
+
+    syncs, logged = [], []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
+    connector = SimpleNamespace(should_update_logs=False)
+    fake = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), world_size=1, global_step=0,
+                           _logger_connector=connector)
+    module = SimpleNamespace(log=lambda name, value, **kw: logged.append((fake.global_step, name, value)))
+    monitor = MFUMonitor(mfu=False, window_size=1)
+    monitor.on_train_epoch_start(fake, module)
+    batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long)}  # 16 tokens a batch
+    for step in range(1, 5):  # 4 optimizer steps of 2 micro-batches; Lightning logs steps 2 and 4
+        for micro in range(2):
+            monitor.on_train_batch_start(fake, module, batch, 0)
+            time.sleep(0.01)
+            if micro == 1:
+                fake.global_step = step
+            connector.should_update_logs = step % 2 == 0
+            monitor.on_train_batch_end(fake, module, None, batch, 0)
+    assert len(syncs) == 2
+    rates = [value for at, name, value in logged if name == "throughput/tokens_per_sec"]
+    assert [at for at, name, _ in logged if name == "throughput/tokens_per_sec"] == [2, 4]
+    assert all(16 * 4 / 0.04 * 0.5 < rate <= 16 * 4 / 0.04 for rate in rates), rates  # 4 batches of 16 tokens, >= 40 ms
+    assert monitor.tokens_seen == 8 * 16
+
+
 class _BatchEnds(L.Callback):
     def __init__(self):
         self.ends: list[float] = []

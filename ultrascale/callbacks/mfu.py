@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
@@ -66,7 +67,8 @@ class MFUMonitor(Callback):
     ) -> None:
         """
         Args:
-            window_size: batches over which tokens/s, TFLOP/s and MFU are averaged; >= 1.
+            window_size: measured intervals over which tokens/s, TFLOP/s and MFU are averaged (batches; on CUDA,
+                the intervals between logged optimizer steps); >= 1.
             flops_per_token: training FLOPs per token, for models that are neither the built-in Llama nor a
                 Hugging Face model (whose configs give it); None derives it from the model's config.
             peak_tflops: peak TFLOP/s of one device, overriding the table (GPU) or the measured matmul (CPU).
@@ -107,8 +109,10 @@ class MFUMonitor(Callback):
         self._model: Optional[ModelFlops] = None
         self._ac: Any = None
         self._window: deque[tuple[int, float, float]] = deque(maxlen=window_size)
-        self._batch_start = self._prev_end = 0.0
+        self._batch_start = self._prev_end = self._interval_start = 0.0
         self._data_time = 0.0
+        self._interval = _Interval()
+        self._last_global_step = 0
 
     # ------------------------------------------------------------------ resolution
     def _resolve_dtype(self, trainer: "pl.Trainer", device: torch.device) -> str:
@@ -196,11 +200,25 @@ class MFUMonitor(Callback):
 
     # ------------------------------------------------------------------ per step
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._prev_end = time.perf_counter()
+        self._prev_end = self._interval_start = time.perf_counter()
+        self._interval = _Interval()
+        self._last_global_step = trainer.global_step
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
         self._data_time = self._batch_start - self._prev_end  # fetching the batch + Lightning between steps
+
+    def _measures_now(self, trainer: "pl.Trainer") -> bool:
+        """Whether this batch ends a measured interval. CUDA kernels are asynchronous, so a time is only
+        what the GPU did after a `synchronize`, which stalls the host and leaves the GPU idle while the
+        next kernels are launched: on CUDA the monitor synchronises at the end of the optimizer steps
+        Lightning writes to its loggers (every `log_every_n_steps`, its own test), and each interval's time
+        covers all its batches. Elsewhere every batch is measured."""
+        stepped = trainer.global_step != self._last_global_step
+        self._last_global_step = trainer.global_step
+        if trainer.strategy.root_device.type != "cuda":
+            return True
+        return stepped and bool(getattr(trainer._logger_connector, "should_update_logs", True))
 
     def _tokens(self, batch: Any) -> torch.Tensor:
         ids = batch.get(self.input_key) if isinstance(batch, dict) else batch
@@ -214,11 +232,6 @@ class MFUMonitor(Callback):
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize()  # kernels are asynchronous: time what the GPU did, not what was queued
-        end = time.perf_counter()
-        iteration, step = end - self._prev_end, end - self._batch_start
-        self._prev_end = end
         ids = self._tokens(batch)
         dims = parallel_dims_of(trainer.strategy)
         dp = dims.dp if dims is not None else trainer.world_size
@@ -227,7 +240,19 @@ class MFUMonitor(Callback):
         global_tokens = ids.shape[0] * ids.shape[1] * dp * cp  # (B, T, ...): B x T tokens
         seq_len = ids.shape[1] * cp
         self.tokens_seen += global_tokens
-        self._window.append((global_tokens, iteration, seq_len))
+        self._interval.add(global_tokens, self._data_time)
+        measured = self._measures_now(trainer)
+        if measured and trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()  # time what the GPU did, not what was queued
+        self._prev_end = time.perf_counter()
+        if not measured:
+            return
+        interval, self._interval = self._interval, _Interval()
+        iteration = self._prev_end - self._interval_start
+        self._interval_start = self._prev_end
+        # One batch: from its start to its end. Several (CUDA, between logged steps): their mean, less fetching.
+        step = self._prev_end - self._batch_start if interval.batches == 1 else (iteration - interval.data) / interval.batches
+        self._window.append((interval.tokens, iteration, seq_len))
         tokens = sum(t for t, _, _ in self._window)
         seconds = sum(s for _, s, _ in self._window)
         tokens_per_sec = tokens / seconds
@@ -237,7 +262,7 @@ class MFUMonitor(Callback):
             "throughput/tokens_per_sec_per_device": per_device,
             "throughput/tokens_seen": float(self.tokens_seen),
             "time/step": step,
-            "time/data": self._data_time,
+            "time/data": interval.data / interval.batches,
         }
         if self._mfu_active:
             model_fpt = self.flops_per_token if self.flops_per_token is not None else self._model.per_token(seq_len)
@@ -273,6 +298,18 @@ class MFUMonitor(Callback):
             return None  # no hidden size for the attention term of a model given only by `flops_per_token`
         hidden = self._model.hidden if self._model is not None else 0
         return recompute_flops_per_token(summary.matmul_params, summary.attention_layers, hidden, seq_len)
+
+
+@dataclass
+class _Interval:
+    """The batches since the monitor last measured: their tokens and the seconds spent fetching them."""
+
+    tokens: int = 0
+    batches: int = 0
+    data: float = 0.0
+
+    def add(self, tokens: int, data: float) -> None:
+        self.tokens, self.batches, self.data = self.tokens + tokens, self.batches + 1, self.data + data
 
 
 def _table_keys() -> list[str]:
