@@ -147,3 +147,21 @@ def test_fp8_with_zero3_world2_all_gathers_in_fp8():
     fp8_losses, plain_losses = torch.tensor(step_losses(fp8)), torch.tensor(step_losses(plain))
     assert len(fp8_losses) == 4 and torch.isfinite(fp8_losses).all()
     torch.testing.assert_close(fp8_losses, plain_losses, rtol=0.02, atol=0)
+
+
+@pytest.mark.parametrize("capability, recipe, refused, cautioned", [
+    ((8, 0), "tensorwise", True, False),  # A100: no fp8 tensor cores
+    ((8, 9), "tensorwise", False, False),  # L40S / RTX 4090
+    ((8, 9), "rowwise", False, True),
+    ((9, 0), "rowwise", False, False),  # H100
+])
+def test_float8_refused_without_fp8_tensor_cores(monkeypatch, capability, recipe, refused, cautioned):
+    from ultrascale.parallel.device import float8_matmul_support
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU")
+    refusal, caution = float8_matmul_support(torch.device("cuda", 0), recipe)
+    assert (refusal is not None, caution is not None) == (refused, cautioned)
+    if refused:
+        assert "8.9" in refusal and "8.0" in refusal
+    assert float8_matmul_support(torch.device("cpu"), recipe) == (None, None)  # torchao's emulation: the tests' path

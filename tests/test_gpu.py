@@ -10,10 +10,12 @@ Multi-rank tests spawn their ranks (a process that has touched CUDA cannot fork 
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -224,17 +226,40 @@ def test_float8_linear_close_to_bf16():
     assert grad_error < 0.1, grad_error
 
 
+def test_float8_training_callback_compiled_fit(tmp_path):
+    """The callback itself on a GPU with fp8 tensor cores, compiled (its fast path): every block's linears in fp8,
+    the loss finite and falling."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 matmuls need compute capability 8.9+")
+    import ultrascale
+    from ultrascale.callbacks import Float8Training
+
+    fp8 = Float8Training(skip_first_last=False)
+    losses = _tiny_fit(tmp_path, [fp8], "bf16-mixed", steps=6, strategy=ultrascale.ZeRO3Strategy(compile=True))
+    assert fp8.converted and all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+
+
+def test_selective_checkpointing_keeps_flash_attn_output():
+    """flash-attn's forward is the attention kernel on CUDA in bf16; selective AC must keep its output, as SDPA's."""
+    from ultrascale.callbacks.activation_checkpointing import SelectiveAC, _flash_attn_ops
+    from ultrascale.parallel.device import flash_attn_installed
+
+    if not flash_attn_installed():
+        pytest.skip("flash-attn is not installed")
+    assert _flash_attn_ops() and _flash_attn_ops() <= SelectiveAC().get_save_ops()
+
+
 # --------------------------------------------------------------------------- MemoryMonitor, bf16, checkpoints, experts
 
 
-def _tiny_fit(tmp_path: Path, callbacks: list, precision: str, steps: int = 3):
+def _tiny_fit(tmp_path: Path, callbacks: list, precision: str, steps: int = 3, strategy: Any = "ultrascale_zero3"):
     import lightning as L
 
     from tests._parity import ParityData, Recorder, TokenDataset
     from ultrascale.models import LlamaLM
 
     recorder = Recorder()
-    trainer = L.Trainer(accelerator="cuda", devices=1, strategy="ultrascale_zero3", max_steps=steps, precision=precision,
+    trainer = L.Trainer(accelerator="cuda", devices=1, strategy=strategy, max_steps=steps, precision=precision,
                         logger=recorder.logger, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=tmp_path, callbacks=[recorder, *callbacks])
     trainer.fit(LlamaLM(preset="tiny", max_steps=100), ParityData(TokenDataset(64, 32, 512, masked=True), 8))

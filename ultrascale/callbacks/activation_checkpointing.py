@@ -46,6 +46,20 @@ AC_MODES: tuple[str, ...] = ("full", "every_k", "selective", "attention")
 ATTENTION_NAMES: tuple[str, ...] = ("attention", "self_attn", "attn", "self_attention")
 
 
+def _flash_attn_ops() -> set[Any]:
+    """flash-attn 2's forward ops (its torch custom ops, registered when the package is imported), where it is
+    installed: the kernel `attention_backend` picks on CUDA in bf16/fp16, whose output must be kept like SDPA's."""
+    from ultrascale.parallel.device import flash_attn_installed
+
+    if not flash_attn_installed():
+        return set()
+    import flash_attn  # noqa: F401  (registers torch.ops.flash_attn)
+
+    namespace = getattr(torch.ops, "flash_attn", None)
+    return {getattr(namespace, name).default for name in ("_flash_attn_forward", "_flash_attn_varlen_forward")
+            if namespace is not None and hasattr(namespace, name)}
+
+
 def _aten_ops(*names: str) -> set[Any]:
     """The aten overloads among `names` that this torch build has (SDPA variants differ per build)."""
     ops = set()
@@ -147,7 +161,7 @@ class SelectiveAC(ACPolicy):
             "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
             "_flash_attention_forward", "_efficient_attention_forward",
-        )  # fmt: skip
+        ) | _flash_attn_ops()  # fmt: skip
 
     def context_fn(self) -> Callable[[], Any]:
         save = frozenset(self.get_save_ops())

@@ -13,9 +13,10 @@ from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
 import torch.nn as nn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ultrascale.callbacks._common import ModelTransformCallback, parallel_dims_of
+from ultrascale.parallel.device import float8_matmul_support
 
 __all__ = ["FP8_RECIPES", "Float8Training", "float8_module_filter"]
 
@@ -121,6 +122,17 @@ class Float8Training(ModelTransformCallback):
                 f"Float8Training with `tensor_parallel={dims.tp}` needs torchao's float8 TP styles "
                 "(Float8ColwiseParallel / Float8RowwiseParallel) in the TP plan, which ultrascale does not build yet; "
                 "use tensor_parallel=1 or remove Float8Training"
+            )
+        device = trainer.strategy.root_device
+        refusal, caution = float8_matmul_support(device, self.recipe)
+        if refusal is not None:
+            raise ValueError(f"Float8Training: {refusal}. Remove Float8Training (bf16-mixed is the fast path there)")
+        if caution is not None:
+            rank_zero_warn(f"Float8Training(recipe={self.recipe!r}): {caution}; if it is refused or slow, use recipe='tensorwise'")
+        if device.type == "cuda" and not getattr(trainer.strategy, "compile", False):
+            rank_zero_warn(
+                "Float8Training without `compile=True`: torchao's casts to fp8 and their scales then run as separate "
+                "kernels, which usually makes fp8 slower than bf16; set the strategy's `compile=True`"
             )
         # FSDP2 all-gathers the weights only under ZeRO-3 (stages 1/2 keep them replicated).
         zero3 = dims is not None and dims.dp_shard_cp > 1 and getattr(trainer.strategy, "zero_stage", 3) == 3

@@ -98,7 +98,8 @@ class MemoryMonitor(Callback):
                 f"allocator, and this run is on {trainer.strategy.root_device.type}; leave `snapshot_at_step=None`"
             )
         if cuda and (self.snapshot_at_step is not None or self.snapshot_on_oom):
-            torch.cuda.memory._record_memory_history(max_entries=self.max_snapshot_entries)
+            # Python frames only: unwinding C++ stacks at every allocation is what makes recording slow.
+            torch.cuda.memory._record_memory_history(max_entries=self.max_snapshot_entries, stacks="python")
             self._recording = True
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:

@@ -213,6 +213,8 @@ class BlockDataModule(L.LightningDataModule):
             sampler=sampler,
             drop_last=True,
             num_workers=self.num_workers,
+            # Page-locked batches copy to a GPU asynchronously (Lightning moves them with non_blocking=True).
+            pin_memory=getattr(getattr(self.trainer, "strategy", None), "root_device", torch.device("cpu")).type == "cuda",
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -283,28 +283,56 @@ def _plan(layout: ContextLayout, rank: int, source: int) -> list[_Block]:
     return blocks
 
 
-def _block_bias(
-    layout: ContextLayout, rank: int, source: int, block: _Block, q: torch.Tensor, window: Optional[int]
+def _block_allowed(
+    layout: ContextLayout, rank: int, source: int, block: _Block, device: torch.device, window: Optional[int]
 ) -> Optional[torch.Tensor]:
-    """Additive (B|1, 1, Tq, Tk) mask of one block: 0 where the query may see the key, -inf elsewhere; None when the
-    kernel's own causal flag says it all (no packed documents, no window). A key is seen when it shares the query's
-    document, is not later (own block) and, under a sliding window W, lies fewer than W tokens back:
-    q_pos - k_pos < W (transformers' `sliding_window_overlay`)."""
+    """Which keys of one block each query may see, (B|1, Tq, Tk) bool; None when the kernel's own causal flag says
+    it all (no packed documents, no window). A key is seen when it shares the query's document, is not later (own
+    block) and, under a sliding window W, lies fewer than W tokens back: q_pos - k_pos < W (transformers'
+    `sliding_window_overlay`)."""
     q_docs, k_docs = layout.local_documents(rank), layout.local_documents(source)
     if (q_docs is None or k_docs is None) and window is None:
         return None
     if q_docs is not None and k_docs is not None:
         allowed = q_docs[:, block.q_start : block.q_end, None] == k_docs[:, None, : block.k_end]  # (B, Tq, Tk)
     else:
-        allowed = torch.ones((1, block.q_end - block.q_start, block.k_end), dtype=torch.bool, device=q.device)
+        allowed = torch.ones((1, block.q_end - block.q_start, block.k_end), dtype=torch.bool, device=device)
     if block.causal:
         allowed = allowed & torch.ones(allowed.shape[1:], dtype=torch.bool, device=allowed.device).tril()
     if window is not None:
         q_pos = layout.token_index(rank, allowed.device)[block.q_start : block.q_end]  # global positions
         k_pos = layout.token_index(source, allowed.device)[: block.k_end]
         allowed = allowed & ((q_pos[:, None] - k_pos[None, :]) < window)
+    return allowed
+
+
+def _block_bias(
+    layout: ContextLayout, rank: int, source: int, block: _Block, q: torch.Tensor, window: Optional[int]
+) -> Optional[torch.Tensor]:
+    """`_block_allowed` as the kernels' additive (B|1, 1, Tq, Tk) mask: 0 where the query may see the key, -inf
+    elsewhere."""
+    allowed = _block_allowed(layout, rank, source, block, q.device, window)
+    if allowed is None:
+        return None
     bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
     return bias.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
+
+
+def _hidden_blocks(layout: ContextLayout, rank: int, size: int, device: torch.device,
+                   window: Optional[int]) -> frozenset[tuple[int, int]]:
+    """(source, index in `_plan`) of the blocks where no query may see any key (other documents, out of the window),
+    which the kernels skip. Which they are depends on the batch's documents, read on the host: once per attention
+    call for all blocks (one sync), not once per block."""
+    candidates, seen = [], []
+    for source in range(size):
+        for index, block in enumerate(_plan(layout, rank, source)):
+            allowed = _block_allowed(layout, rank, source, block, device, window)
+            if allowed is not None:
+                candidates.append((source, index))
+                seen.append(allowed.any())
+    if not seen:
+        return frozenset()
+    return frozenset(c for c, visible in zip(candidates, torch.stack(seen).tolist()) if not visible)
 
 
 # --------------------------------------------------------------------------- K/V exchange
@@ -388,11 +416,12 @@ class _ContextAttention(torch.autograd.Function):
             # so every block's weight exp(lse_block - lse) already counts the sink's share of the softmax.
             lse.copy_(sinks.float().reshape(1, -1, 1).expand_as(lse))
         kv = torch.stack([k, v]).contiguous()  # (2, B, Hkv, Tl, D): one message per exchange
+        hidden = _hidden_blocks(layout, rank, cp.size, q.device, window)
         for source, kv_source in _sources(kv, group, cp.method):
-            for block in _plan(layout, rank, source):
+            for index, block in enumerate(_plan(layout, rank, source)):
+                if (source, index) in hidden:
+                    continue
                 bias = _block_bias(layout, rank, source, block, q, window)
-                if bias is not None and torch.isinf(bias).all():
-                    continue  # no query of this block may see any of its keys (other documents, out of the window)
                 q_block = q[:, :, block.q_start : block.q_end]
                 k_block, v_block = kv_source[0, :, :, : block.k_end], kv_source[1, :, :, : block.k_end]
                 block_out, block_lse = kernel_forward(q_block, k_block, v_block, block.causal and bias is None, bias, scale)
@@ -401,7 +430,7 @@ class _ContextAttention(torch.autograd.Function):
                 cp.attention_work += block.pairs()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.cp, ctx.layout, ctx.scale, ctx.window, ctx.softcap = cp, layout, scale, window, softcap
+        ctx.cp, ctx.layout, ctx.scale, ctx.window, ctx.softcap, ctx.hidden = cp, layout, scale, window, softcap, hidden
         return out
 
     @staticmethod
@@ -421,10 +450,10 @@ class _ContextAttention(torch.autograd.Function):
         incoming = dkv
         for source, kv_source in _sources(kv, group, cp.method):
             contributions = []  # (k_end, dK, dV) of each block against this source
-            for block in _plan(layout, rank, source):
-                bias = _block_bias(layout, rank, source, block, q, window)
-                if bias is not None and torch.isinf(bias).all():
+            for index, block in enumerate(_plan(layout, rank, source)):
+                if (source, index) in ctx.hidden:
                     continue
+                bias = _block_bias(layout, rank, source, block, q, window)
                 rows = slice(block.q_start, block.q_end)
                 dq_block, dk_block, dv_block = kernel_backward(
                     dout[:, :, rows], q[:, :, rows], kv_source[0, :, :, : block.k_end], kv_source[1, :, :, : block.k_end],

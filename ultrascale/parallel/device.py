@@ -75,6 +75,26 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return False
 
 
+FLOAT8_MIN_CAPABILITY = (8, 9)  # torch._scaled_mm's fp8 tensor cores: Ada, Hopper, Blackwell
+FLOAT8_ROWWISE_CAPABILITY = (9, 0)  # its rowwise-scaled kernels are built for Hopper and later
+
+
+def float8_matmul_support(device: torch.device, recipe: str) -> tuple[Optional[str], Optional[str]]:
+    """(why fp8 training cannot run on `device`, or None; a caution about `recipe` there, or None).
+    CPU runs torchao's emulated fp8 (the tests' path); a CUDA GPU needs fp8 tensor cores."""
+    if device.type != "cuda":
+        return None, None
+    capability = torch.cuda.get_device_capability(device)
+    shown = f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}"
+    if capability < FLOAT8_MIN_CAPABILITY:
+        return (f"fp8 matmuls need a GPU of compute capability {'.'.join(map(str, FLOAT8_MIN_CAPABILITY))} or later "
+                f"(Ada, Hopper, Blackwell); {shown}"), None
+    if recipe == "rowwise" and capability < FLOAT8_ROWWISE_CAPABILITY:
+        return None, (f"torch's rowwise-scaled fp8 matmul is built for compute capability "
+                      f"{'.'.join(map(str, FLOAT8_ROWWISE_CAPABILITY))}+ and {shown}")
+    return None, None
+
+
 @functools.lru_cache(maxsize=1)
 def flash_attn_installed() -> bool:
     """Whether the optional `flash-attn` package (the `gpu` extra) can be imported."""

@@ -144,7 +144,7 @@ class ExpertParallel:
         # The experts want their tokens together: reorder (source rank, expert) -> (expert, source rank).
         # Segment (r, e) holds received[r, e] rows; sorting by key e * ep + r groups them by expert.
         keys = torch.arange(local, device=x.device)[None, :] * self.size + torch.arange(self.size, device=x.device)[:, None]
-        key = torch.repeat_interleave(keys.reshape(-1), received.reshape(-1))  # (R,)
+        key = torch.repeat_interleave(keys.reshape(-1), received.reshape(-1), output_size=sum(recv_splits))  # (R,), no sync
         order = torch.argsort(key, stable=True)  # (R,)
         out = compute(arrived[order], received.sum(0))  # (R, H) by local expert
         back = torch.empty_like(order)

@@ -47,7 +47,24 @@ def apply_fsdp(
     # The root unit (embeddings, final norm, head) is not resharded after forward: backward
     # starts with the head, so resharding would cost an all-gather of them right away.
     fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    if experts:
+        prefetch_past_host_syncs(blocks, experts)
     set_gradient_sum(module)
+
+
+def prefetch_past_host_syncs(blocks: Sequence[nn.Module], experts: Sequence[nn.Module]) -> None:
+    """Explicit FSDP prefetch for blocks whose forward waits on the host (torchtitan does the same under EP).
+
+    FSDP2 issues a unit's all-gather when its forward (or backward) is reached, which overlaps with the
+    previous unit's compute only while the host runs ahead of the GPU. The expert dispatch reads its
+    split sizes on the host (one sync per MoE layer), so the host arrives at the next block only once
+    the GPU has drained, and its all-gather would run exposed. Each block therefore starts the next
+    block's all-gathers (its experts' unit too) in forward, and the previous block's in backward."""
+    inside = {id(block): [unit for unit in experts if any(unit is m for m in block.modules())] for block in blocks}
+    for block, following in zip(blocks, blocks[1:]):
+        block.set_modules_to_forward_prefetch([following, *inside[id(following)]])
+    for block, preceding in zip(blocks[1:], blocks):
+        block.set_modules_to_backward_prefetch([preceding, *inside[id(preceding)]])
 
 
 def apply_fsdp_to_stages(
