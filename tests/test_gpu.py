@@ -445,3 +445,16 @@ def test_a_rank_without_gradients_takes_part_in_the_norm_over_nccl():
     result = run_nccl("_norm_without_gradients", world=1)[0]
     assert result["device"].startswith("cuda")
     assert result["norm"] == 0.0 and result["zero_norm"] == 0.0
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0])
+def test_power_sum_on_cuda_is_one_norm_kernel_as_exact_as_the_cpu_path(norm_type):
+    """On CUDA `power_sum` is the GPU's own norm (a tree reduction): as exact for a long flat ZeRO bucket as the
+    CPU path's pairwise sum, against float64."""
+    from ultrascale.parallel.grad import power_sum
+
+    values = torch.randn(1 << 23, generator=torch.Generator().manual_seed(0))
+    exact = values.double().abs().pow(norm_type).sum()
+    assert_close(power_sum(values.cuda(), norm_type).double().cpu(), exact, rtol=1e-6, atol=0)
+    assert_close(power_sum(values.cuda().bfloat16(), norm_type).double().cpu(),
+                 values.bfloat16().double().abs().pow(norm_type).sum(), rtol=1e-6, atol=0)
