@@ -15,7 +15,7 @@ fills it and says so in the `assumed` column:
 - the GPT-3 175B vocabulary: 50257.
 
 An fp8 run is priced as `ultrascale plan --fp8` prices it (compiled blocks with Float8 matmuls:
-torchtitan's published gains, `ultrascale.planner.hardware`). A run whose source gives MFU or TFLOP/s
+torchtitan's published gains, `ultrascale.hardware`). A run whose source gives MFU or TFLOP/s
 rather than tokens/s is compared by MFU: model FLOPs over the bf16 peak (hardware FLOPs converted with
 the source's own formula; an MFU against the fp8 peak doubled; a stated FLOP count per sequence
 rescaled to the planner's 6N + 12·L·h·s). The summary reports the median ratio,
@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import write_results  # noqa: E402
 
 from ultrascale import planner  # noqa: E402
-from ultrascale.estimate import ModelShape, model_shape  # noqa: E402
+from ultrascale.estimate import ModelShape  # noqa: E402
+from ultrascale.models.adapters import model_shape  # noqa: E402
 from ultrascale.planner.pipeline import balanced_layers  # noqa: E402
 
 PUBLISHED = runpy.run_path(str(Path(__file__).resolve().parent / "planner_published.py"))["PUBLISHED_RUNS"]

@@ -20,9 +20,9 @@ from ultrascale.callbacks import MemoryMonitor, MFUMonitor, ProfilerCapture
 from ultrascale.callbacks.activation_checkpointing import apply_ac, make_policy
 from ultrascale.callbacks.mfu import model_flops
 from ultrascale.estimate import estimate_model_state_bytes, recompute_flops_per_token
+from ultrascale.hardware import PEAK_TFLOPS, find_peak_tflops
 from ultrascale.models.adapters import get_adapter
 from ultrascale.models.lm import LlamaLM
-from ultrascale.planner.hardware import PEAK_TFLOPS, find_peak_tflops
 
 SEQ, GLOBAL_BATCH, STEPS = 32, 8, 4
 
@@ -389,7 +389,7 @@ def test_every_gpu_kind_has_a_peak_for_every_precision(monkeypatch, precision, t
     and a clear error under `mfu=True`."""
     from types import SimpleNamespace
 
-    from ultrascale.planner.hardware import GPU_TABLE
+    from ultrascale.hardware import GPU_TABLE
 
     assert set(GPU_NAMES) == set(GPU_TABLE)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)

@@ -9,9 +9,9 @@ import torch
 
 import ultrascale
 from tests._dist import run_ranks
+from ultrascale.contract import ModuleContract, StrategyContract, check_module
 from ultrascale.models.lm import LlamaLM
 from ultrascale.strategies import contract
-from ultrascale.strategies.contract import ModuleContract, StrategyContract, check_module
 
 
 class Plain(L.LightningModule):

@@ -54,6 +54,117 @@ def test_the_import_rule_catches_a_violation(tmp_path):
     ]
 
 
+# The layers of ultrascale/, top to bottom (docs/architecture.md draws the same picture): a module may import
+# modules of its own layer or of a lower one, never of a higher one, and no chain of imports may come back to
+# where it started. A name belongs to the layer of its longest listed prefix.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("ultrascale.cli", "ultrascale.verify", "ultrascale.planner.app"),  # the commands
+    ("ultrascale.recipe_cli", "ultrascale.measure"),  # what the commands share: LightningCLI, measuring one layout
+    ("ultrascale.strategies",),  # Lightning strategies
+    ("ultrascale.callbacks",),  # Lightning callbacks
+    ("ultrascale.planner",),  # the planner's search and cost model
+    ("ultrascale.models",),  # the built-in Llama, Hugging Face models, PEFT, adapters
+    ("ultrascale.data", "ultrascale.contract"),  # DataModules; the module <-> strategy contract
+    ("ultrascale.estimate", "ultrascale.hardware"),  # shapes, FLOPs and memory formulas; the GPU table
+    ("ultrascale.parallel", "ultrascale.launch"),  # the engine (no Lightning), process launching
+)
+# Deprecation aliases resolved at attribute access (FutureWarning), for configs that name an old path.
+ALIASES = {("ultrascale.models.llama", "ultrascale.models.lm")}
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """module -> the package's modules it imports, at any depth (function-local and TYPE_CHECKING imports too).
+    `from P import N` is an import of module P.N where that is a module, else of P."""
+    root = package.parent
+    modules = {_module_name(path, root): path for path in package.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join([*here.split(".")[: len(here.split(".")) - node.level + 1], *([base] if base else [])])
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            graph[name].update(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def _layer(name: str, layers: tuple[tuple[str, ...], ...]) -> int | None:
+    matches = [(len(prefix), index) for index, group in enumerate(layers) for prefix in group
+               if name == prefix or name.startswith(prefix + ".")]
+    return max(matches)[1] if matches else None
+
+
+def layering_problems(graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...], top: str) -> list[str]:
+    """Upward imports, modules in no layer, and import circles (each named once, by its modules)."""
+    problems = []
+    for name in sorted(graph):
+        if name == top:
+            continue
+        if _layer(name, layers) is None:
+            problems.append(f"{name} is in no layer")
+            continue
+        for target in sorted(graph[name] - {top}):
+            if (name, target) not in ALIASES and (_layer(target, layers) or 0) < _layer(name, layers):
+                problems.append(f"{name} imports {target}, a higher layer")
+    edges = {name: {t for t in targets if (name, t) not in ALIASES and t != top} for name, targets in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in edges[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    problems += [f"import circle: {' <-> '.join(circle)}" for circle in sorted(circles)]
+    return problems
+
+
+def test_imports_point_down_and_close_no_circle():
+    assert layering_problems(import_graph(PACKAGE), LAYERS, "ultrascale") == []
+
+
+def test_the_layering_check_catches_an_upward_import_and_a_circle(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "low").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "low" / "__init__.py").write_text("")
+    (package / "low" / "a.py").write_text("def f():\n    from pkg.high import g\n")  # function-level, upward
+    (package / "low" / "b.py").write_text("from pkg.low import c\n")
+    (package / "low" / "c.py").write_text("from . import b\n")  # relative, closes b <-> c
+    (package / "high.py").write_text("def g():\n    pass\n")
+    problems = layering_problems(import_graph(package), (("pkg.high",), ("pkg.low",)), "pkg")
+    assert problems == ["pkg.low.a imports pkg.high, a higher layer", "import circle: pkg.low.b <-> pkg.low.c"]
+
+
 def test_import_ultrascale_is_silent_and_does_not_import_torchao():
     code = "import sys, ultrascale; print('torchao' in sys.modules, 'ultrascale.models.hf' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

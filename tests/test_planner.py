@@ -23,7 +23,8 @@ import ultrascale
 from tests._dist import init_gloo, run_ranks
 from tests._parity import ParityData, TokenDataset
 from ultrascale import planner
-from ultrascale.estimate import STATE_BYTES, ActivationModel, ModelShape, model_flops, model_shape
+from ultrascale.estimate import STATE_BYTES, ActivationModel, ModelShape, model_flops
+from ultrascale.models.adapters import model_shape
 from ultrascale.models.llama import Llama, LlamaConfig
 from ultrascale.models.lm import LlamaLM
 from ultrascale.parallel.memory import model_state_bytes
@@ -649,7 +650,7 @@ def test_accumulate_unsharded_grads_priced_as_measured_and_searched():
                                     dict(pp=2, dp_shard=2, tp=2, recompute="full", grad_accumulation=4),
                                     dict(dp_shard=4, cp=2, recompute="none")])
 def test_compiled_compute_is_eager_compute_over_the_published_speedup(layout):
-    from ultrascale.planner.hardware import COMPILE_SPEEDUP
+    from ultrascale.hardware import COMPILE_SPEEDUP
 
     # torchtitan, Llama 3.1 8B on 8 H100 (FSDP, bf16): 5,762 -> 6,667 tokens/s per GPU compiled.
     assert COMPILE_SPEEDUP == pytest.approx(6667 / 5762)
@@ -669,7 +670,7 @@ def test_compiled_compute_is_eager_compute_over_the_published_speedup(layout):
 def test_plan_compile_is_stated_in_the_header_and_emitted(tmp_path, capsys):
     import yaml
 
-    from ultrascale.planner.hardware import COMPILE_SPEEDUP
+    from ultrascale.hardware import COMPILE_SPEEDUP
 
     args = ("--preset", "llama3_8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "16", "--top", "1",
             "--layout", "dp_shard=8,recompute=full,micro_batch=1")
@@ -692,8 +693,8 @@ def test_plan_compile_is_stated_in_the_header_and_emitted(tmp_path, capsys):
 def test_recipe_with_compile_is_priced_compiled(capsys):
     from pathlib import Path
 
+    from ultrascale.hardware import COMPILE_SPEEDUP
     from ultrascale.planner.app import check_recipe, format_recipe_plan
-    from ultrascale.planner.hardware import COMPILE_SPEEDUP
 
     recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu_2d.yaml")
     eager = check_recipe(recipe)
@@ -808,7 +809,7 @@ def test_cs336_zero_ladder_from_the_command_line(tmp_path, capsys):
 def test_plan_fp8_divides_compiled_compute_by_the_published_gain_and_emits_float8(tmp_path, capsys):
     import yaml
 
-    from ultrascale.planner.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP
+    from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP
 
     # torchtitan, Llama 3.1 8B on 8 H100 (FSDP): 6,667 compiled -> 8,532 tokens/s per GPU compiled with Float8.
     assert FLOAT8_SPEEDUP == pytest.approx(8532 / 6667)

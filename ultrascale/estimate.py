@@ -1,4 +1,4 @@
-"""Analytic model of training cost: model-state bytes, FLOPs per token (device peaks: `ultrascale.planner.hardware`).
+"""Analytic model of training cost: model-state bytes, FLOPs per token (device peaks: `ultrascale.hardware`).
 
 Plain arithmetic (no Lightning, no process group), so the callbacks, `ultrascale plan`
 and the tests all read the same formulas. Symbols, as in the Ultra-Scale Playbook:
@@ -21,7 +21,6 @@ __all__ = [
     "ModelShape",
     "ModelStateEstimate",
     "STATE_BYTES",
-    "model_shape",
     "active_params",
     "estimate_model_state_bytes",
     "flops_per_token",
@@ -136,16 +135,10 @@ def model_flops(module: nn.Module) -> Optional[ModelFlops]:
     width is ``heads x head_dim`` (the width of ``QK^T``, which differs from the hidden size
     in some HF models). Meta-device modules work: only shapes are read.
     """
-    from ultrascale.models.llama import Llama
-
     for sub in module.modules():
-        if isinstance(sub, Llama):
-            c = sub.config
-            # A tied head shares the embedding matrix that `matmul_params` skips, but it is a matmul.
-            n = active_params(sub, experts_per_token=c.moe_top_k, num_experts=c.n_experts) if c.n_experts else matmul_params(sub)
-            n += sub.output.weight.numel() if c.tie_embeddings else 0
-            source = f"Llama config (MoE: {c.moe_top_k} of {c.n_experts} experts active)" if c.n_experts else "Llama config"
-            return ModelFlops(n, c.n_layers, c.n_heads * c.head_dim, source)
+        facts = getattr(sub, "flops_facts", None)  # the built-in Llama counts itself (`Llama.flops_facts`)
+        if callable(facts):
+            return facts()
     try:
         from transformers import PretrainedConfig
     except ImportError:  # transformers is a dependency, but the formula must not need it
@@ -451,33 +444,6 @@ def _experts_of(block: nn.Module) -> Optional[nn.Module]:
         if isinstance(weight, nn.Parameter) and weight.dim() == 3:
             return sub
     return None
-
-
-def model_shape(model: Any, name: Optional[str] = None) -> ModelShape:
-    """The one way to read a model's shape, whatever the source: a built-in Llama preset name, a Hugging Face
-    folder (only config.json is read), a `LlamaConfig`, a Hugging Face config (its `text_config` for a multimodal
-    one), or a module holding either as `config` (`LlamaLM`, `HFCausalLM`). ValueError saying why for anything
-    else. `name`: the name shown for a built-in config (default "Llama")."""
-    from ultrascale.models.llama import LLAMA_PRESETS, LlamaConfig
-
-    if isinstance(model, str) and model in LLAMA_PRESETS:
-        return ModelShape.from_llama_config(LlamaConfig.from_preset(model), name=name or f"Llama {model}")
-    if isinstance(model, str):
-        import os
-
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            raise ValueError(f"{model!r} is neither a built-in Llama preset ({', '.join(LLAMA_PRESETS)}) nor a folder "
-                             "with a Hugging Face config.json")
-        import transformers
-
-        model = transformers.AutoConfig.from_pretrained(model, local_files_only=True)
-    config = model if (isinstance(model, LlamaConfig) or hasattr(model, "model_type")) else getattr(model, "config", None)
-    if isinstance(config, LlamaConfig):
-        return ModelShape.from_llama_config(config, name=name or "Llama")
-    if config is not None and hasattr(config, "model_type") and hasattr(config, "to_json_string"):
-        return ModelShape.from_hf_config(getattr(config, "text_config", None) or config)
-    raise ValueError(f"{type(model).__name__} has no `config` the planner reads (a built-in `LlamaConfig` or a "
-                     "Hugging Face config)")
 
 
 # --------------------------------------------------------------------------- activations

@@ -10,7 +10,7 @@ import torch  # noqa: E402
 from common import DEV, banner, guarded, load  # noqa: E402
 
 banner("item 1 MFUMonitor peak")
-hardware = load("ultrascale.planner.hardware")
+hardware = load("ultrascale.hardware")
 name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 print(f"device name {name!r}; torch.backends.cuda.matmul.allow_tf32 = {torch.backends.cuda.matmul.allow_tf32}; "
       f"float32_matmul_precision = {torch.get_float32_matmul_precision()!r}")

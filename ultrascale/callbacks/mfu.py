@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ultrascale.callbacks._common import parallel_dims_of
 from ultrascale.estimate import ModelFlops, model_flops, recompute_flops_per_token
-from ultrascale.planner.hardware import find_peak_tflops
+from ultrascale.hardware import find_peak_tflops
 
 __all__ = ["MFUMonitor", "ModelFlops", "measure_matmul_tflops", "model_flops"]
 
@@ -136,13 +136,13 @@ class MFUMonitor(Callback):
             name = torch.cuda.get_device_name(device)
             found = find_peak_tflops(name, dtype)
             if found is None and self.mfu is None:  # the CLI's default monitor: tokens/s still mean something
-                rank_zero_info(f"MFUMonitor: no {dtype} peak for device {name!r} in ultrascale.planner.hardware.GPU_TABLE; "
+                rank_zero_info(f"MFUMonitor: no {dtype} peak for device {name!r} in ultrascale.hardware.GPU_TABLE; "
                                "logging tokens/s only (set `peak_tflops=` for MFU)")
                 self._mfu_active = False
                 return
             if found is None:
                 raise ValueError(
-                    f"MFUMonitor: no {dtype} peak for device {name!r} in ultrascale.planner.hardware.PEAK_TFLOPS "
+                    f"MFUMonitor: no {dtype} peak for device {name!r} in ultrascale.hardware.PEAK_TFLOPS "
                     f"(devices: {', '.join(sorted(_table_keys()))}); set `peak_tflops=` to its dense {dtype} TFLOP/s"
                 )
             self.peak, self.peak_source = found[1], f"table: {found[0]} {dtype} dense"
@@ -313,7 +313,7 @@ class _Interval:
 
 
 def _table_keys() -> list[str]:
-    from ultrascale.planner.hardware import PEAK_TFLOPS
+    from ultrascale.hardware import PEAK_TFLOPS
 
     return list(PEAK_TFLOPS)
 

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from ultrascale.estimate import ModelShape
 from ultrascale.parallel.rules import ModelFacts
 
 
@@ -577,3 +578,30 @@ def declared_facts(module: nn.Module, *, own_pipeline_parts: bool = False) -> Op
         layers = getattr(config, "n_layers", None) or getattr(config, "num_hidden_layers", None)
         facts = dataclasses.replace(facts, pipeline=True, n_layers=facts.n_layers or layers)
     return facts
+
+
+def model_shape(model: Any, name: Optional[str] = None) -> ModelShape:
+    """The one way to read a model's shape, whatever the source: a built-in Llama preset name, a Hugging Face
+    folder (only config.json is read), a `LlamaConfig`, a Hugging Face config (its `text_config` for a multimodal
+    one), or a module holding either as `config` (`LlamaLM`, `HFCausalLM`). ValueError saying why for anything
+    else. `name`: the name shown for a built-in config (default "Llama")."""
+    from ultrascale.models.llama import LLAMA_PRESETS, LlamaConfig
+
+    if isinstance(model, str) and model in LLAMA_PRESETS:
+        return ModelShape.from_llama_config(LlamaConfig.from_preset(model), name=name or f"Llama {model}")
+    if isinstance(model, str):
+        import os
+
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ValueError(f"{model!r} is neither a built-in Llama preset ({', '.join(LLAMA_PRESETS)}) nor a folder "
+                             "with a Hugging Face config.json")
+        import transformers
+
+        model = transformers.AutoConfig.from_pretrained(model, local_files_only=True)
+    config = model if (isinstance(model, LlamaConfig) or hasattr(model, "model_type")) else getattr(model, "config", None)
+    if isinstance(config, LlamaConfig):
+        return ModelShape.from_llama_config(config, name=name or "Llama")
+    if config is not None and hasattr(config, "model_type") and hasattr(config, "to_json_string"):
+        return ModelShape.from_hf_config(getattr(config, "text_config", None) or config)
+    raise ValueError(f"{type(model).__name__} has no `config` the planner reads (a built-in `LlamaConfig` or a "
+                     "Hugging Face config)")

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ultrascale.estimate import ModelFlops, active_params, matmul_params
+from ultrascale.models.moe import FeedForward, MoE
 from ultrascale.parallel.device import attention_backend, grouped_sdpa
 
 __all__ = [
@@ -371,19 +372,6 @@ class Attention(nn.Module):
         return self.wo(out)  # (B, T, dim)
 
 
-class FeedForward(nn.Module):
-    """SwiGLU MLP (Shazeer 2020): ``w2(silu(w1 x) * w3 x)``; w1 = gate, w3 = up, w2 = down."""
-
-    def __init__(self, dim: int, hidden_dim: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, dim); hidden is (B, T, ffn_hidden_dim)
-
-
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + attn(norm(x))``, ``out = h + ffn(norm(h))``."""
 
@@ -394,7 +382,6 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         if config.n_experts:
-            from ultrascale.models.moe import MoE
 
             self.feed_forward: nn.Module = MoE(config, layer_id)
         else:
@@ -510,15 +497,20 @@ class Llama(nn.Module):
             total -= self.tok_embeddings.weight.numel()
         return total
 
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token, ``6 N + 12 L h s`` (`ultrascale.estimate.model_flops`, the one
-        count MFU and `ultrascale plan` use too): ``N`` excludes the embedding lookup but keeps the
-        output head, also when it is tied."""
-        from ultrascale.estimate import model_flops
+    def flops_facts(self) -> ModelFlops:
+        """What `ultrascale.estimate.model_flops` (the one FLOP count: MFU, `ultrascale plan`) reads from this model:
+        ``N`` = matmul weights (the embedding lookup excluded, the output head kept, also when it is tied: a tied
+        head shares the matrix `matmul_params` skips, but it is a matmul; MoE experts at top-k of E), the layers
+        and the attention width."""
+        c = self.config
+        n = active_params(self, experts_per_token=c.moe_top_k, num_experts=c.n_experts) if c.n_experts else matmul_params(self)
+        n += self.output.weight.numel() if c.tie_embeddings else 0
+        source = f"Llama config (MoE: {c.moe_top_k} of {c.n_experts} experts active)" if c.n_experts else "Llama config"
+        return ModelFlops(n, c.n_layers, c.n_heads * c.head_dim, source)
 
-        flops = model_flops(self)
-        assert flops is not None
-        return int(flops.per_token(seq_len))
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token, ``6 N + 12 L h s`` (`flops_facts`)."""
+        return int(self.flops_facts().per_token(seq_len))
 
 
 _MOVED_TO_LM = ("CausalLMModule", "LlamaLM", "adamw_warmup_cosine", "warmup_cosine")

@@ -15,11 +15,10 @@ import lightning
 import torch
 from torchmetrics.aggregation import MeanMetric
 
+from ultrascale.contract import attached_strategy, normalizes_token_loss, pipeline_active
 from ultrascale.models.llama import Llama, LlamaConfig
-from ultrascale.parallel.expert import iter_routers
+from ultrascale.parallel.expert import iter_routers, scale_balance_terms
 from ultrascale.parallel.loss import token_loss
-from ultrascale.strategies.contract import attached_strategy, normalizes_token_loss, pipeline_active
-from ultrascale.strategies.step import scale_balance_terms
 
 __all__ = ["CausalLMModule", "LlamaLM", "adamw_warmup_cosine", "warmup_cosine"]
 

@@ -81,12 +81,23 @@ class GroupedExperts(nn.Module):
         return experts_forward(self, hidden, top_k_index, top_k_weights, may_drop=may_drop)
 
 
+class FeedForward(nn.Module):
+    """SwiGLU MLP (Shazeer 2020): ``w2(silu(w1 x) * w3 x)``; w1 = gate, w3 = up, w2 = down."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, dim); hidden is (B, T, ffn_hidden_dim)
+
+
 class MoE(nn.Module):
     """Routed experts (+ shared experts) in place of the block's feed-forward: ``(B, T, H) -> (B, T, H)``."""
 
     def __init__(self, config: Any, layer: int) -> None:
-        from ultrascale.models.llama import FeedForward
-
         super().__init__()
         hidden = config.resolved_moe_hidden_dim
         self.router = Router(

@@ -107,7 +107,7 @@ def _on_rank0(fn: Callable[[], Any]) -> Any:
 
 def _stage_mesh(target: Any) -> Any:
     """`contract.stage_mesh` of the strategy `target` (a Trainer or a LightningModule) runs under."""
-    from ultrascale.strategies.contract import attached_strategy, stage_mesh
+    from ultrascale.contract import attached_strategy, stage_mesh
 
     module = target.lightning_module if isinstance(target, L.Trainer) else target
     return stage_mesh(attached_strategy(module) if isinstance(module, L.LightningModule) else None)
@@ -161,7 +161,7 @@ def _resolve_adapters(peft_model: Any, adapters: Optional[Sequence[str]], defaul
 
 
 def _check_target(out_dir: str | Path, peft_model: Any, overwrite: bool) -> Path:
-    from ultrascale.models.hf import check_export_target
+    from ultrascale.models.hf_folder import check_export_target
 
     source = _base_model_dir(peft_model)
     return check_export_target(out_dir, source, overwrite)
@@ -177,7 +177,7 @@ def _base_model_dir(peft_model: Any) -> Optional[str]:
 def _publish(final: Path, overwrite: bool, write: Callable[[Path], None]) -> Path:
     """`write(tmp)` into a hidden folder beside `final`, then rename it into place (replacing `final` only
     when complete, under `overwrite`): a failed write leaves no half-written folder."""
-    from ultrascale.models.hf import check_export_target
+    from ultrascale.models.hf_folder import check_export_target
 
     final = check_export_target(final, None, overwrite)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -263,7 +263,7 @@ def export_merged_hf(
 
     The full model is gathered to rank 0's CPU memory; there a CPU copy of the PEFT model is built on the meta
     device, given the gathered weights, merged by PEFT and written as sharded safetensors with the config, the
-    generation config and the tokenizer files of the base model's folder (`ultrascale.models.hf.write_hf_folder`).
+    generation config and the tokenizer files of the base model's folder (`ultrascale.models.hf_folder.write_hf_folder`).
     The trained model itself is left as it was. Loads with `AutoModelForCausalLM.from_pretrained(out_dir)`.
 
     Args:
@@ -284,7 +284,7 @@ def export_merged_hf(
     state = _gather_full(local, list(local), _stage_mesh(target))
 
     def merge_and_write() -> Path:
-        from ultrascale.models.hf import write_hf_folder
+        from ultrascale.models.hf_folder import write_hf_folder
 
         merged = _merged_state_dict(peft_model, state, names)  # type: ignore[arg-type]
         return write_hf_folder(merged, base.config, _base_model_dir(peft_model), final, max_shard_size, overwrite)

@@ -54,11 +54,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ultrascale.parallel.manifest import VerifyLevel, damage_message, verify_checkpoint, write_manifest
+from ultrascale.parallel.manifest import DCP_METADATA_FILE, VerifyLevel, damage_message, verify_checkpoint, write_manifest
 from ultrascale.parallel.safe_load import UnsafeCheckpointError, load_dcp, read_torch_file
 
 METADATA_FILE = "meta.pt"
-DCP_METADATA_FILE = ".metadata"
 # A temporary directory modified this recently may belong to a save still in progress (another
 # job writing into the same folder, or the job whose checkpoint is being read): left alone.
 LEFTOVER_GRACE_S = 300.0

@@ -35,7 +35,7 @@ work unchanged under pipeline parallel, where the loss is computed on another ra
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Optional
 
@@ -407,6 +407,21 @@ def update_router_bias(routers: list[nn.Module], counts: torch.Tensor) -> None:
         bias.add_(rate * torch.sign(layer_counts.mean() - layer_counts))
 
 
+def scale_balance_terms(routers: Sequence[torch.nn.Module], accumulate: int, mean_over: Optional[int] = None) -> None:
+    """Give the MoE balance terms' gradient (`RouterLoad.grad_scale`) the factor the loss gets, so they join
+    backward on the loss's scale. The terms are token sums; with k = `accumulate` micro-batches:
+
+        token-normalised step:  backward(S_m / k)          ->  1 / k
+        mean loss (`mean_over` = n_m valid tokens):  backward(S_m / (k n_m))  ->  1 / (k n_m)
+
+    The one rule for both: `StepRunner` applies it under ultrascale strategies, `CausalLMModule` under
+    Lightning's own (which differentiate the micro-batch mean)."""
+    if mean_over is None:
+        set_aux_grad_scale(list(routers), 1.0 / accumulate)
+    else:
+        set_aux_grad_scale(list(routers), 1.0 / (accumulate * max(1, mean_over)))
+
+
 __all__ = [
     "EXPERT_PARALLEL_ATTRIBUTE",
     "LOAD_BALANCE_MODES",
@@ -423,6 +438,7 @@ __all__ = [
     "router_loads",
     "routing_not_counted",
     "run_experts",
+    "scale_balance_terms",
     "set_aux_grad_scale",
     "set_sequence_group",
     "shard_experts",

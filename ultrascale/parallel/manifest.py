@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 MANIFEST_FILE = "manifest.json"
+DCP_METADATA_FILE = ".metadata"  # DCP's index of the shards (torch.distributed.checkpoint writes it)
 VerifyLevel = Literal["checksum", "size", "off"]
 VERIFY_LEVELS: tuple[str, ...] = ("checksum", "size", "off")
 _CHUNK = 8 << 20
@@ -109,7 +110,6 @@ def verify_checkpoint(path: str | Path, level: VerifyLevel = "checksum", *, shar
 
 def _verify_without_manifest(directory: Path) -> list[str]:
     """A checkpoint saved before manifests: DCP's `.metadata` says which file holds which bytes of each record."""
-    from ultrascale.parallel.checkpoint import DCP_METADATA_FILE
     from ultrascale.parallel.safe_load import read_dcp_metadata
 
     if not (directory / DCP_METADATA_FILE).is_file():

@@ -16,20 +16,12 @@ ultrascale's strategy accepts for this model, and `evaluate` prices each one:
 
 Arithmetic and torch's schedule constructors, no torch.distributed.
 
-Modules: `hardware` (the GPU table, `GpuSpec`, `Cluster`), `layouts` (`Layout`, `--layout` parsing,
+Modules: `layouts` (`Layout`, `--layout` parsing,
 `layout_problems`), `pipeline` (schedules played), `cost` (`evaluate`), `search`, `report` (what `plan` prints), `recipe`
 (`--emit-recipe`), and `app`, the `ultrascale plan` command (imported on its own: it needs Lightning).
 """
 
-from ultrascale.planner.cost import (
-    PlanRow,
-    Workload,
-    evaluate,
-    pipeline_of,
-    rank_parts,
-    stage_model_state,
-)
-from ultrascale.planner.hardware import (
+from ultrascale.hardware import (
     GIB,
     GPU_SPECS,
     GPU_TABLE,
@@ -38,6 +30,14 @@ from ultrascale.planner.hardware import (
     GpuFigures,
     GpuSpec,
     find_peak_tflops,
+)
+from ultrascale.planner.cost import (
+    PlanRow,
+    Workload,
+    evaluate,
+    pipeline_of,
+    rank_parts,
+    stage_model_state,
 )
 from ultrascale.planner.layouts import LAYOUT_KEYS, RECOMPUTE_MODES, Layout, layout_problems, parse_layout
 from ultrascale.planner.recipe import recipe_yaml

@@ -16,17 +16,18 @@ from typing import Any, Optional
 
 import lightning as L
 
-from ultrascale.cli import UltraScaleCLI
-from ultrascale.estimate import ModelShape, model_shape
+from ultrascale.estimate import ModelShape
+from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, GPU_SPECS, Cluster, GpuSpec
+from ultrascale.models.adapters import model_shape
 from ultrascale.parallel import rules
 from ultrascale.parallel.dims import ParallelDims
 from ultrascale.parallel.rules import LayoutKnobs, batch_problems, raise_first
 from ultrascale.planner.cost import PlanRow, Workload, evaluate
-from ultrascale.planner.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, GPU_SPECS, Cluster, GpuSpec
 from ultrascale.planner.layouts import RECOMPUTE_MODES, Layout, model_facts_of, parse_layout
 from ultrascale.planner.recipe import recipe_yaml
 from ultrascale.planner.report import compile_assumption, describe_search, explain, format_table, what_would_fit
 from ultrascale.planner.search import search, why_not
+from ultrascale.recipe_cli import UltraScaleCLI
 
 __all__ = ["RecipePlan", "check_recipe", "format_recipe_plan", "plan_main", "plan_recipe_main"]
 

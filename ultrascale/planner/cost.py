@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ultrascale.estimate import STATE_BYTES, ActivationModel, ModelShape
+from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, Cluster
 from ultrascale.parallel.pipeline import PipelineLayout, even_layers
-from ultrascale.planner.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, Cluster
 from ultrascale.planner.layouts import Layout, layout_problems, model_facts_of, runs_as
 from ultrascale.planner.pipeline import PipelinePlay, play
 

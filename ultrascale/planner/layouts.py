@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ultrascale.estimate import ModelShape
+from ultrascale.hardware import Cluster
 from ultrascale.parallel import rules
 from ultrascale.parallel.rules import (
     CONTEXT_PARALLEL_METHODS,
@@ -17,7 +18,6 @@ from ultrascale.parallel.rules import (
     ModelFacts,
     Problem,
 )
-from ultrascale.planner.hardware import Cluster
 
 __all__ = ["LAYOUT_KEYS", "Layout", "PIPELINE_SPLITS", "RECOMPUTE_MODES", "format_layers", "layout_problems",
            "parse_layout", "runs_as"]

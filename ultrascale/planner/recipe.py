@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ultrascale.estimate import ModelShape
+from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, Cluster
 from ultrascale.planner.cost import PlanRow, Workload
-from ultrascale.planner.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, Cluster
 from ultrascale.planner.layouts import runs_as
 
 __all__ = ["recipe_yaml"]

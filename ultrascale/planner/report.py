@@ -7,8 +7,8 @@ import dataclasses
 from typing import Any
 
 from ultrascale.estimate import ModelShape
+from ultrascale.hardware import COMPILE_SOURCE, COMPILE_SPEEDUP, FLOAT8_SOURCE, FLOAT8_SPEEDUP, GIB, Cluster
 from ultrascale.planner.cost import PlanRow, Workload
-from ultrascale.planner.hardware import COMPILE_SOURCE, COMPILE_SPEEDUP, FLOAT8_SOURCE, FLOAT8_SPEEDUP, GIB, Cluster
 from ultrascale.planner.search import search
 
 __all__ = ["compile_assumption", "describe_search", "explain", "format_table", "what_would_fit"]

@@ -8,10 +8,10 @@ from collections.abc import Iterable
 from typing import Any, Optional
 
 from ultrascale.estimate import ModelShape
+from ultrascale.hardware import GIB, Cluster
 from ultrascale.parallel.pipeline import even_layers
 from ultrascale.parallel.rules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 from ultrascale.planner.cost import PlanRow, Workload, evaluate
-from ultrascale.planner.hardware import GIB, Cluster
 from ultrascale.planner.layouts import RECOMPUTE_MODES, Layout, layout_problems, runs_as
 from ultrascale.planner.pipeline import balanced_layers
 

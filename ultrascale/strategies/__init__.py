@@ -2,9 +2,9 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from ultrascale.contract import ModuleContract, StrategyContract
 from ultrascale.strategies.base import UltraScaleStrategy
 from ultrascale.strategies.context import ContextParallelStrategy
-from ultrascale.strategies.contract import ModuleContract, StrategyContract
 from ultrascale.strategies.expert import ExpertParallelStrategy
 from ultrascale.strategies.pipeline import PipelineParallelStrategy
 from ultrascale.strategies.precision import UltraScalePrecision

@@ -25,8 +25,9 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ultrascale import planner
-from ultrascale.estimate import ModelShape, model_shape
-from ultrascale.planner.hardware import find_peak_tflops
+from ultrascale.estimate import ModelShape
+from ultrascale.hardware import find_peak_tflops
+from ultrascale.models.adapters import model_shape
 
 __all__ = ["AutoLayout", "AutoLayoutInputs", "apply_auto_layout", "auto_layout_inputs", "choose_layout", "device_cluster",
            "fixed_knobs"]

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from ultrascale.contract import check_module, prefers_meta_init
 from ultrascale.parallel.compile import block_compiler
 from ultrascale.parallel.context import ContextLayout, ContextParallel, ContextParallelMethod
 from ultrascale.parallel.device import process_group_backend, tune_cpu_allocator
@@ -41,7 +42,6 @@ from ultrascale.strategies._lightning_compat import StrategyInternals, attach_de
 from ultrascale.strategies.auto_layout import apply_auto_layout, fixed_knobs
 from ultrascale.strategies.autoresume import roll_back
 from ultrascale.strategies.checkpoint_io import AsyncCheckpointPublisher
-from ultrascale.strategies.contract import check_module, prefers_meta_init
 from ultrascale.strategies.launcher import LauncherName, make_launcher
 from ultrascale.strategies.layout_checks import LayoutChecks, trainer_of
 from ultrascale.strategies.pipeline_step import PipelineGradientStash, pipeline_loss

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import torch
 
+from ultrascale.contract import check_module, declares_pipeline_parts, own_pipeline_parts, supports_loss_parallel
 from ultrascale.models.adapters import ModelPlan, declared_facts, plan_model
 from ultrascale.parallel.dims import ParallelDims
 from ultrascale.parallel.rules import (
@@ -24,7 +25,6 @@ from ultrascale.parallel.rules import (
     resolved_stages,
     sequence_parallel_of,
 )
-from ultrascale.strategies.contract import check_module, declares_pipeline_parts, own_pipeline_parts, supports_loss_parallel
 
 
 def trainer_of(module: Any) -> Any:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ultrascale.parallel.expert import (
     ROUTER_LOAD_ATTRIBUTE,
     balance_ratio,
-    set_aux_grad_scale,
+    scale_balance_terms,
     step_expert_load,
     update_router_bias,
 )
@@ -176,21 +176,6 @@ class StepGuard:
             return None
         self.spikes += 1
         return z
-
-
-def scale_balance_terms(routers: Sequence[torch.nn.Module], accumulate: int, mean_over: Optional[int] = None) -> None:
-    """Give the MoE balance terms' gradient (`RouterLoad.grad_scale`) the factor the loss gets, so they join
-    backward on the loss's scale. The terms are token sums; with k = `accumulate` micro-batches:
-
-        token-normalised step:  backward(S_m / k)          ->  1 / k
-        mean loss (`mean_over` = n_m valid tokens):  backward(S_m / (k n_m))  ->  1 / (k n_m)
-
-    The one rule for both: `StepRunner` applies it under ultrascale strategies, `CausalLMModule` under
-    Lightning's own (which differentiate the micro-batch mean)."""
-    if mean_over is None:
-        set_aux_grad_scale(list(routers), 1.0 / accumulate)
-    else:
-        set_aux_grad_scale(list(routers), 1.0 / (accumulate * max(1, mean_over)))
 
 
 @dataclass(frozen=True)

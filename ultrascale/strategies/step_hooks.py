@@ -11,10 +11,10 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.fsdp import FSDPModule
 
+from ultrascale.contract import user_class_name
 from ultrascale.parallel.compile import CompileStats
 from ultrascale.parallel.loss import NUM_TOKENS_KEY
 from ultrascale.strategies._lightning_compat import logging_as_hook, step_logged
-from ultrascale.strategies.contract import user_class_name
 from ultrascale.strategies.step import StepGuard, StepResult
 
 

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from ultrascale.cli import UltraScaleCLI, quiet_known_noise
+from ultrascale.recipe_cli import UltraScaleCLI, quiet_known_noise
 
 
 @dataclass(frozen=True)

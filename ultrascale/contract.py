@@ -86,14 +86,14 @@ def check_module(module: Any, owner: str) -> None:
         if value is not None and not isinstance(value, bool):
             raise TypeError(
                 f"{owner}: {name}.{member} is {value!r} ({type(value).__name__}); it must be True or False "
-                f"(see `ultrascale.strategies.contract.ModuleContract.{member}`)"
+                f"(see `ultrascale.contract.ModuleContract.{member}`)"
             )
     for member in _METHODS:
         value = _declared(module, member)
         if value is not None and not callable(value):
             raise TypeError(
                 f"{owner}: {name}.{member} is {value!r} ({type(value).__name__}), not a method; define "
-                f"`def {member}(self)` on the LightningModule (see `ultrascale.strategies.contract.ModuleContract.{member}`)"
+                f"`def {member}(self)` on the LightningModule (see `ultrascale.contract.ModuleContract.{member}`)"
             )
 
 

@@ -1,0 +1,84 @@
+"""Writing a Hugging Face folder (sharded safetensors, config, generation config, tokenizer) atomically, and the
+check of where an export may go. Shared by the full-model export (`models/hf.py`) and the LoRA adapters'
+(`models/peft.py`), which import it and not each other."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def check_export_target(out_dir: str | Path, source_dir: Optional[str | Path], overwrite: bool = False) -> Path:
+    """The folder an export may write, or a clear error before anything is touched: never the model's
+    source folder (its weights would be replaced by the files being written), and not a non-empty
+    folder unless `overwrite`."""
+    out = Path(out_dir).resolve()
+    if source_dir is not None and out == Path(source_dir).resolve():
+        raise ValueError(
+            f"refusing to export into {out}: it is the model's source folder (pretrained_path); its weights would be "
+            "replaced. Choose another output folder."
+        )
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"export target {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        found = sorted(p.name for p in out.iterdir())
+        raise FileExistsError(
+            f"export target {out} is not empty ({found[:5]}{' ...' if len(found) > 5 else ''}); choose an empty or "
+            "new folder, or pass overwrite (`ultrascale export-hf --overwrite`, `HFCausalLM(export_overwrite=True)`)"
+        )
+    return out
+
+
+def write_hf_folder(state: dict[str, torch.Tensor], config: Any, source_dir: Optional[str], out_dir: str | Path,
+                    max_shard_size: str = "2GB", overwrite: bool = False) -> Path:
+    """Write HF-named weights as a Hugging Face folder: sharded safetensors, config, generation config, tokenizer.
+
+    Checked first (`check_export_target`), then written into a hidden temporary folder beside
+    `out_dir` and renamed into place, so a failed export leaves no half-written folder and
+    `overwrite` replaces the old folder only once the new one is complete."""
+    import os
+    import tempfile
+
+    final = check_export_target(out_dir, source_dir, overwrite)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        _write_hf_files(state, config, source_dir, out, max_shard_size)
+        if final.exists():  # overwrite: move the old folder aside, publish, then delete it
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            os.replace(final, old / final.name)
+            os.replace(out, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(out, final)
+    finally:
+        if out.exists():
+            shutil.rmtree(out)
+    return final
+
+
+def _write_hf_files(state: dict[str, torch.Tensor], config: Any, source_dir: Optional[str], out: Path,
+                    max_shard_size: str) -> None:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if tied:
+        state = {k: v for k, v in state.items() if not k.endswith("lm_head.weight")}
+    model.load_state_dict(state, strict=not tied, assign=True)
+    if tied:
+        model.tie_weights()
+    if source_dir and (Path(source_dir) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(source_dir, local_files_only=True)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
+    if source_dir:
+        for name in TOKENIZER_FILES:
+            if (Path(source_dir) / name).is_file():
+                shutil.copy2(Path(source_dir) / name, out / name)
