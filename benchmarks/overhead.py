@@ -29,8 +29,8 @@ enable_model_summary=False` -- what a throughput run sets, and what the hand loo
 prints, logs and saves nothing); the summary and the checkpoint fall outside the timed steps
 anyway. The strategy's own per-step `self.log("train_loss")` runs in every setting;
 `--progress-bar` / `--logger` (CSVLogger, every 50 steps) switch those on to price them.
-On CPU the strategy keeps freed heap memory in the process (`tune_cpu_allocator`); the hand loop
-does the same, so the ratio prices the framework, not glibc's trimming.
+On CPU the strategy is told to keep freed heap memory in the process (`tune_cpu_allocator=True`); the
+hand loop does the same, so the ratio prices the framework, not glibc's trimming.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def _ultrascale(rank, world_size, preset, steps, seq_len, global_batch, seed, cl
     torch.manual_seed(seed)
     meter, first = Meter(), StepZero()
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy="ultrascale_zero3", max_steps=steps,
+        accelerator="cpu", devices=world_size, strategy=ultrascale.ZeRO3Strategy(tune_cpu_allocator=True), max_steps=steps,
         gradient_clip_val=clip, enable_progress_bar=progress_bar,
         logger=L.pytorch.loggers.CSVLogger(log_dir) if logger else False,
         enable_checkpointing=False, enable_model_summary=False, callbacks=[meter, first],
@@ -132,7 +132,7 @@ def _ultrascale(rank, world_size, preset, steps, seq_len, global_batch, seed, cl
 
 def _hand(rank, world_size, preset, steps, seq_len, global_batch, seed, clip, *_):
     torch.manual_seed(seed)
-    tune_cpu_allocator()  # what the strategy does on CPU: compare framework work, not malloc settings
+    tune_cpu_allocator()  # what the strategy does with tune_cpu_allocator=True: compare framework work, not malloc settings
     dist.init_process_group("gloo")  # env:// (run_ranks sets what torchrun would)
     mesh = init_device_mesh("cpu", (world_size,))
     lm = LlamaLM(preset=preset, max_seq_len=seq_len, max_steps=steps, init_seed=seed)

@@ -130,10 +130,10 @@ def test_moe_recipe_fit_and_resume_at_ep1(tmp_path):
 
 def test_known_noise_is_dropped_and_nothing_else():
     import logging
+    import warnings
 
-    from ultrascale.cli import quiet_known_noise
+    from ultrascale.recipe_cli import known_noise_quieted
 
-    quiet_known_noise()
     seen = []
 
     class Keep(logging.Handler):
@@ -144,17 +144,30 @@ def test_known_noise_is_dropped_and_nothing_else():
     handler = Keep()
     for name in names:
         logging.getLogger(name).addHandler(handler)
+    before = ({name: list(logging.getLogger(name).filters) for name in names}, list(warnings.filters))
     try:
+        with known_noise_quieted():
+            _log_the_noise(names)
+        assert ({name: list(logging.getLogger(name).filters) for name in names}, list(warnings.filters)) == before
+        _log_the_noise(names[:1])  # the command is over: nothing is dropped any more
+    finally:
+        for name in names:
+            logging.getLogger(name).removeHandler(handler)
+    assert seen == ["Seed set to 1234", "`Trainer.fit` stopped: `max_steps=3` reached.", "something torchao really means",
+                    "[rank: 1] Seed set to 1234", "Seed set to 1234"]
+
+
+def _log_the_noise(names):
+    import logging
+
+    if names:
         logging.getLogger(names[0]).warning("[rank: 1] Seed set to 1234")
         logging.getLogger(names[0]).warning("Seed set to 1234")
+    if len(names) > 1:
         logging.getLogger(names[1]).warning("💡 Tip: ... try installing [litlogger](https://pypi.org/project/litlogger/) ...")
         logging.getLogger(names[1]).warning("`Trainer.fit` stopped: `max_steps=3` reached.")
         logging.getLogger(names[2]).warning("<enum 'X'> ... Calling register_constant() on Enum subclasses is deprecated ...")
         logging.getLogger(names[3]).warning("something torchao really means")
-    finally:
-        for name in names:
-            logging.getLogger(name).removeHandler(handler)
-    assert seen == ["Seed set to 1234", "`Trainer.fit` stopped: `max_steps=3` reached.", "something torchao really means"]
 
 
 RECIPE_2D = RECIPE.parent / "tiny_cpu_2d.yaml"

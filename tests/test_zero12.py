@@ -234,22 +234,29 @@ def test_clip_by_value_matches_single_process(stage):
     assert_parity(results[0], reference, step_losses(results))
 
 
+class _CountHooks(L.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.hooks = sum(len(p._post_accumulate_grad_hooks or {}) for p in pl_module.parameters())
+
+
 def _fit_twice(rank, world_size):
     model = make_model()
-    losses = []
+    losses, hooks = [], []
     for _ in range(2):  # the same module fitted again: the old engine must detach
-        recorder = Recorder()
+        recorder, count = Recorder(), _CountHooks()
         strategy = ultrascale.ZeRO2Strategy(zero_bucket_mb=SMALL_BUCKET_MB)
-        trainer = parity_trainer(world_size, strategy, recorder, 3)
+        trainer = parity_trainer(world_size, strategy, recorder, 3, callbacks=[count])
         trainer.fit(model, ParityData(dataset(), BATCH))
         losses.append(recorder.losses)
-    hooks = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
-    return {"losses": losses, "hooks": hooks, "params": len(list(model.parameters()))}
+        hooks.append(count.hooks)
+    after = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+    return {"losses": losses, "hooks": hooks, "after": after, "params": len(list(model.parameters()))}
 
 
 def test_second_fit_replaces_the_engine():
     result = run_ranks(_fit_twice, 2)[0]
-    assert result["hooks"] == result["params"]  # one gradient hook per parameter, not two
+    assert result["hooks"] == [result["params"]] * 2  # one gradient hook per parameter during each fit, not two
+    assert result["after"] == 0  # and none once the fit is over
     assert result["losses"][1][0] < result["losses"][0][0]  # the second fit continues from trained weights
 
 

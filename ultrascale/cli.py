@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ultrascale.recipe_cli import RecipeError, UltraScaleCLI, describe_argument_error, quiet_known_noise
+from ultrascale.recipe_cli import RecipeError, UltraScaleCLI, describe_argument_error, known_noise_quieted
 
 __all__ = ["RecipeError", "UltraScaleCLI", "describe_argument_error", "main"]
 
@@ -138,7 +138,11 @@ def _duration_and_rate(seconds: float, tokens: int) -> str:
 
 
 def main(args: list[str] | None = None) -> None:
-    quiet_known_noise()
+    with known_noise_quieted():
+        _main(args)
+
+
+def _main(args: list[str] | None) -> None:
     given = args
     args = list(args if args is not None else sys.argv[1:])
     if not args or args[0] in ("-h", "--help"):

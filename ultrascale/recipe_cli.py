@@ -4,6 +4,8 @@ which all import it; it imports nothing of theirs."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
@@ -213,11 +215,9 @@ def describe_argument_error(error: Exception) -> str:
     return f"`{option}` is not a knob of {name} ({class_path}); {hint}"
 
 
-_quieted = False
-
-
-def quiet_known_noise() -> None:
-    """Drop messages that say nothing about the user's run, on every rank (each runs this CLI):
+@contextlib.contextmanager
+def known_noise_quieted() -> Iterator[None]:
+    """Drop, while the block runs, messages that say nothing about the user's run (every rank runs the command):
 
     - Lightning 2.6 calls torch's deprecated pytree `LeafSpec` on every step of every rank;
     - torchao (imported by transformers and the FP8 callback) logs "Failed to load" for each of
@@ -225,23 +225,27 @@ def quiet_known_noise() -> None:
       are deprecated;
     - every rank but 0 repeats rank 0's "Seed set to N" (as "[rank: r] Seed set to N"), and
       Lightning advertises a cloud logger on every run.
-    """
-    global _quieted
-    if _quieted:  # main() runs more than once in a process (tests): the filters are added once
-        return
-    _quieted = True
+
+    The filters go when the block ends, also on an error: a command run in a process that does other work
+    (`ultrascale.cli.main` called from Python, tests) leaves its warning and logging filters as it found them."""
     import logging
     import warnings
 
     import torch
 
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    kept = {
+        "torch.utils._pytree": lambda record: "register_constant() on Enum subclasses is deprecated" not in record.getMessage(),
+        "lightning.fabric.utilities.seed": lambda record: not record.getMessage().startswith("[rank: "),
+        "lightning.pytorch.utilities.rank_zero": lambda record: "litlogger" not in record.getMessage(),
+    }
     if not torch.cuda.is_available():
-        logging.getLogger("torchao").addFilter(lambda record: not record.getMessage().startswith("Failed to load"))
-    logging.getLogger("torch.utils._pytree").addFilter(
-        lambda record: "register_constant() on Enum subclasses is deprecated" not in record.getMessage()
-    )
-    logging.getLogger("lightning.fabric.utilities.seed").addFilter(
-        lambda record: not record.getMessage().startswith("[rank: ")
-    )
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: "litlogger" not in record.getMessage())
+        kept["torchao"] = lambda record: not record.getMessage().startswith("Failed to load")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+        for name, keep in kept.items():
+            logging.getLogger(name).addFilter(keep)
+        try:
+            yield
+        finally:
+            for name, keep in kept.items():
+                logging.getLogger(name).removeFilter(keep)

@@ -40,7 +40,8 @@ from ultrascale.parallel.rules import SPLIT_BACKWARD_SCHEDULES
 __all__ = ["COMPILED_ATTRIBUTE", "COMPILE_BACKENDS", "BlockCompiler", "CompileStats", "block_compiler"]
 
 COMPILED_ATTRIBUTE = "ultrascale_compiled"
-"""Set on each block whose forward `BlockCompiler` compiled."""
+"""Set on each block whose forward `BlockCompiler` compiled; it stays after the fit (which of the model's modules
+are its compiled blocks, for the next fit to compile again), while the compiled forward itself goes."""
 
 COMPILE_BACKENDS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
 """`inductor` generates fused kernels (C++ on CPU, Triton on CUDA); `aot_eager` traces forward and backward
@@ -105,20 +106,21 @@ class BlockCompiler:
     donate (reuse in place) the saved buffers of the compiled backward."""
     stats: CompileStats = field(default_factory=lambda: CompileStats())
     _settings: Optional[contextlib.ExitStack] = field(default=None, repr=False)
+    _compiled: list[nn.Module] = field(default_factory=list, repr=False)
 
     def transform_model(self, module: nn.Module, blocks: Sequence[nn.Module]) -> None:
         if not blocks:
             raise ValueError(
                 f"compile=True compiles each transformer block, but no blocks were found in {type(module).__name__}: "
                 "give the module a `blocks` list (or an `nn.ModuleList` of layers) or leave compile off")
-        if self._settings is None:  # process-wide: held until `restore()` (the strategy's teardown)
+        if self._settings is None:  # process-wide: held until `restore()` (the strategy's teardown, also after an error)
             self._settings = contextlib.ExitStack()
             # A recompile past torch's limit must fail, not fall back to eager without a word.
             self._settings.enter_context(torch._dynamo.config.patch(fail_on_recompile_limit_hit=True))
             if self.split_backward:
                 self._settings.enter_context(torch._functorch.config.patch(donated_buffer=False))
         for block in blocks:
-            if getattr(block, COMPILED_ATTRIBUTE, False):  # applying twice is a no-op
+            if getattr(vars(block).get("forward"), COMPILED_ATTRIBUTE, False):  # applying twice is a no-op
                 continue
             # The block's `forward`, not its whole call (`nn.Module.compile` compiles `_call_impl`): dynamo skips a
             # top frame in torch.nn's own files, so `_call_impl` compiled nothing for a block that is a torch.nn
@@ -126,12 +128,22 @@ class BlockCompiler:
             # around the compiled forward instead of breaking the graph inside it.
             block.forward = _waited_inputs(torch.compile(block.forward, backend=self.backend, fullgraph=self.fullgraph))
             setattr(block, COMPILED_ATTRIBUTE, True)
+            self._compiled.append(block)
+
+    def compile_again(self, module: nn.Module) -> None:
+        """A model this (or another) strategy compiled in an earlier fit, already parallelised: its blocks (marked
+        `COMPILED_ATTRIBUTE`) compiled again, with this compiler's settings."""
+        self.transform_model(module, [m for m in module.modules() if getattr(m, COMPILED_ATTRIBUTE, False)])
 
     def restore(self) -> None:
-        """Torch's compile settings back as they were before `transform_model`."""
+        """Torch's compile settings back as they were before `transform_model`, and each block's own `forward`."""
         if self._settings is not None:
             self._settings.close()
             self._settings = None
+        for block in self._compiled:
+            if getattr(vars(block).get("forward"), COMPILED_ATTRIBUTE, False):
+                del block.forward
+        self._compiled = []
 
 
 def _wait(value: object) -> object:
@@ -149,6 +161,7 @@ def _waited_inputs(compiled: Callable[..., Any]) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
         return compiled(*map(_wait, args), **{name: _wait(value) for name, value in kwargs.items()})
 
+    setattr(call, COMPILED_ATTRIBUTE, True)  # the block's forward is this compiled one (`BlockCompiler.restore`)
     return call
 
 

@@ -254,6 +254,7 @@ class ZeroEngine:
         # Lightning runs forward/backward as the closure *inside* optimizer.step, so a
         # step pre-hook would fire before the gradients exist: wrap step instead.
         self._optimizer_step = optimizer.step
+        self._own_step = vars(optimizer).get("step")  # an LR scheduler's wrapper, say; None: the class's step
 
         @functools.wraps(self._optimizer_step)  # keeps the LR scheduler's "step was called" marker
         def step(closure: Any = None) -> Any:
@@ -262,13 +263,21 @@ class ZeroEngine:
         optimizer.step = step  # type: ignore[method-assign]
         _ENGINES[optimizer] = self
 
-    def close(self) -> None:
-        """Detach from the model (gradient hooks) and the optimizer (step wrapper); the
-        parameters stay views of the last weights, so a new engine can take over."""
+    def detach(self) -> None:
+        """Take the gradient hooks off the model and give the optimizer its own `step` back (the end of a fit).
+        The engine still answers for the optimizer's state (`zero_engine_for`, a checkpoint saved after the fit)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self.optimizer.step = self._optimizer_step  # type: ignore[method-assign]
+        if self._own_step is not None:
+            self.optimizer.step = self._own_step  # type: ignore[method-assign]
+        else:
+            vars(self.optimizer).pop("step", None)  # the optimizer class's own step again
+
+    def close(self) -> None:
+        """`detach`, and no longer the optimizer's engine; the parameters stay views of the last weights, so a
+        new engine can take over."""
+        self.detach()
         _ENGINES.pop(self.optimizer, None)
 
     # ------------------------------------------------------------------ layout

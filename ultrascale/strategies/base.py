@@ -136,6 +136,10 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
             name (and found by a resume or `latest_checkpoint`) only once every rank has written it: at the first step after that,
             at the next save, before a load or at the end of `fit`; removals `ModelCheckpoint` asks for wait until then. Costs one
             host copy of this rank's shards while writing, and two gloo process groups.
+        tune_cpu_allocator: on CPU, keep up to 256 MiB of freed heap per process and serve blocks under 64 MiB from the
+            heap (glibc `mallopt`), instead of returning each step's freed activations to the OS and faulting them in
+            again (measured: 3-8% of a tiny model's step, `benchmarks/overhead.py`). glibc cannot be set back, so this
+            changes the process for good: off by default, for a fit in a process that runs other work.
         checkpoint_verify: what a resume checks before it loads a checkpoint against the manifest its save wrote
             (`ultrascale.parallel.manifest`): "checksum" (every file's size and CRC-32, read by the ranks in parallel; a damaged
             checkpoint is refused naming its files, and `--ckpt_path auto` / `latest_checkpoint` take the newest one that
@@ -190,6 +194,7 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
         auto_layout: bool = False,
         async_checkpoint: bool = False,
         checkpoint_verify: VerifyLevel = "checksum",
+        tune_cpu_allocator: bool = False,
         compile: bool = False,
         compile_backend: str = "inductor",
     ) -> None:
@@ -204,7 +209,7 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
             accumulate_unsharded_grads=accumulate_unsharded_grads, zero_bucket_mb=zero_bucket_mb,
         )), type(self).__name__)
         self.process_config = ProcessConfig(type(self).__name__, launcher, process_group_backend, timeout, nonfinite,
-                                            max_nonfinite_skips, async_checkpoint)
+                                            max_nonfinite_skips, async_checkpoint, tune_cpu_allocator)
         self.context_parallel_method = context_parallel_method
         self.pipeline_schedule = pipeline_schedule
         self.pipeline_microbatches = pipeline_microbatches
@@ -372,7 +377,7 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
         self._parallel_dims = dims
         self._check_declared_model(with_data=True)  # before any process group
         self._process_group_backend = self._process_group_backend or process_group_backend(self.root_device)
-        if self.root_device.type == "cpu":
+        if self.root_device.type == "cpu" and self.process_config.tune_cpu_allocator:
             tune_cpu_allocator()
         assert self.cluster_environment is not None
         process_group.init_process_group(self.cluster_environment, self._process_group_backend, timeout=self.process_config.timeout,
@@ -428,6 +433,8 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
         module = self.model
         if not model_setup.is_parallelized(module):
             self._parallelize(module)
+        elif self._compiler is not None:  # parallelised by an earlier fit, whose teardown put the blocks back
+            self._compiler.compile_again(module)
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -721,6 +728,8 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
         self.finish_checkpoint()
         if self._compiler is not None:
             self._compiler.restore()
+        for engine in self._zero_engines:  # kept for the optimizer's state dict (a save after fit); hooks and step go
+            engine.detach()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

@@ -34,6 +34,7 @@ class ProcessKnobs(TypedDict, total=False):
     nonfinite: NonFinitePolicy
     max_nonfinite_skips: int
     async_checkpoint: bool
+    tune_cpu_allocator: bool
     compile: bool
     compile_backend: str
 
@@ -75,6 +76,8 @@ class ProcessConfig:
     """How many steps "skip" / "rollback" may drop in a run before it stops."""
     async_checkpoint: bool = False
     """Write checkpoints saved during `fit` in a background thread."""
+    tune_cpu_allocator: bool = False
+    """On CPU, glibc keeps freed heap memory (`ultrascale.parallel.device.tune_cpu_allocator`), for the whole process."""
 
     def __post_init__(self) -> None:
         owner = self.owner
@@ -90,8 +93,9 @@ class ProcessConfig:
         if isinstance(self.max_nonfinite_skips, bool) or not isinstance(self.max_nonfinite_skips, int) \
                 or self.max_nonfinite_skips < 0:
             raise ValueError(f"{owner}(`max_nonfinite_skips={self.max_nonfinite_skips!r}`): must be >= 0 (an int)")
-        if not isinstance(self.async_checkpoint, bool):
-            raise TypeError(f"{owner}(`async_checkpoint={self.async_checkpoint!r}`): True or False")
+        for knob in ("async_checkpoint", "tune_cpu_allocator"):
+            if not isinstance(getattr(self, knob), bool):
+                raise TypeError(f"{owner}(`{knob}={getattr(self, knob)!r}`): True or False")
 
 
 def set_world_ranks(environment: Optional[ClusterEnvironment], *, node_rank: int, local_rank: int,

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from ultrascale.recipe_cli import UltraScaleCLI, quiet_known_noise
+from ultrascale.recipe_cli import UltraScaleCLI, known_noise_quieted
 
 
 @dataclass(frozen=True)
@@ -147,9 +147,9 @@ class _RunCLI(UltraScaleCLI):
 
 def run(spec: RunSpec) -> None:
     """Train `spec`'s run in this process (its launcher starts the other ranks, or torchrun did)."""
-    quiet_known_noise()
-    cli = _RunCLI(spec)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    with known_noise_quieted():
+        cli = _RunCLI(spec)
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
 
 
 if __name__ == "__main__":  # the subprocess path: `python -m ultrascale.verify.run SPEC.json`, once per rank
