@@ -82,7 +82,7 @@ def test_attention_backend_choice_and_flash_attn_equal_sdpa():
 def test_context_parallel_cuda_kernel_and_its_log_sum_exp(dtype):
     """The CUDA (out, lse) kernel behind ring / all-gather attention: the output equals SDPA's, the
     log-sum-exp equals logsumexp of the scaled causal scores, and the backward equals autograd's."""
-    from ultrascale.parallel.context import attention_kernel
+    from ultrascale.parallel.attention_kernels import attention_kernel
 
     forward, backward = attention_kernel(torch.device("cuda"))
     torch.manual_seed(0)

@@ -51,6 +51,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
+from ultrascale.parallel.attention_kernels import attention_kernel, repeat_kv, softcap_kernel
 from ultrascale.parallel.device import all_gather_single, grouped_sdpa, reduce_scatter_single
 from ultrascale.parallel.rules import CONTEXT_PARALLEL_METHODS
 
@@ -115,132 +116,6 @@ def document_ids(position_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]
     if not starts[:, 1:].any():
         return None
     return starts.cumsum(-1)
-
-
-# --------------------------------------------------------------------------- attention kernels
-# (out, lse) = forward(q, k, v, causal, bias, scale):  q (B, H, Tq, D), k/v (B, Hkv, Tk, D),
-#   bias None or additive (B|1, 1, Tq, Tk) in q's dtype; out (B, H, Tq, D), lse (B, H, Tq) fp32.
-# (dq, dk, dv) = backward(dout, q, k, v, out, lse, causal, bias, scale) with the *merged* out and lse.
-
-
-def _cpu_forward(q, k, v, causal, bias, scale):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
-    return out, lse
-
-
-def _cpu_backward(dout, q, k, v, out, lse, causal, bias, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
-    )
-
-
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    # (B, Hkv, T, D) -> (B, Hkv * groups, T, D), query head h reading kv head h // groups.
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
-def _aligned_bias(bias: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor) -> Optional[torch.Tensor]:
-    """`bias` (B|1, 1, Tq, Tk) expanded to the heads, its rows in memory padded to a multiple of 8 elements: the
-    efficient kernel reads the bias in aligned vectors (it refuses a row stride not a multiple of 8 in 16 bits, of 4 in
-    fp32: measured on an H200 with Tk = 37), as torch's public SDPA pads it."""
-    if bias is None:
-        return None
-    tk = k.shape[2]
-    if tk % 8:
-        bias = F.pad(bias, (0, 8 - tk % 8))[..., :tk]
-    return bias.expand(q.shape[0], q.shape[1], q.shape[2], tk)
-
-
-def _heads_inner(x: torch.Tensor) -> torch.Tensor:
-    """(B, H, T, D) with the memory of (B, T, H, D), the layout of the efficient kernel's own output: its backward
-    computes rowsum(dO * O) assuming it for `out` and `dout` (the merged (B, H, T, D)-contiguous out of the ring gave
-    dQ and dK 50-75 % off in bf16/fp16 on an H200; fp32 takes another path)."""
-    return x.transpose(1, 2).contiguous().transpose(1, 2)
-
-
-def _padded_lse(lse: torch.Tensor) -> torch.Tensor:
-    """(B, H, Tq) fp32 log-sum-exp padded to the kernel's own (B, H, ceil(Tq / 32) * 32): its backward reads it with
-    that head stride (37 query rows raised "LSE is not correctly aligned (strideH)" on an H200)."""
-    return F.pad(lse, (0, -lse.shape[-1] % 32)).contiguous()
-
-
-def _cuda_forward(q, k, v, causal, bias, scale):
-    # torch's memory-efficient kernel: fp32/bf16/fp16, additive bias, equal head counts.
-    groups = q.shape[1] // k.shape[1]
-    bias = _aligned_bias(bias, q, k)
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, _repeat_kv(k, groups), _repeat_kv(v, groups), bias, True, 0.0, causal, scale=scale
-    )
-    return out, lse[..., : q.shape[2]].float()
-
-
-def _cuda_backward(dout, q, k, v, out, lse, causal, bias, scale):
-    groups = q.shape[1] // k.shape[1]
-    bias = _aligned_bias(bias, q, k)
-    seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: never read
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        _heads_inner(dout), q, _repeat_kv(k, groups), _repeat_kv(v, groups), bias, _heads_inner(out),
-        _padded_lse(lse), seed, offset,
-        0.0, [True, True, True, False], causal, scale=scale,
-    )
-    if groups > 1:  # the repeated heads' gradients sum back onto their kv head
-        dk = dk.unflatten(1, (k.shape[1], groups)).sum(2)
-        dv = dv.unflatten(1, (v.shape[1], groups)).sum(2)
-    return dq, dk, dv
-
-
-_KERNELS = {"cpu": (_cpu_forward, _cpu_backward), "cuda": (_cuda_forward, _cuda_backward)}
-
-
-def _softcap_scores(q, k, causal, bias, scale, softcap):
-    """(S, T): T = tanh(scale·QKᵀ / c), S = c·T masked (-inf where the bias or causality hides a key)."""
-    k = _repeat_kv(k, q.shape[1] // k.shape[1])
-    raw = (q.float() @ k.float().transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    tanh = torch.tanh(raw / softcap)
-    scores = tanh * softcap
-    if bias is not None:
-        scores = scores + bias.float()
-    if causal:
-        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(), float("-inf"))
-    return scores, tanh
-
-
-def softcap_kernel(softcap: float) -> tuple[Any, Any]:
-    """(forward, backward) of attention with logit soft-capping (Gemma 2: S = c·tanh(scale·QKᵀ/c)), written out in
-    the kernels' (out, lse) form, since no fused kernel soft-caps. Backward, with the merged out O and lse L:
-    P = exp(S - L), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)), through the cap dS_raw = dS ∘ (1 - tanh²),
-    dQ = scale·dS_raw K, dK = scale·dS_rawᵀ Q. Memory O(Tq·Tk) per block and head: a reference kernel."""
-
-    def forward(q, k, v, causal, bias, scale):
-        scores, _ = _softcap_scores(q, k, causal, bias, scale, softcap)
-        lse = torch.logsumexp(scores, dim=-1)  # (B, H, Tq); -inf for a row that sees no key
-        probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
-        out = probs @ _repeat_kv(v, q.shape[1] // v.shape[1]).float()
-        return out.to(q.dtype), lse
-
-    def backward(dout, q, k, v, out, lse, causal, bias, scale):
-        groups = q.shape[1] // k.shape[1]
-        scores, tanh = _softcap_scores(q, k, causal, bias, scale, softcap)
-        probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))  # (B, H, Tq, Tk)
-        dout, out = dout.float(), out.float()
-        dv = probs.transpose(-1, -2) @ dout  # (B, H, Tk, Dv)
-        dprobs = dout @ _repeat_kv(v, groups).float().transpose(-1, -2)
-        dscores = probs * (dprobs - (dout * out).sum(-1, keepdim=True))
-        draw = dscores * (1 - tanh * tanh) * (scale if scale is not None else q.shape[-1] ** -0.5)
-        dq = draw @ _repeat_kv(k, groups).float()
-        dk = draw.transpose(-1, -2) @ q.float()
-        if groups > 1:  # the repeated heads' gradients sum back onto their kv head
-            dk, dv = (x.unflatten(1, (k.shape[1], groups)).sum(2) for x in (dk, dv))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-    return forward, backward
-
-
-def attention_kernel(device: torch.device) -> tuple[Any, Any]:
-    """(forward, backward) of the attention-with-LSE kernel for `device`: the one place that chooses it."""
-    if device.type not in _KERNELS:
-        raise NotImplementedError(f"context parallel has no attention kernel for device type {device.type!r}")
-    return _KERNELS[device.type]
 
 
 # --------------------------------------------------------------------------- block plan
@@ -526,7 +401,7 @@ def _alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: "
     heads, kv_heads = q.shape[1], k.shape[1]
     if kv_heads % n:  # repeat K/V heads to lcm(Hkv, n), which divides H: query head h still reads kv head h·Hkv/H
         repeat = n // math.gcd(kv_heads, n)
-        k, v = _repeat_kv(k, repeat), _repeat_kv(v, repeat)
+        k, v = repeat_kv(k, repeat), repeat_kv(v, repeat)
     q, k, v = _heads_to_sequence((q, k, v), cp.group, n)
     gathered = torch.cat([layout.token_index(r, q.device) for r in range(n)])  # global position of each token
     in_order = torch.argsort(gathered) if layout.load_balance else None  # zig-zag chunks back in sequence order
@@ -560,7 +435,7 @@ def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     S = scale·QKᵀ, S <- c·tanh(S/c) (soft-capping), P = softmax over [S masked, sink] (a sink is one more logit per
     head whose value row is zero: it only takes probability mass), out = P[:, :, :, :T]·V."""
     groups = q.shape[1] // k.shape[1]
-    k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
     scores = (q @ k.transpose(-1, -2)).float() * (scale if scale is not None else q.shape[-1] ** -0.5)  # (B, H, T, T)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
