@@ -30,18 +30,17 @@ from ultrascale.parallel.context import ContextLayout, ContextParallel, ContextP
 from ultrascale.parallel.device import process_group_backend, tune_cpu_allocator
 from ultrascale.parallel.dims import ParallelDims, ParallelMesh, build_mesh
 from ultrascale.parallel.fsdp import reshard
-from ultrascale.parallel.manifest import VERIFY_LEVELS, CheckpointDamaged, VerifyLevel, damage_message, verify_distributed
+from ultrascale.parallel.manifest import VERIFY_LEVELS, VerifyLevel
 from ultrascale.parallel.pipeline import PipelineLayout, PipelineRunner, TiedStageWeights
-from ultrascale.parallel.resume import load_training_state
 from ultrascale.parallel.rules import LayoutKnobs, batch_problems, knob_problems, raise_first
 from ultrascale.parallel.tensor import has_tensor_parallel_dropout, maybe_loss_parallel, resolve_plan, synchronize_dropout_rng
 from ultrascale.parallel.transforms import ModelTransform
 from ultrascale.parallel.zero import ZeroEngine
-from ultrascale.strategies import checkpoint_io, collectives, model_setup, process_group
+from ultrascale.strategies import collectives, model_setup, process_group
 from ultrascale.strategies._lightning_compat import StrategyInternals, attach_device_mesh, check_lightning_internals, optimizers_to_device
 from ultrascale.strategies.auto_layout import apply_auto_layout, fixed_knobs
 from ultrascale.strategies.autoresume import roll_back
-from ultrascale.strategies.checkpoint_io import AsyncCheckpointPublisher
+from ultrascale.strategies.checkpoint_io import AsyncCheckpointPublisher, CheckpointHooks
 from ultrascale.strategies.launcher import LauncherName, make_launcher
 from ultrascale.strategies.layout_checks import LayoutChecks, trainer_of
 from ultrascale.strategies.pipeline_step import PipelineGradientStash, pipeline_loss
@@ -55,7 +54,7 @@ PathLike = Union[str, Path]
 __all__ = ["ProcessKnobs", "ShardingKnobs", "UltraScaleStrategy", "checked_knobs"]  # the knobs' TypedDicts: the subclasses import them here
 
 
-class UltraScaleStrategy(LayoutChecks, StrategyInternals):
+class UltraScaleStrategy(CheckpointHooks, LayoutChecks, StrategyInternals):
     """N-D parallel training on a `DeviceMesh` with axes `pp, dp_replicate, dp_shard, cp, tp`.
 
     Registered as ``"ultrascale_4d"``. Any `LightningModule` works unchanged: after `configure_model()` the strategy finds
@@ -660,65 +659,6 @@ class UltraScaleStrategy(LayoutChecks, StrategyInternals):
             reshard(self.model)
 
     on_test_end = on_predict_end = on_validation_end
-
-    # ------------------------------------------------------------------ checkpoints
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.model is not None
-        return checkpoint_io.model_state_dict(self.model)
-
-    @override
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        assert self.model is not None
-        return checkpoint_io.optimizer_state_dict(self.model, optimizer)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Nothing: model state is loaded (and resharded) by DCP in `load_checkpoint`."""
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Nothing: optimizer state is loaded (and resharded) by DCP in `load_checkpoint`."""
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint(`storage_options=...`) is not supported")
-        path = Path(self.broadcast(str(filepath)))
-        tensors = checkpoint_io.pack_checkpoint(checkpoint, self.parallel_dims, self.zero_stage)
-        self.finish_checkpoint()  # one save in flight at a time: DCP's background collectives share one group
-        self.checkpoint_publisher.save_checkpoint(tensors, checkpoint, path)
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # Publish a finished asynchronous save at the next step, not at the next save: a job killed in
-        # between then resumes from it rather than from the one before.
-        if self.checkpoint_publisher.written_everywhere():
-            self.finish_checkpoint()
-
-    def finish_checkpoint(self) -> Optional[Path]:
-        """Publish the asynchronous save in flight, once every rank has written its shards (then apply the
-        removals that waited for it); returns its path, or None if none was in flight. Every rank calls it."""
-        return self.checkpoint_publisher.finish_checkpoint()
-
-    @override
-    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load a sharded checkpoint, resharded to this run's layout: any world size, ZeRO family,
-        TP / CP layout or pipeline degree (`ultrascale.parallel.resume.load_training_state`)."""
-        checkpoint_io.refuse_auto(checkpoint_path, type(self).__name__)  # before any collective
-        self.finish_checkpoint()
-        path = checkpoint_io.agreed_checkpoint(checkpoint_path, self.broadcast, self.global_rank)
-        problems = verify_distributed(path, self.checkpoint_verify)  # every rank gets every finding: all refuse
-        if problems:
-            raise CheckpointDamaged(damage_message(path, problems))
-        assert self.model is not None and self.lightning_module is not None
-        return load_training_state(path, self.model, checkpoint_io.plain_optimizers(self.optimizers),
-                                   strict=self.lightning_module.strict_loading, zero_stage=self.zero_stage)
-
-    @override
-    def remove_checkpoint(self, filepath: PathLike) -> None:
-        # Waits while a save is being written (`AsyncCheckpointPublisher.remove_checkpoint`).
-        self.checkpoint_publisher.remove_checkpoint(filepath, owner=self.is_global_zero)
 
     @override
     def teardown(self) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
 
 from ultrascale.parallel.checkpoint import (
     PendingSave,
@@ -33,6 +34,8 @@ from ultrascale.parallel.checkpoint import (
 from ultrascale.parallel.device import async_checkpoint_backend
 from ultrascale.parallel.dims import ParallelDims
 from ultrascale.parallel.fsdp import reshard
+from ultrascale.parallel.manifest import CheckpointDamaged, VerifyLevel, damage_message, verify_distributed
+from ultrascale.parallel.resume import load_training_state
 from ultrascale.parallel.zero import zero_engine_for
 from ultrascale.strategies.autoresume import AUTO
 
@@ -181,3 +184,78 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+class CheckpointHooks:
+    """Lightning's checkpoint hooks of `UltraScaleStrategy`: sharded DCP saves (published by `checkpoint_publisher`,
+    in the background under `async_checkpoint`), loads verified against their manifest and resharded to this run's
+    layout. The strategy provides what is declared here."""
+
+    model: Optional[torch.nn.Module]
+    checkpoint_publisher: AsyncCheckpointPublisher
+    checkpoint_verify: VerifyLevel
+    zero_stage: int
+    parallel_dims: ParallelDims
+    broadcast: Callable[..., Any]
+    global_rank: int
+    is_global_zero: bool
+    optimizers: list[Any]
+    lightning_module: Any
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return model_state_dict(self.model)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        assert self.model is not None
+        return optimizer_state_dict(self.model, optimizer)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Nothing: model state is loaded (and resharded) by DCP in `load_checkpoint`."""
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Nothing: optimizer state is loaded (and resharded) by DCP in `load_checkpoint`."""
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(`storage_options=...`) is not supported")
+        path = Path(self.broadcast(str(filepath)))
+        tensors = pack_checkpoint(checkpoint, self.parallel_dims, self.zero_stage)
+        self.finish_checkpoint()  # one save in flight at a time: DCP's background collectives share one group
+        self.checkpoint_publisher.save_checkpoint(tensors, checkpoint, path)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Publish a finished asynchronous save at the next step, not at the next save: a job killed in
+        # between then resumes from it rather than from the one before.
+        if self.checkpoint_publisher.written_everywhere():
+            self.finish_checkpoint()
+
+    def finish_checkpoint(self) -> Optional[Path]:
+        """Publish the asynchronous save in flight, once every rank has written its shards (then apply the
+        removals that waited for it); returns its path, or None if none was in flight. Every rank calls it."""
+        return self.checkpoint_publisher.finish_checkpoint()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load a sharded checkpoint, resharded to this run's layout: any world size, ZeRO family,
+        TP / CP layout or pipeline degree (`ultrascale.parallel.resume.load_training_state`)."""
+        refuse_auto(checkpoint_path, type(self).__name__)  # before any collective
+        self.finish_checkpoint()
+        path = agreed_checkpoint(checkpoint_path, self.broadcast, self.global_rank)
+        problems = verify_distributed(path, self.checkpoint_verify)  # every rank gets every finding: all refuse
+        if problems:
+            raise CheckpointDamaged(damage_message(path, problems))
+        assert self.model is not None and self.lightning_module is not None
+        return load_training_state(path, self.model, plain_optimizers(self.optimizers),
+                                   strict=self.lightning_module.strict_loading, zero_stage=self.zero_stage)
+
+    @override
+    def remove_checkpoint(self, filepath: PathLike) -> None:
+        # Waits while a save is being written (`AsyncCheckpointPublisher.remove_checkpoint`).
+        self.checkpoint_publisher.remove_checkpoint(filepath, owner=self.is_global_zero)
