@@ -221,3 +221,18 @@ def test_rules_explain_with_the_knob_names():
         "1F1B needs at least as many micro-batches as stages (2)")
     assert rules.knob_problems(LayoutKnobs(zero_stage=2, accumulate_unsharded_grads=True))[0].knobs == (
         "accumulate_unsharded_grads=True", "zero_stage=2")
+
+
+@pytest.mark.parametrize("strategy, knob", [
+    ("TensorParallelStrategy", "tensor_parallel"), ("ContextParallelStrategy", "context_parallel"),
+    ("PipelineParallelStrategy", "pipeline_parallel"), ("ExpertParallelStrategy", "expert_parallel"),
+    ("HSDPStrategy", "data_parallel_replicate"),
+])
+@pytest.mark.parametrize("value", [0, -2, 1.5, True, "two"])
+def test_a_degree_resolved_at_launch_is_auto_or_a_positive_int(strategy, knob, value):
+    """One rule (`rules.auto_degree_problems`) for every strategy whose degree may be 'auto', asked at construction."""
+    import ultrascale
+
+    with pytest.raises(rules.LayoutError, match=rf"{strategy}\(`{knob}={value!r}`\): give a positive int or 'auto'"):
+        getattr(ultrascale, strategy)(**{knob: value})
+    assert rules.auto_degree_problems(**{knob: "auto"}) == rules.auto_degree_problems(**{knob: 3}) == []

@@ -94,6 +94,12 @@ def raise_first(problems: Sequence[Problem], owner: str = "") -> None:
         raise problems[0].error(owner) from None
 
 
+def auto_degree_problems(**degrees: object) -> list[Problem]:
+    """A degree a strategy resolves at launch (from the world size or the planner) is 'auto' or a positive int."""
+    return [Problem("give a positive int or 'auto'", (f"{name}={value!r}",)) for name, value in degrees.items()
+            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1)]
+
+
 @dataclass(frozen=True)
 class LayoutKnobs:
     """The layout a run asks for, in the strategy's terms (degrees named by their mesh axes)."""

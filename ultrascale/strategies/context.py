@@ -8,6 +8,7 @@ from typing_extensions import Unpack, override
 
 from ultrascale.parallel.context import ContextParallelMethod
 from ultrascale.parallel.dims import ParallelDims
+from ultrascale.parallel.rules import auto_degree_problems, raise_first
 from ultrascale.strategies.base import ShardingKnobs, UltraScaleStrategy, checked_knobs
 
 
@@ -42,8 +43,7 @@ class ContextParallelStrategy(UltraScaleStrategy):
         data_parallel_replicate: int = 1,
         **knobs: Unpack[ShardingKnobs],
     ) -> None:
-        if context_parallel != "auto" and (not isinstance(context_parallel, int) or context_parallel < 1):
-            raise ValueError(f"ContextParallelStrategy(`context_parallel={context_parallel!r}`): give a positive int or 'auto'")
+        raise_first(auto_degree_problems(context_parallel=context_parallel), type(self).__name__)
         super().__init__(
             data_parallel_replicate=data_parallel_replicate,
             data_parallel_shard=-1,

@@ -7,6 +7,7 @@ from typing import Any, Literal, Optional, Union
 from typing_extensions import Unpack, override
 
 from ultrascale.parallel.dims import ParallelDims
+from ultrascale.parallel.rules import auto_degree_problems, raise_first
 from ultrascale.strategies.base import ShardingKnobs, UltraScaleStrategy, checked_knobs
 
 
@@ -45,8 +46,7 @@ class PipelineParallelStrategy(UltraScaleStrategy):
         zero_stage: int = 3,
         **knobs: Unpack[ShardingKnobs],
     ) -> None:
-        if pipeline_parallel != "auto" and (not isinstance(pipeline_parallel, int) or pipeline_parallel < 1):
-            raise ValueError(f"PipelineParallelStrategy(`pipeline_parallel={pipeline_parallel!r}`): give a positive int or 'auto'")
+        raise_first(auto_degree_problems(pipeline_parallel=pipeline_parallel), type(self).__name__)
         super().__init__(
             data_parallel_replicate=data_parallel_replicate,
             data_parallel_shard=-1,

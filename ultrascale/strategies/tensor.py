@@ -7,6 +7,7 @@ from typing import Any, Literal, Optional, Union
 from typing_extensions import Unpack, override
 
 from ultrascale.parallel.dims import ParallelDims
+from ultrascale.parallel.rules import auto_degree_problems, raise_first
 from ultrascale.strategies.base import ShardingKnobs, UltraScaleStrategy, checked_knobs
 
 
@@ -34,8 +35,7 @@ class TensorParallelStrategy(UltraScaleStrategy):
         data_parallel_replicate: int = 1,
         **knobs: Unpack[ShardingKnobs],
     ) -> None:
-        if tensor_parallel != "auto" and (not isinstance(tensor_parallel, int) or tensor_parallel < 1):
-            raise ValueError(f"TensorParallelStrategy(`tensor_parallel={tensor_parallel!r}`): give a positive int or 'auto'")
+        raise_first(auto_degree_problems(tensor_parallel=tensor_parallel), type(self).__name__)
         super().__init__(
             data_parallel_replicate=data_parallel_replicate,
             data_parallel_shard=-1,

@@ -7,6 +7,7 @@ from typing import Literal, Optional, Union
 from typing_extensions import Unpack, override
 
 from ultrascale.parallel.dims import ParallelDims
+from ultrascale.parallel.rules import auto_degree_problems, raise_first
 from ultrascale.strategies.base import ProcessKnobs, ShardingKnobs, UltraScaleStrategy, checked_knobs
 
 
@@ -100,12 +101,7 @@ class HSDPStrategy(UltraScaleStrategy):
         data_parallel_replicate: Union[int, Literal["auto"]] = "auto",
         **knobs: Unpack[ShardingKnobs],
     ) -> None:
-        if data_parallel_replicate != "auto" and (
-            not isinstance(data_parallel_replicate, int) or data_parallel_replicate < 1
-        ):
-            raise ValueError(
-                f"HSDPStrategy(`data_parallel_replicate={data_parallel_replicate!r}`): give a positive int or 'auto'"
-            )
+        raise_first(auto_degree_problems(data_parallel_replicate=data_parallel_replicate), type(self).__name__)
         super().__init__(data_parallel_replicate=1, data_parallel_shard=-1, zero_stage=3,
                          **checked_knobs(type(self).__name__, knobs, ShardingKnobs))
         self.data_parallel_replicate = data_parallel_replicate
