@@ -17,13 +17,20 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 
+from ultrascale.parallel.rules import Problem, raise_first
 from ultrascale.strategies._lightning_compat import ForkLauncher, SubprocessScriptLauncher
 
 LauncherName = Literal["auto", "subprocess", "fork"]
+LAUNCHERS: tuple[str, ...] = ("auto", "subprocess", "fork")
+
+
+def launcher_problems(name: Any) -> list[Problem]:
+    """The one check of the `launcher` knob (asked by the strategies' `ProcessConfig` and by `make_launcher`)."""
+    return [] if name in LAUNCHERS else [Problem("choose 'auto', 'subprocess' or 'fork'", (f"launcher={name!r}",))]
 
 
 def in_interactive_or_pytest() -> bool:
@@ -46,7 +53,7 @@ def make_launcher(
     elif name == "subprocess":
         launcher = SubprocessScriptLauncher(strategy.cluster_environment, num_processes, num_nodes)
     else:
-        raise ValueError(f"unknown launcher={name!r}; choose 'auto', 'subprocess' or 'fork'")
+        raise_first(launcher_problems(name))
     # Checks of the model against the layout run once here, before any rank process starts.
     launcher.before_launch = getattr(strategy, "check_before_launch", None)
     return launcher

@@ -19,8 +19,9 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-from ultrascale.strategies.launcher import LauncherName
-from ultrascale.strategies.step import NONFINITE_POLICIES, NonFinitePolicy
+from ultrascale.parallel.rules import raise_first
+from ultrascale.strategies.launcher import LauncherName, launcher_problems
+from ultrascale.strategies.step import NonFinitePolicy, nonfinite_problems
 
 
 class ProcessKnobs(TypedDict, total=False):
@@ -81,18 +82,12 @@ class ProcessConfig:
 
     def __post_init__(self) -> None:
         owner = self.owner
-        if self.launcher not in ("auto", "subprocess", "fork"):
-            raise ValueError(f"{owner}(`launcher={self.launcher!r}`): choose 'auto', 'subprocess' or 'fork'")
+        raise_first(launcher_problems(self.launcher) + nonfinite_problems(self.nonfinite, self.max_nonfinite_skips), owner)
         if self.process_group_backend is not None and not isinstance(self.process_group_backend, str):
             raise TypeError(f"{owner}(`process_group_backend={self.process_group_backend!r}`): a backend name "
                             "('gloo', 'nccl') or None")
         if self.timeout is not None and not isinstance(self.timeout, timedelta):
             raise TypeError(f"{owner}(`timeout={self.timeout!r}`): a datetime.timedelta or None")
-        if self.nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"{owner}(`nonfinite={self.nonfinite!r}`): choose 'stop', 'skip', 'rollback' or 'off'")
-        if isinstance(self.max_nonfinite_skips, bool) or not isinstance(self.max_nonfinite_skips, int) \
-                or self.max_nonfinite_skips < 0:
-            raise ValueError(f"{owner}(`max_nonfinite_skips={self.max_nonfinite_skips!r}`): must be >= 0 (an int)")
         for knob in ("async_checkpoint", "tune_cpu_allocator"):
             if not isinstance(getattr(self, knob), bool):
                 raise TypeError(f"{owner}(`{knob}={getattr(self, knob)!r}`): True or False")

@@ -40,6 +40,7 @@ from ultrascale.parallel.expert import (
 from ultrascale.parallel.grad import global_grad_norm
 from ultrascale.parallel.loss import NUM_TOKENS_KEY, StepTokens, scale_gradients
 from ultrascale.parallel.pipeline import TiedStageWeights
+from ultrascale.parallel.rules import Problem, raise_first
 from ultrascale.parallel.zero import zero_engine_for
 
 
@@ -118,6 +119,16 @@ NonFinitePolicy = Literal["stop", "skip", "rollback", "off"]
 NONFINITE_POLICIES: tuple[str, ...] = ("stop", "skip", "rollback", "off")
 
 
+def nonfinite_problems(policy: Any, max_skips: Any) -> list[Problem]:
+    """The one check of the non-finite knobs (asked by the strategies' `ProcessConfig` and by `StepGuard`)."""
+    problems = []
+    if policy not in NONFINITE_POLICIES:
+        problems.append(Problem("choose 'stop', 'skip', 'rollback' or 'off'", (f"nonfinite={policy!r}",)))
+    if isinstance(max_skips, bool) or not isinstance(max_skips, int) or max_skips < 0:
+        problems.append(Problem("must be >= 0 (an int)", (f"max_nonfinite_skips={max_skips!r}",)))
+    return problems
+
+
 class StepGuard:
     """Catches a non-finite step on the step it happens, and notes loss spikes.
 
@@ -129,10 +140,7 @@ class StepGuard:
 
     def __init__(self, policy: NonFinitePolicy = "stop", max_skips: int = 10, window: int = 100,
                  spike_threshold: float = 6.0) -> None:
-        if policy not in NONFINITE_POLICIES:
-            raise ValueError(f"`nonfinite={policy!r}`: choose 'stop', 'skip', 'rollback' or 'off'")
-        if max_skips < 0:
-            raise ValueError(f"`max_nonfinite_skips={max_skips}` must be >= 0")
+        raise_first(nonfinite_problems(policy, max_skips))
         self.policy = policy
         self.max_skips = max_skips
         self.skipped = 0
