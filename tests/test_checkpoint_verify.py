@@ -173,3 +173,13 @@ def test_checkpoint_verify_command(tmp_path, capsys):
     assert code == 1 and "DAMAGED" in out and damage_file.name in out
     code, _, err = run_main(capsys, "checkpoint", "verify", str(tmp_path / "nowhere.ckpt"))
     assert code == 2 and "not found" in err
+
+
+def test_every_strategy_takes_the_checkpoint_verify_knob():
+    """docs/strategies.md lists `checkpoint_verify` among the knobs every strategy takes: each one does."""
+    import ultrascale
+
+    for cls in (ultrascale.ZeRO1Strategy, ultrascale.ZeRO2Strategy, ultrascale.ZeRO3Strategy, ultrascale.HSDPStrategy,
+                ultrascale.TensorParallelStrategy, ultrascale.ContextParallelStrategy,
+                ultrascale.PipelineParallelStrategy, ultrascale.ExpertParallelStrategy, ultrascale.UltraScaleStrategy):
+        assert cls(checkpoint_verify="size").checkpoint_verify == "size", cls.__name__

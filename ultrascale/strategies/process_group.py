@@ -19,6 +19,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
+from ultrascale.parallel.manifest import VerifyLevel
 from ultrascale.parallel.rules import raise_first
 from ultrascale.strategies.launcher import LauncherName, launcher_problems
 from ultrascale.strategies.step import NonFinitePolicy, nonfinite_problems
@@ -35,6 +36,7 @@ class ProcessKnobs(TypedDict, total=False):
     nonfinite: NonFinitePolicy
     max_nonfinite_skips: int
     async_checkpoint: bool
+    checkpoint_verify: VerifyLevel
     tune_cpu_allocator: bool
     compile: bool
     compile_backend: str
