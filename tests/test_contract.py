@@ -9,9 +9,9 @@ import torch
 
 import ultrascale
 from tests._dist import run_ranks
+from ultrascale import contract
 from ultrascale.contract import ModuleContract, StrategyContract, check_module
 from ultrascale.models.lm import LlamaLM
-from ultrascale.strategies import contract
 
 
 class Plain(L.LightningModule):

@@ -4,7 +4,10 @@ check of where an export may go. Shared by the full-model export (`models/hf.py`
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,17 +42,19 @@ def write_hf_folder(state: dict[str, torch.Tensor], config: Any, source_dir: Opt
                     max_shard_size: str = "2GB", overwrite: bool = False) -> Path:
     """Write HF-named weights as a Hugging Face folder: sharded safetensors, config, generation config, tokenizer.
 
-    Checked first (`check_export_target`), then written into a hidden temporary folder beside
-    `out_dir` and renamed into place, so a failed export leaves no half-written folder and
-    `overwrite` replaces the old folder only once the new one is complete."""
-    import os
-    import tempfile
-
+    Checked first (`check_export_target`), then written and published by `publish_folder`."""
     final = check_export_target(out_dir, source_dir, overwrite)
+    return publish_folder(final, lambda out: _write_hf_files(state, config, source_dir, out, max_shard_size))
+
+
+def publish_folder(final: Path, write: Callable[[Path], None]) -> Path:
+    """`write(tmp)` into a hidden folder beside `final`, then rename it into place: a failed write leaves no
+    half-written folder, and an existing `final` (an export with overwrite) is replaced only once the new one
+    is complete."""
     final.parent.mkdir(parents=True, exist_ok=True)
     out = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        _write_hf_files(state, config, source_dir, out, max_shard_size)
+        write(out)
         if final.exists():  # overwrite: move the old folder aside, publish, then delete it
             old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
             os.replace(final, old / final.name)

@@ -30,9 +30,6 @@ Requires `pip install "ultrascale[peft]"`.
 from __future__ import annotations
 
 import copy
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Optional, Sequence, Union
 
@@ -175,26 +172,10 @@ def _base_model_dir(peft_model: Any) -> Optional[str]:
 
 
 def _publish(final: Path, overwrite: bool, write: Callable[[Path], None]) -> Path:
-    """`write(tmp)` into a hidden folder beside `final`, then rename it into place (replacing `final` only
-    when complete, under `overwrite`): a failed write leaves no half-written folder."""
-    from ultrascale.models.hf_folder import check_export_target
+    """`write(tmp)`, then published as `final` (`hf_folder.publish_folder`; replacing `final` only under `overwrite`)."""
+    from ultrascale.models.hf_folder import check_export_target, publish_folder
 
-    final = check_export_target(final, None, overwrite)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        write(tmp)
-        if final.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
-            os.replace(final, old / final.name)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return final
+    return publish_folder(check_export_target(final, None, overwrite), write)
 
 
 def _refuse_unsupported(peft_model: Any, local: dict[str, torch.Tensor]) -> None:
