@@ -161,9 +161,8 @@ def test_mfu_on_cuda_synchronises_only_at_logged_optimizer_steps(monkeypatch):
 
     syncs, logged = [], []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
-    connector = SimpleNamespace(should_update_logs=False)
     fake = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), world_size=1, global_step=0,
-                           _logger_connector=connector)
+                           log_every_n_steps=2, should_stop=False)
     module = SimpleNamespace(log=lambda name, value, **kw: logged.append((fake.global_step, name, value)))
     monitor = MFUMonitor(mfu=False, window_size=1)
     monitor.on_train_epoch_start(fake, module)
@@ -174,7 +173,6 @@ def test_mfu_on_cuda_synchronises_only_at_logged_optimizer_steps(monkeypatch):
             time.sleep(0.01)
             if micro == 1:
                 fake.global_step = step
-            connector.should_update_logs = step % 2 == 0
             monitor.on_train_batch_end(fake, module, None, batch, 0)
     assert len(syncs) == 2
     rates = [value for at, name, value in logged if name == "throughput/tokens_per_sec"]

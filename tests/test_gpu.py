@@ -206,8 +206,11 @@ def test_fsdp_float8_all_gather_over_nccl():
 def test_float8_linear_close_to_bf16():
     """torchao's Float8Linear (what `Float8Training` converts to) on a GPU with fp8 matmuls (SM89+), forward and
     backward within fp8's error of the bf16 layer."""
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("fp8 matmuls need compute capability 8.9+")
+    from ultrascale.parallel.device import float8_matmul_support
+
+    refusal, _ = float8_matmul_support(torch.device("cuda"), "tensorwise")
+    if refusal is not None:
+        pytest.skip(refusal)
     from torchao.float8 import convert_to_float8_training
 
     torch.manual_seed(0)
@@ -229,8 +232,11 @@ def test_float8_linear_close_to_bf16():
 def test_float8_training_callback_compiled_fit(tmp_path):
     """The callback itself on a GPU with fp8 tensor cores, compiled (its fast path): every block's linears in fp8,
     the loss finite and falling."""
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("fp8 matmuls need compute capability 8.9+")
+    from ultrascale.parallel.device import float8_matmul_support
+
+    refusal, _ = float8_matmul_support(torch.device("cuda"), "tensorwise")
+    if refusal is not None:
+        pytest.skip(refusal)
     import ultrascale
     from ultrascale.callbacks import Float8Training
 

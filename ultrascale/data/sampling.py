@@ -22,6 +22,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from ultrascale.parallel.device import pins_host_memory
+
 __all__ = ["BlockDataModule", "ResumableBlockSampler", "split_blocks"]
 
 
@@ -213,8 +215,7 @@ class BlockDataModule(L.LightningDataModule):
             sampler=sampler,
             drop_last=True,
             num_workers=self.num_workers,
-            # Page-locked batches copy to a GPU asynchronously (Lightning moves them with non_blocking=True).
-            pin_memory=getattr(getattr(self.trainer, "strategy", None), "root_device", torch.device("cpu")).type == "cuda",
+            pin_memory=pins_host_memory(getattr(getattr(self.trainer, "strategy", None), "root_device", torch.device("cpu"))),
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -30,6 +30,12 @@ def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device
     return torch.device("cpu")
 
 
+def pins_host_memory(device: torch.device) -> bool:
+    """Whether data loaders feeding `device` pin their batches: page-locked host memory copies to a GPU
+    asynchronously (Lightning moves batches with non_blocking=True); pinning for the CPU only costs."""
+    return device.type == "cuda"
+
+
 def async_checkpoint_backend() -> str:
     """The backend of the process group asynchronous checkpoint saves run their collectives on: gloo, on
     CPU and CUDA alike. DCP's `async_save` plans and gathers in a background thread while training uses

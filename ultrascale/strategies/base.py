@@ -135,10 +135,9 @@ class UltraScaleStrategy(CheckpointHooks, LayoutChecks, StrategyInternals):
             name (and found by a resume or `latest_checkpoint`) only once every rank has written it: at the first step after that,
             at the next save, before a load or at the end of `fit`; removals `ModelCheckpoint` asks for wait until then. Costs one
             host copy of this rank's shards while writing, and two gloo process groups.
-        tune_cpu_allocator: on CPU, keep up to 256 MiB of freed heap per process and serve blocks under 64 MiB from the
-            heap (glibc `mallopt`), instead of returning each step's freed activations to the OS and faulting them in
-            again (measured: 3-8% of a tiny model's step, `benchmarks/overhead.py`). glibc cannot be set back, so this
-            changes the process for good: off by default, for a fit in a process that runs other work.
+        tune_cpu_allocator: on CPU, glibc keeps freed heap memory instead of returning each step's freed activations to
+            the OS and faulting them in again (`ultrascale.parallel.device.tune_cpu_allocator`, priced by
+            `benchmarks/overhead.py`). glibc cannot be set back, so this changes the process for good: off by default.
         checkpoint_verify: what a resume checks before it loads a checkpoint against the manifest its save wrote
             (`ultrascale.parallel.manifest`): "checksum" (every file's size and CRC-32, read by the ranks in parallel; a damaged
             checkpoint is refused naming its files, and `--ckpt_path auto` / `latest_checkpoint` take the newest one that
