@@ -10,7 +10,11 @@ Trainer inside the worker joins the job without launching processes itself.
 The parent hosts the rendezvous store, as torchrun's agent does
 (`TORCHELASTIC_USE_AGENT_STORE`): when rank 0 hosted it, a rank 0 that finished
 first took the store down while another rank was still creating a process group
-(`Connection reset by peer` in gloo's connect).
+(`Connection reset by peer` in gloo's connect). The store binds port 0 (the kernel
+picks a free port and holds it from that moment) after the ranks are forked, and each
+rank is then sent the port through a pipe: a port picked first and bound later was
+taken in between by another job's gloo socket (EADDRINUSE in CI, with 16 ranks of a
+parallel test worker opening connections).
 
 No rank outlives the launch: when a rank fails, the others get `STOP_GRACE_S` to end
 by themselves (a peer of a dead rank usually fails at once, with its own traceback),
@@ -145,8 +149,17 @@ def init_gloo(rank: int, world_size: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str, parent_pid: int) -> None:
+def _receive_port(port_reader: multiprocessing.connection.Connection, timeout: float) -> int:
+    if not port_reader.poll(timeout):
+        raise TimeoutError(f"run_ranks: no rendezvous port from the launcher within {timeout:.0f} s")
+    return port_reader.recv()
+
+
+def _entry(rank: int, world_size: int, port_reader: multiprocessing.connection.Connection, fn: Callable, args: tuple,
+           out_dir: str, parent_pid: int, timeout: float) -> None:
     die_with_parent(parent_pid)
+    port = _receive_port(port_reader, timeout)
+    port_reader.close()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -201,23 +214,30 @@ def run_ranks(
     first rank fails (or at `timeout`, or when this process raises) the ranks still running are
     ended (`end_processes`)."""
     context = mp.get_context("fork")
-    port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         parent_pid = os.getpid()
+        pipes = [context.Pipe(duplex=False) for _ in range(world_size)]
         procs = [
-            context.Process(target=_entry, args=(r, world_size, port, fn, args, out_dir, parent_pid))
+            context.Process(target=_entry, args=(r, world_size, pipes[r][0], fn, args, out_dir, parent_pid, timeout))
             for r in range(world_size)
         ]
         store = None
         try:
             for proc in procs:
                 proc.start()
-            # Created after the fork so no child inherits the store's server thread; clients retry until it listens.
-            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,
+            for reader, _ in pipes:
+                reader.close()
+            # Created after the fork so no child inherits the store's server thread.
+            store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                                   timeout=timedelta(seconds=timeout))
+            for _, writer in pipes:
+                with suppress(OSError):  # a rank that already died: its failure is reported below
+                    writer.send(store.port)
             _wait_for_ranks(procs, time.monotonic() + timeout, grace)
         finally:
             ended = end_processes((proc for proc in procs if proc.pid is not None), grace)
+            for _, writer in pipes:
+                writer.close()
             del store
         results: dict[int, Any] = {}
         failures: list[str] = []
