@@ -125,17 +125,17 @@ class LossLog(L.Callback):
 
 
 class KillOnce(L.Callback):
-    """On the first attempt only, rank `rank` SIGKILLs itself: `where="step"` before optimizer step
+    """On attempt `attempt` only, rank `rank` SIGKILLs itself: `where="step"` before optimizer step
     `step` + 1 runs; `where="write"` right after writing its shard of the checkpoint of step `step`,
     before the checkpoint is complete (no `.metadata`, no `meta.pt`, not renamed into place)."""
 
-    def __init__(self, step: int, where: str = "step", rank: int = 1) -> None:
+    def __init__(self, step: int, where: str = "step", rank: int = 1, attempt: int = 0) -> None:
         if where not in ("step", "write"):
             raise ValueError(f"where={where!r}: 'step' or 'write'")
-        self.step, self.where, self.rank = step, where, rank
+        self.step, self.where, self.rank, self.attempt = step, where, rank, attempt
 
     def _armed(self, trainer) -> bool:
-        return os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and trainer.global_rank == self.rank
+        return os.environ.get("TORCHELASTIC_RESTART_COUNT") == str(self.attempt) and trainer.global_rank == self.rank
 
     def setup(self, trainer, pl_module, stage) -> None:
         if self.where != "write" or not self._armed(trainer):
@@ -159,14 +159,14 @@ class KillOnce(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _config(folder: Path, kill: dict | None, async_checkpoint: bool = False) -> Path:
+def _config(folder: Path, kill: dict | list[dict] | None, async_checkpoint: bool = False) -> Path:
     callbacks = [
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
          "init_args": {"dirpath": str(folder / "ckpts"), "every_n_train_steps": EVERY, "save_top_k": -1, "save_last": True}},
         {"class_path": "tests.test_fault_tolerance.LossLog", "init_args": {"out_dir": str(folder)}},
     ]
-    if kill:
-        callbacks.append({"class_path": "tests.test_fault_tolerance.KillOnce", "init_args": kill})
+    for one in [kill] if isinstance(kill, dict) else kill or []:
+        callbacks.append({"class_path": "tests.test_fault_tolerance.KillOnce", "init_args": one})
     config = {
         "seed_everything": 0,
         "trainer": {
@@ -186,7 +186,7 @@ def _config(folder: Path, kill: dict | None, async_checkpoint: bool = False) -> 
     return path
 
 
-def torchrun_fit(folder: Path, kill: dict | None = None, async_checkpoint: bool = False, max_restarts: int = 1):
+def torchrun_fit(folder: Path, kill: dict | list[dict] | None = None, async_checkpoint: bool = False, max_restarts: int = 1):
     """`torchrun --max-restarts` of `ultrascale fit --ckpt_path auto` on 2 CPU ranks; returns the output
     and, per attempt, the step -> loss curve (checked identical on both ranks)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -221,35 +221,29 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_sigkill_mid_run_resumes_from_the_last_checkpoint(uninterrupted, tmp_path):
-    output, curves = torchrun_fit(tmp_path, kill={"step": 7, "where": "step"})
-    assert sorted(curves) == [0, 1], output[-3000:]
-    assert sorted(curves[0]) == list(range(1, 8))  # steps 1-7 trained, killed before step 8
-    assert _resumed_from(output) == 6
-    assert sorted(curves[1]) == [7, 8]  # the restart redid step 7 from the step-6 checkpoint
-    for step in range(1, TOTAL_STEPS + 1):  # same layout, same maths: bitwise the same curve
-        assert (curves[0] | curves[1])[step] == uninterrupted[step], step
-    assert curves[1][7] == curves[0][7]
-
-
-@pytest.mark.slow
-def test_sigkill_while_writing_a_checkpoint_leaves_the_previous_one(uninterrupted, tmp_path):
-    output, curves = torchrun_fit(tmp_path, kill={"step": 6, "where": "write"})
-    assert sorted(curves) == [0, 1], output[-3000:]
+def test_sigkill_while_writing_then_mid_run_resumes_each_time_on_the_same_curve(uninterrupted, tmp_path):
+    """One job killed twice (one torchrun, two restarts): rank 1 dies while writing the step-6 checkpoint, so the
+    restart resumes from step 3 (the cut write is never published); on that attempt it dies before step 8, so the
+    next resumes from the step-6 checkpoint the second attempt wrote. Same layout, same maths: bitwise the
+    uninterrupted curve."""
+    output, curves = torchrun_fit(tmp_path, kill=[{"step": 6, "where": "write"}, {"step": 7, "where": "step", "attempt": 1}],
+                                  max_restarts=2)
+    assert sorted(curves) == [0, 1, 2], output[-3000:]
     assert max(curves[0]) == 6  # step 6 trained, killed while saving its checkpoint
-    assert _resumed_from(output) == 3
-    assert sorted(curves[1]) == list(range(4, TOTAL_STEPS + 1))
-    for step in range(1, TOTAL_STEPS + 1):
-        assert (curves[0] | curves[1])[step] == uninterrupted[step], step
+    assert sorted(curves[1]) == list(range(4, 8))  # from the step-3 checkpoint, killed before step 8
+    assert sorted(curves[2]) == [7, 8]  # the second restart redid step 7 from the step-6 checkpoint
+    assert _resumed_from(output) == [3, 6]
+    for attempt in (0, 1, 2):
+        for step, loss in curves[attempt].items():
+            assert loss == uninterrupted[step], (attempt, step)
     left = [p.name for p in (tmp_path / "ckpts").iterdir() if p.name.startswith(".")]
     assert left and all(".epoch=0-step=6.ckpt.tmp-" in name for name in left), left  # the cut write, never published
 
 
-def _resumed_from(output: str) -> int:
-    """The global step of the checkpoint the restarted attempt resumed from."""
+def _resumed_from(output: str) -> list[int]:
+    """The global steps of the checkpoints the restarted attempts resumed from, in order (each said once, by rank 0)."""
     lines = [line for line in output.splitlines() if "--ckpt_path auto: resuming from" in line]
-    assert len(lines) == 1, output[-3000:]  # said once (rank 0), by the restarted attempt only
-    return int(lines[0].rsplit("(global step ", 1)[1].rstrip(")"))
+    return [int(line.rsplit("(global step ", 1)[1].rstrip(")")) for line in lines]
 
 
 # ------------------------------------------------------------------ asynchronous saves

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import ultrascale
 from tests._dist import init_gloo, run_ranks
 from tests._parity import ParityData, TokenDataset
+from tests.test_measure import check_sums
 from ultrascale import planner
 from ultrascale.estimate import STATE_BYTES, ActivationModel, ModelShape, model_flops
 from ultrascale.models.adapters import model_shape
@@ -570,6 +571,12 @@ def test_measure_agrees_with_the_formulas_on_8b_at_world_8(layout):
     # The sharded fp32 weights are exactly the formula's 4Ψ/dp_shard (tp splits all but the norms).
     assert measured["breakdown_gib"]["params"] == pytest.approx(row.memory["params"] / GIB, rel=0.01)
     assert measured["breakdown_gib"]["optimizer"] == pytest.approx(row.memory["optimizer"] / GIB, rel=0.01)
+    # What the measurement itself must show (one measurement serves both files: tests/test_measure.py).
+    assert measured["breakdown_gib"]["params"] * GIB == pytest.approx(8.03e9 * 4 / 8, rel=0.05)
+    assert measured["phases"]["optimizer step"]["breakdown_gib"]["grads"] * GIB == pytest.approx(8.03e9 * 4 / 8, rel=0.05)
+    if layout["recompute"] == "full":
+        assert 10 < measured["peak_gib"] < 80  # fits an H100's 80 GB
+    check_sums(measured)
 
 
 def test_measure_small_model_states(tmp_path):
@@ -616,22 +623,16 @@ def test_hf_models_get_only_what_ultrascale_runs_for_them():
     assert rows and all(row.layout.tp == 2 for row in rows)
 
 
-@pytest.mark.slow
-def test_accumulate_unsharded_grads_priced_as_measured_and_searched():
-    """`accumulate_unsharded_grads`: whole fp32 gradients held through the accumulation (measured by replaying the
-    step on fake tensors), one reduce-scatter per step instead of one per micro-batch; the search tries both."""
-    from ultrascale.measure import measure_layout
-
+def test_accumulate_unsharded_grads_priced_and_searched():
+    """`accumulate_unsharded_grads`: whole fp32 gradients held through the accumulation, one reduce-scatter per step
+    instead of one per micro-batch; the search tries both. The two rows' memory against a measurement (the step
+    replayed on fake tensors): tests/test_measure.py's `test_gradient_accumulation_keeps_zero3_gradients_sharded_unless_asked`."""
     shape = model_shape("small")
     cluster = planner.Cluster(planner.GPU_SPECS["h100"], 2)
     work = planner.Workload(256, 4)
-    rows = {}
-    for whole in (False, True):
-        measured = measure_layout("small", world=2, seq_len=256, grad_accumulation=2, accumulate_unsharded_grads=whole)
-        lay = planner.Layout(dp_shard=2, micro_batch=1, grad_accumulation=2, accumulate_unsharded_grads=whole)
-        rows[whole] = planner.evaluate(shape, lay, cluster, work)
-        predicted = rows[whole].memory["total"] / GIB
-        assert abs(predicted - measured["peak_gib"]) / measured["peak_gib"] < 0.10, (whole, predicted, measured)
+    rows = {whole: planner.evaluate(shape, planner.Layout(dp_shard=2, micro_batch=1, grad_accumulation=2,
+                                                          accumulate_unsharded_grads=whole), cluster, work)
+            for whole in (False, True)}
     assert rows[True].memory["grads"] == pytest.approx(2 * rows[False].memory["grads"])  # whole (fp32) vs 1/2 shards
     assert rows[True].step_time["total"] < rows[False].step_time["total"]  # one reduce-scatter per step instead of two
     assert rows[True].tokens_per_s_per_gpu > rows[False].tokens_per_s_per_gpu
