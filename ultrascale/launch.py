@@ -149,26 +149,32 @@ def init_gloo(rank: int, world_size: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
 
 
-def _receive_port(port_reader: multiprocessing.connection.Connection, timeout: float) -> int:
+def host_rendezvous(address: str, world_size: int, timeout: float,
+                    port_writers: Iterable[multiprocessing.connection.Connection]) -> dist.TCPStore:
+    """In the launcher, once its ranks are forked: the rendezvous store on a port the kernel picks (and holds from
+    that moment), sent to every rank through its pipe (`join_rendezvous` receives it)."""
+    store = dist.TCPStore(address, 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+    for writer in port_writers:
+        with suppress(OSError):  # a rank that already died: the launcher reports its failure
+            writer.send(store.port)
+    return store
+
+
+def join_rendezvous(port_reader: multiprocessing.connection.Connection, timeout: float) -> None:
+    """In a forked rank, before its process group: wait for the launcher's store (`host_rendezvous`) and point
+    torch's env:// rendezvous at it as a client (`TORCHELASTIC_USE_AGENT_STORE`, as under torchrun's agent)."""
     if not port_reader.poll(timeout):
-        raise TimeoutError(f"run_ranks: no rendezvous port from the launcher within {timeout:.0f} s")
-    return port_reader.recv()
+        raise TimeoutError(f"no rendezvous port from the launcher within {timeout:.0f} s")
+    port = port_reader.recv()
+    port_reader.close()
+    os.environ.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
 
 
 def _entry(rank: int, world_size: int, port_reader: multiprocessing.connection.Connection, fn: Callable, args: tuple,
            out_dir: str, parent_pid: int, timeout: float) -> None:
     die_with_parent(parent_pid)
-    port = _receive_port(port_reader, timeout)
-    port_reader.close()
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        TORCHELASTIC_USE_AGENT_STORE="True",
-    )
+    join_rendezvous(port_reader, timeout)
+    os.environ.update(MASTER_ADDR="127.0.0.1", LOCAL_RANK=str(rank), NODE_RANK="0", RANK=str(rank), WORLD_SIZE=str(world_size))
     one_thread_after_fork()
     try:
         outcome = (True, fn(rank, world_size, *args))
@@ -228,11 +234,7 @@ def run_ranks(
             for reader, _ in pipes:
                 reader.close()
             # Created after the fork so no child inherits the store's server thread.
-            store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=timeout))
-            for _, writer in pipes:
-                with suppress(OSError):  # a rank that already died: its failure is reported below
-                    writer.send(store.port)
+            store = host_rendezvous("127.0.0.1", world_size, timeout, (writer for _, writer in pipes))
             _wait_for_ranks(procs, time.monotonic() + timeout, grace)
         finally:
             ended = end_processes((proc for proc in procs if proc.pid is not None), grace)

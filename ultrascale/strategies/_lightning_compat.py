@@ -29,7 +29,17 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from ultrascale.launch import STOP_GRACE_S, die_with_parent, end_processes, one_thread_after_fork
+from ultrascale.launch import (
+    STOP_GRACE_S,
+    die_with_parent,
+    end_processes,
+    host_rendezvous,
+    join_rendezvous,
+    one_thread_after_fork,
+)
+
+RENDEZVOUS_TIMEOUT_S = 600.0
+"""How long a forked rank waits for the launcher's port, and the store's own timeout (torch's default, 10 min)."""
 
 LIGHTNING_TESTED = ">=2.6.4,<2.7"
 
@@ -196,24 +206,34 @@ class ForkLauncher(_MultiProcessingLauncher):
             )
         strategy = self._strategy
         assert strategy.cluster_environment is not None
-        # Chosen here, in the parent, so that every rank connects to the same port.
-        os.environ["MASTER_PORT"] = str(strategy.cluster_environment.main_port)
-        return_queue = multiprocessing.get_context("fork").SimpleQueue()
+        fork = multiprocessing.get_context("fork")
+        return_queue = fork.SimpleQueue()
+        pipes = [fork.Pipe(duplex=False) for _ in range(strategy.num_processes)]
         context = torch.multiprocessing.start_processes(
             self._run_rank,
-            args=(os.getpid(), trainer, function, args, kwargs, return_queue),
+            args=(os.getpid(), [reader for reader, _ in pipes], trainer, function, args, kwargs, return_queue),
             nprocs=strategy.num_processes,
             start_method="fork",
             join=False,
         )
         self.procs = context.processes
+        store = None
         try:
+            # This process hosts the rendezvous on a port the kernel picks: a port chosen first and bound later by
+            # rank 0 can be taken in between by another job's socket (see `ultrascale.launch`).
+            store = host_rendezvous(strategy.cluster_environment.main_address, strategy.num_processes,
+                                    RENDEZVOUS_TIMEOUT_S, (writer for _, writer in pipes))
             # On a rank's failure: the others get the grace, then SIGTERM, then SIGKILL; then it raises.
             while not context.join(grace_period=STOP_GRACE_S):
                 pass
         except BaseException:
             end_processes(self.procs)  # this process raised (Ctrl-C, a timeout): no rank may outlive it
             raise
+        finally:
+            for reader, writer in pipes:
+                reader.close()
+                writer.close()
+            del store
         worker_output = return_queue.get()
         for process in self.procs:  # joined and reaped: release their sentinel pipes now, not at Trainer collection
             process.close()
@@ -232,6 +252,7 @@ class ForkLauncher(_MultiProcessingLauncher):
         self,
         process_idx: int,
         parent_pid: int,
+        port_readers: list[Any],
         trainer: Optional["pl.Trainer"],
         function: Callable,
         args: Any,
@@ -240,6 +261,7 @@ class ForkLauncher(_MultiProcessingLauncher):
     ) -> None:
         die_with_parent(parent_pid)
         self.procs = []  # a rank starts no ranks (Lightning's `kill`, from its SIGTERM handler, reads these)
+        join_rendezvous(port_readers[process_idx], RENDEZVOUS_TIMEOUT_S)
         one_thread_after_fork()
         os.environ["LOCAL_RANK"] = str(process_idx)
         results = function(*args, **kwargs)
