@@ -1,21 +1,33 @@
-"""The Lightning side of the strategy's step hooks: calling a step method inside FSDP's root unit, and
-logging a finished `StepResult` (`ultrascale.strategies.step` itself stays Lightning-free)."""
+"""The strategy's step on one screen (`StepHooks`, the Lightning hooks in the order they run) and the Lightning side
+of them: calling a step method inside FSDP's root unit, the guarded optimizer step, logging a finished `StepResult`
+(`ultrascale.strategies.step` itself stays Lightning-free)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.fsdp import FSDPModule
+from typing_extensions import override
 
 from ultrascale.contract import user_class_name
-from ultrascale.parallel.compile import CompileStats
+from ultrascale.parallel.compile import BlockCompiler, CompileStats
+from ultrascale.parallel.context import ContextParallel
 from ultrascale.parallel.loss import NUM_TOKENS_KEY
+from ultrascale.parallel.pipeline import PipelineLayout, PipelineRunner
+from ultrascale.parallel.rules import batch_problems, raise_first
+from ultrascale.parallel.tensor import maybe_loss_parallel, synchronize_dropout_rng
+from ultrascale.parallel.zero import ZeroEngine
+from ultrascale.strategies import model_setup
 from ultrascale.strategies._lightning_compat import logging_as_hook, step_logged
-from ultrascale.strategies.step import StepGuard, StepResult
+from ultrascale.strategies.autoresume import roll_back
+from ultrascale.strategies.pipeline_step import PipelineGradientStash, pipeline_loss
+from ultrascale.strategies.step import StepGroups, StepGuard, StepResult, StepRunner
 
 
 class StepCaller:
@@ -152,3 +164,170 @@ def log_compile(module: "pl.LightningModule", stats: CompileStats) -> None:
                 f"ultrascale: compile: {stats.later_graphs} graphs compiled after the first step (step {stats.steps}): "
                 "the blocks keep seeing new shapes or guards. Bucket sequence lengths (pad to a multiple), or "
                 "set compile=False; torch stops with an error at torch._dynamo.config.recompile_limit")
+
+
+class StepHooks:
+    """The strategy's step, in the order Lightning calls it for one optimizer step of one rank:
+
+    `batch_to_device` (the layout's sequence check, this rank's context-parallel slice), then per micro-batch
+    `training_step` (the module's step inside FSDP's root unit; under pipeline parallel it calls `pipeline_loss`,
+    which runs the whole schedule) and `backward` (the token-sum loss; non-final micro-batches inside
+    `block_backward_sync`), then `optimizer_step`: the last micro-batch's closure, `_finish_step` (gradients
+    reduced and normalised once, the global norm, the non-finite guard, MoE loads, logged), clipping by that norm,
+    the optimizer. A mixin of `UltraScaleStrategy`, whose `__init__` and `setup` create what it reads below."""
+
+    _pipeline: Optional[PipelineRunner]
+    _pipeline_layout: Optional[PipelineLayout]
+    _pipeline_grads: PipelineGradientStash
+    _zero_engines: list[ZeroEngine]
+    _step: StepRunner
+    _step_groups: Optional[StepGroups]
+    _step_caller: StepCaller
+    _compiler: Optional[BlockCompiler]
+    _context_parallel: Optional[ContextParallel]
+    _sequence_parallel_active: Optional[bool]
+    _loss_parallel_active: bool
+    _tensor_parallel_dropout: bool
+    _rollbacks: int
+    accumulate_unsharded_grads: bool
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """Move the batch, check its sequence length against the layout and, under context parallel,
+        cut it to this rank's tokens: every step and callback (MFU, ...) then sees the local batch."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        tokens = batch.get("input_ids") if isinstance(batch, Mapping) else None
+        if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
+            raise_first(batch_problems(self.parallel_dims, seq_len=tokens.shape[1],
+                                       sequence_parallel=bool(self._sequence_parallel_active)))
+        if self._context_parallel is not None:
+            batch = self._context_parallel.shard_batch(batch)
+        return batch
+
+    # Loss parallel must be active around the loss (inside the step) and around backward.
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        self._pipeline_grads.start_step()
+        self._step.start_micro_batch(module.trainer.accumulate_grad_batches)
+        if self._tensor_parallel_dropout:
+            synchronize_dropout_rng(self.model, self.root_device)
+        with maybe_loss_parallel(self._loss_parallel_active):
+            output = self._call_step("training_step", *args, **kwargs)
+        check_step_output(module, output, pipeline_active=self._pipeline is not None, pipeline_ran=self._pipeline_grads.ran,
+                          owner=type(self).__name__)
+        self._step.observe(output)
+        return output
+
+    @property
+    def pipeline_active(self) -> bool:
+        """Whether the model runs as a pipeline: steps then get their loss from `pipeline_loss`."""
+        return self._pipeline is not None
+
+    @property
+    def pipeline_layout(self) -> Optional[PipelineLayout]:
+        """Under pipeline parallel, the stages' layers, the schedule and its micro-batches; None otherwise."""
+        return self._pipeline_layout if self._pipeline is not None else None
+
+    def pipeline_loss(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run the batch ``{"input_ids", "labels"[, "position_ids"]}`` through the pipeline and return
+        ``{"loss": mean over its valid tokens, "num_tokens": n}``, the same on every pipeline rank.
+
+        In training (module in train mode, gradients enabled) this is the whole forward and backward
+        of the batch: torch's schedule runs every micro-batch, the backward of each on its token-loss
+        sum / accumulate_grad_batches; the returned loss carries no graph, and the gradients wait
+        for Lightning's backward call (which then runs no autograd). Elsewhere it is forward only.
+        """
+        if self._pipeline is None:
+            raise RuntimeError(f"{type(self).__name__}.pipeline_loss: pipeline parallel is not active (pipeline_parallel=1)")
+        module = self.lightning_module
+        assert module is not None and self.model is not None
+        train = module.training and torch.is_grad_enabled()
+        divisor = module.trainer.accumulate_grad_batches if train else 1
+        return pipeline_loss(self._pipeline, self._pipeline_grads, self.model, self._zero_engines, batch, train=train, divisor=divisor)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._pipeline is not None:
+            # The schedule ran forward and backward inside `pipeline_loss`; the module's backward hooks still run.
+            module = self.lightning_module
+            assert module is not None
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+            self._pipeline_grads.restore()
+            closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+            self.post_backward(closure_loss)
+            return closure_loss
+        closure_loss = self._step.backward_loss(closure_loss, self.lightning_module.trainer.accumulate_grad_batches)
+        with maybe_loss_parallel(self._loss_parallel_active):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-final micro-batches of gradient accumulation (`deferred_gradient_sync`; Lightning's own
+        implementation only knows DDP's `no_sync`)."""
+        with model_setup.deferred_gradient_sync(self.model, self._zero_engines, accumulate_unsharded_grads=self.accumulate_unsharded_grads):
+            yield
+
+    @override
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any,
+                       model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None, **kwargs: Any) -> Any:
+        """One step, in this order: the last micro-batch's forward and backward (Lightning's closure),
+        the step's gradient reduction finished (ZeRO-1/2) and normalised once (`StepRunner.finish`),
+        then Lightning's `on_before_optimizer_step` hooks and clipping (by the norm the step computed),
+        then the optimizer (`guarded_optimizer_step`)."""
+        lightning_step = super().optimizer_step
+        return guarded_optimizer_step(
+            self._step.guard.policy, closure, lambda: self._finish_step(optimizer),
+            lambda closure, **more: lightning_step(optimizer, closure, model, **more, **kwargs),
+            lambda: self._step.discard(optimizer), self._roll_back,
+        )
+
+    def _finish_step(self, optimizer: torch.optim.Optimizer) -> StepResult:
+        """The step's gradients finished (`StepRunner.finish`) and its numbers logged (`log_step`)."""
+        module = self.lightning_module
+        assert module is not None and self._step_groups is not None
+        trainer = module.trainer
+        result = self._step.finish(
+            optimizer, self._step_groups, step=trainer.global_step, rank=self.global_rank,
+            loss_divisor=trainer.accumulate_grad_batches if module.automatic_optimization else 1,
+        )
+        log_step(module, result, self._step.guard, type(self).__name__)
+        if self._compiler is not None:
+            log_compile(module, self._compiler.stats)
+        return result
+
+    def _roll_back(self) -> None:
+        """`nonfinite="rollback"`: weights and optimizer state back to the newest complete checkpoint (`roll_back`)."""
+        module = self.lightning_module
+        assert module is not None
+        roll_back(module, rollbacks=self._rollbacks + 1, guard=self._step.guard, rank=self.global_rank,
+                  broadcast=self.broadcast, load=self.load_checkpoint)
+        self._rollbacks += 1
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with maybe_loss_parallel(self._loss_parallel_active):
+            return self._call_step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with maybe_loss_parallel(self._loss_parallel_active):
+            return self._call_step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__}: predict under pipeline parallel is not implemented (the logits exist on the last "
+                "stage only); predict with pipeline_parallel=1 from the same checkpoint"
+            )
+        return self._call_step("predict_step", *args, **kwargs)
+
+    def _call_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """`LightningModule.<name>` inside FSDP's root unit (see `StepCaller`)."""
+        module = self.lightning_module
+        assert module is not None
+        return self._step_caller(module, name, self.precision_plugin, self.call_inside_module, *args, **kwargs)
