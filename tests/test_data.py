@@ -223,7 +223,7 @@ def test_sampler_skip_batches(dp: int) -> None:
 
 
 def test_sampler_validation_errors() -> None:
-    with pytest.raises(ValueError, match="global_batch_size=6.*size 4"):
+    with pytest.raises(ValueError, match="global_batch_size=6.*does not split over the 4 data-parallel ranks"):
         ResumableBlockSampler(range(10), global_batch_size=6, num_replicas=4, rank=0)
     with pytest.raises(ValueError, match="rank"):
         ResumableBlockSampler(range(10), global_batch_size=4, num_replicas=2, rank=2)

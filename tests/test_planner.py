@@ -875,3 +875,15 @@ def test_plan_pipeline_layout_is_priced_as_asked_and_emitted(tmp_path, capsys):
     assert gpipe_row["step_time_s"]["compute"] == pytest.approx(one_row["step_time_s"]["compute"])
     code, refused = _plan(capsys, *base, "--layout", f"{layout},schedule=Zigzag")
     assert code == 2 and "schedule='Zigzag': choose one of" in refused.err
+
+
+def test_why_not_names_the_rule_that_left_every_split_out(capsys):
+    """No candidate at all has the fixed values: the search says which rule left each degree split out (the batch
+    rule is the rulebook's `batch_split_problem`, the same words the strategy's data check uses)."""
+    code, out = _plan(capsys, "--preset", "llama3_8b", "--gpus", "8", "--global-batch", "12", "--why-not", "dp_shard=8")
+    assert code == 0, out.err
+    assert "no layout of 8 GPUs has dp_shard=8 with a global batch of 12 sequences:" in out.out, out.out
+    assert "the global batch of 12 sequences does not split over the 8 data-parallel ranks" in out.out, out.out
+    assert "dp_shard=8 x dp_replicate x pp x tp x cp must make the 8 GPUs (" in out.out, out.out
+    shape, cluster = model_shape("llama3_8b"), planner.Cluster(planner.GPU_SPECS["h100"], 8)
+    assert planner.why_not(shape, cluster, planner.Workload(8192, 16), {"dp_shard": 8})[0].startswith("it is possible")

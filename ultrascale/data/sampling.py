@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ultrascale.parallel.device import pins_host_memory
+from ultrascale.parallel.rules import batch_split_problem
 
 __all__ = ["BlockDataModule", "ResumableBlockSampler", "split_blocks"]
 
@@ -69,11 +70,9 @@ class ResumableBlockSampler(DistributedSampler):
             raise ValueError(f"{name}: `global_batch_size={global_batch_size}` must be >= 1")
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"{name}: need 0 <= `rank={rank}` < `num_replicas={num_replicas}`")
-        if global_batch_size % num_replicas != 0:
-            raise ValueError(
-                f"{name}: `global_batch_size={global_batch_size}` is not divisible by the "
-                f"data-parallel size {num_replicas}"
-            )
+        split = batch_split_problem(global_batch_size, num_replicas, f"{name}: `global_batch_size={global_batch_size}`")
+        if split is not None:
+            raise ValueError(split.text())
         if skip_batches < 0:
             raise ValueError(f"{name}: `skip_batches={skip_batches}` must be >= 0")
         # num_replicas/rank are always passed, so the parent never queries torch.distributed.
@@ -194,11 +193,10 @@ class BlockDataModule(L.LightningDataModule):
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__}: call `setup()` before requesting dataloaders")
         dp_size, dp_rank = self._dp_layout()
-        if self.global_batch_size % dp_size != 0:
-            raise ValueError(
-                f"{type(self).__name__}: `global_batch_size={self.global_batch_size}` is not divisible by "
-                f"the data-parallel size {dp_size}; choose a multiple of {dp_size}"
-            )
+        split = batch_split_problem(self.global_batch_size, dp_size,
+                                    f"{type(self).__name__}: `global_batch_size={self.global_batch_size}`")
+        if split is not None:
+            raise ValueError(split.text())
         sampler = ResumableBlockSampler(
             dataset,
             global_batch_size=self.global_batch_size,

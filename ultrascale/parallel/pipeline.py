@@ -46,6 +46,7 @@ from ultrascale.parallel.loss import IGNORE_INDEX, cross_entropy_sum
 from ultrascale.parallel.rules import (  # the rulebook owns the schedule names and their rules
     SCHEDULES,  # noqa: F401  (re-exported: `ultrascale.parallel.pipeline.SCHEDULES`)
     V_SCHEDULES,
+    microbatch_split_problem,
     pipeline_problems,
     raise_first,
     resolved_stages,
@@ -411,12 +412,12 @@ class _ForwardOnlyV(ScheduleLoopedBFS):
 
 
 def _split_count(count: int, microbatches: int) -> None:
-    if count % microbatches:
-        raise ValueError(
-            f"pipeline parallel: the local batch holds {count} sequences, which pipeline_microbatches={microbatches} "
-            "does not divide (every micro-batch must have the same shape). Make the batch size a multiple of it "
-            "(and drop the last, smaller batch: `drop_last=True`)"
-        )
+    problem = microbatch_split_problem(
+        count, microbatches, "pipeline parallel: the local batch holds",
+        fix=" (every micro-batch must have the same shape). Make the batch size a multiple of it (and drop the last, "
+            "smaller batch: `drop_last=True`)")
+    if problem is not None:
+        raise ValueError(problem.text())
 
 
 def _exclude_shape_inference_from_expert_load(stage: PipelineStage) -> None:

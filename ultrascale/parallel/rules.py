@@ -401,6 +401,25 @@ def _tensor_parallel_problems(tp: int, k: LayoutKnobs, facts: ModelFacts) -> lis
     return [divides] if divides else []
 
 
+def batch_split_problem(global_batch: int, dp: int, source: str) -> Optional[Problem]:
+    """The global batch over data parallel: every dp rank (dp_replicate x dp_shard) holds global_batch / dp whole
+    sequences. `source` names the batch in the message. The one statement of this rule: the strategy's data
+    check, the sampler and the planner's search ask it."""
+    if global_batch % dp == 0:
+        return None
+    return Problem(f"{source} does not split over the {dp} data-parallel ranks (dp_replicate x dp_shard); use a "
+                   f"multiple of {dp}")
+
+
+def microbatch_split_problem(local_batch: int, microbatches: int, source: str, *, fix: str,
+                             knob: str = "pipeline_microbatches") -> Optional[Problem]:
+    """A rank's batch into `microbatches` micro-batches of one shape (the pipeline's, `knob`). The message reads
+    "`source` `local_batch` sequences, which `knob`=`microbatches` does not divide`fix`"."""
+    if local_batch % microbatches == 0:
+        return None
+    return Problem(f"{source} {local_batch} sequences, which {knob}={microbatches} does not divide{fix}")
+
+
 def batch_problems(dims: ParallelDims, *, seq_len: Optional[int] = None,
                    global_batch: Optional[int] = None, sequence_parallel: bool = False,
                    microbatches: Optional[int] = None, micro_batch: Optional[int] = None,
@@ -417,14 +436,14 @@ def batch_problems(dims: ParallelDims, *, seq_len: Optional[int] = None,
             problems.append(Problem(str(error)))
     if global_batch is not None:
         source = f"{where}(global_batch_size={global_batch})" if where else f"the global batch of {global_batch} sequences"
-        if global_batch % dims.dp:
-            problems.append(Problem(f"{source} does not split over the {dims.dp} data-parallel ranks (dp_replicate x "
-                                    f"dp_shard); use a multiple of {dims.dp}"))
-        elif dims.pp_enabled and microbatches is not None and (global_batch // dims.dp) % microbatches:
-            local = global_batch // dims.dp
-            problems.append(Problem(
-                f"{source} gives each of the {dims.dp} data-parallel ranks {local} sequences, which pipeline_microbatches="
-                f"{microbatches} does not divide; pick a global batch size that is a multiple of {microbatches * dims.dp}"))
+        split = batch_split_problem(global_batch, dims.dp, source)
+        if split is not None:
+            problems.append(split)
+        elif dims.pp_enabled and microbatches is not None:
+            pipeline = microbatch_split_problem(
+                global_batch // dims.dp, microbatches, f"{source} gives each of the {dims.dp} data-parallel ranks",
+                fix=f"; pick a global batch size that is a multiple of {microbatches * dims.dp}")
+            problems += [pipeline] if pipeline is not None else []
         if micro_batch is not None and grad_accumulation is not None and micro_batch * grad_accumulation * dims.dp != global_batch:
             problems.append(Problem(
                 f"micro_batch {micro_batch} x accumulation {grad_accumulation} x dp {dims.dp} = "

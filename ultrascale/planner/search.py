@@ -10,7 +10,7 @@ from typing import Any, Optional
 from ultrascale.estimate import ModelShape
 from ultrascale.hardware import GIB, Cluster
 from ultrascale.parallel.pipeline import even_layers
-from ultrascale.parallel.rules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
+from ultrascale.parallel.rules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, batch_split_problem
 from ultrascale.planner.cost import PlanRow, Workload, evaluate
 from ultrascale.planner.layouts import RECOMPUTE_MODES, Layout, layout_problems, runs_as
 from ultrascale.planner.pipeline import balanced_layers
@@ -23,9 +23,15 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[dict[str, Any]] = None,
-                      max_micro_batch: int = 8) -> Iterable[Layout]:
-    """Every factorisation of the GPUs and batch, restricted to the `fixed` values."""
+                      max_micro_batch: int = 8, left_out: Optional[dict[str, int]] = None) -> Iterable[Layout]:
+    """Every factorisation of the GPUs and batch, restricted to the `fixed` values. `left_out`, if given, counts
+    why a degree split was not a candidate (the reason -> how many times)."""
     fixed = dict(fixed or {})
+    left_out = {} if left_out is None else left_out
+
+    def leave_out(reason: str) -> None:
+        left_out[reason] = left_out.get(reason, 0) + 1
+
     n = cluster.gpus
     pow2 = lambda limit: [d for d in (1, 2, 4, 8, 16, 32, 64, 128) if d <= limit]  # noqa: E731
     tps = [fixed["tp"]] if "tp" in fixed else [d for d in pow2(cluster.gpus_per_node) if n % d == 0]
@@ -36,24 +42,33 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, work: Workload, fixed
     eps = [fixed["ep"]] if "ep" in fixed else ([d for d in _divisors(shape.n_experts) if d <= n] if shape.n_experts else [1])
     for pp, tp, cp in itertools.product(pps, tps, cps):
         if n % (pp * tp * cp):
+            if fixed.keys() & {"pp", "tp", "cp"}:  # otherwise only the enumeration's own products
+                leave_out(f"pp x tp x cp must divide the {n} GPUs")
             continue
         dp = n // (pp * tp * cp)
         replicates = [fixed["dp_replicate"]] if "dp_replicate" in fixed else _divisors(dp)
         for dpr in replicates:
             if dp % dpr:
+                leave_out("dp_replicate must divide the data-parallel ranks pp x tp x cp leave")
                 continue
             dps = dp // dpr
             if "dp_shard" in fixed and fixed["dp_shard"] != dps:
+                leave_out(f"dp_shard={fixed['dp_shard']} x dp_replicate x pp x tp x cp must make the {n} GPUs")
                 continue
-            if work.global_batch % dp:
+            split = batch_split_problem(work.global_batch, dp, f"the global batch of {work.global_batch} sequences")
+            if split is not None:
+                leave_out(split.text())
                 continue
             local = work.global_batch // dp
             mbs_options = [fixed["micro_batch"]] if "micro_batch" in fixed else [d for d in _divisors(local) if d <= max_micro_batch]
             for mbs, zero, recompute, ep in itertools.product(mbs_options, zeros, recomputes, eps):
                 if local % mbs:
+                    leave_out(f"micro_batch={mbs} must divide the sequences each data-parallel rank holds")
                     continue
                 acc = local // mbs
                 if "grad_accumulation" in fixed and fixed["grad_accumulation"] != acc:
+                    leave_out(f"grad_accumulation={fixed['grad_accumulation']} x micro_batch x dp must make the global "
+                              f"batch of {work.global_batch}")
                     continue
                 unsharded = ([fixed["accumulate_unsharded_grads"]] if "accumulate_unsharded_grads" in fixed
                              else [False, True] if zero == 3 and pp == 1 and acc > 1 else [False])
@@ -137,8 +152,13 @@ def why_not(shape: ModelShape, cluster: Cluster, work: Workload, fixed: dict[str
     """Why no layout with the `fixed` values is chosen: the refusals and memory shortfalls, most common first."""
     rows = search(shape, cluster, work, fixed, hf_config, include_refused=True)
     if not rows:
-        return [f"no layout of {cluster.gpus} GPUs has {', '.join(f'{k}={v}' for k, v in fixed.items())} "
-                f"with a global batch of {work.global_batch} sequences"]
+        left_out: dict[str, int] = {}
+        for _ in candidate_layouts(shape, cluster, work, fixed, left_out=left_out):
+            pass
+        wanted = ", ".join(f"{k}={v}" for k, v in fixed.items())
+        return [f"no layout of {cluster.gpus} GPUs has {wanted} with a global batch of {work.global_batch} sequences:"] + [
+            f"{reason} ({count} degree split{'s' if count > 1 else ''} left out)"
+            for reason, count in sorted(left_out.items(), key=lambda kv: -kv[1])]
     if any(row.fits for row in rows):
         best = next(row for row in rows if row.fits)
         return [f"it is possible: best such layout {best.layout.describe()} at {best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"]
