@@ -51,12 +51,12 @@ import sys
 import time
 from typing import Any
 
+from ultrascale.parallel.rules import PRECISIONS, RECOMPUTE_MODES  # re-exported (`__all__`)
+
 __all__ = ["CATEGORIES", "PRECISIONS", "RECOMPUTE_MODES", "measure_layout"]
 
 GIB = 2**30
 
-PRECISIONS: tuple[str, ...] = ("bf16-mixed", "32-true", "bf16-true")
-RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 CATEGORIES: tuple[str, ...] = ("params", "grads", "optimizer", "activations", "other")
 """Keys of the returned `breakdown_gib` (the trackers' own categories are in `tracker_gib`)."""
 

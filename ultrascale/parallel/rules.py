@@ -88,6 +88,15 @@ class Problem:
         return (LayoutNotImplemented if self.not_implemented else LayoutError)(self.text(owner))
 
 
+PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
+"""The precisions ultrascale trains in (FSDP2 mixed-precision policies); the strategies' precision plugin, the
+planner, its auto layout and `measure_layout` accept these and no other."""
+
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+"""Activation recompute as the planner and `measure_layout` price it: none, `ActivationCheckpointing`'s
+"selective" or its "full" on every block."""
+
+
 def raise_first(problems: Sequence[Problem], owner: str = "") -> None:
     """Raise the first problem (ValueError, or NotImplementedError for a combination not built yet)."""
     if problems:

@@ -21,7 +21,7 @@ from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, GPU_SPECS,
 from ultrascale.models.adapters import model_shape
 from ultrascale.parallel import rules
 from ultrascale.parallel.dims import ParallelDims
-from ultrascale.parallel.rules import LayoutKnobs, batch_problems, raise_first
+from ultrascale.parallel.rules import PRECISIONS, LayoutKnobs, batch_problems, raise_first
 from ultrascale.planner.cost import PlanRow, Workload, evaluate
 from ultrascale.planner.layouts import RECOMPUTE_MODES, Layout, model_facts_of, parse_layout
 from ultrascale.planner.recipe import recipe_yaml
@@ -105,7 +105,7 @@ def plan_main(args: list[str]) -> str:
     batch.add_argument("--global-batch-tokens", type=_token_count,
                        help="tokens per optimizer step, e.g. 4M (default: one sequence per GPU)")
     batch.add_argument("--global-batch", type=_positive(int), help="sequences per optimizer step")
-    parser.add_argument("--precision", default="bf16-mixed", choices=("32-true", "bf16-mixed", "bf16-true"))
+    parser.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
     parser.add_argument("--layout", default="", help='fix some or all of the layout, e.g. "pp=4,dp_shard=8,tp=8,zero_stage=1"')
     parser.add_argument("--why-not", default=None, metavar="LAYOUT", help='explain why no layout with these values is chosen, e.g. "tp=16"')
     parser.add_argument("--top", type=_positive(int), default=10, help="rows of the ranked table (default 10)")

@@ -12,6 +12,7 @@ from ultrascale.hardware import Cluster
 from ultrascale.parallel import rules
 from ultrascale.parallel.rules import (
     CONTEXT_PARALLEL_METHODS,
+    RECOMPUTE_MODES,  # re-exported (`__all__`)
     SCHEDULES,
     SINGLE_STAGE_SCHEDULES,
     LayoutKnobs,
@@ -98,7 +99,6 @@ PIPELINE_SPLITS = ("even", "balanced")
 def format_layers(layers: tuple[int, ...]) -> str:
     """(7, 8, 8, 8, 7) -> "7:8:8:8:7", as `--layout pipeline_layers=...` takes it."""
     return ":".join(str(n) for n in layers)
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def parse_layout(text: str) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from ultrascale import planner
 from ultrascale.estimate import ModelShape
 from ultrascale.hardware import find_peak_tflops
 from ultrascale.models.adapters import model_shape
+from ultrascale.parallel.rules import PRECISIONS
 
 __all__ = ["AutoLayout", "AutoLayoutInputs", "apply_auto_layout", "auto_layout_inputs", "choose_layout", "device_cluster",
            "fixed_knobs"]
@@ -96,8 +97,8 @@ def auto_layout_inputs(module: Any, trainer: Any, device: torch.device, world_si
         return None, (f"the data module ({type(datamodule).__name__}) declares no integer `seq_len` and "
                       "`global_batch_size` (ultrascale.data's data modules do)")
     accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
-    work = planner.Workload(seq_len, global_batch * accumulate, precision if precision in
-                            ("32-true", "bf16-mixed", "bf16-true") else "bf16-mixed", compiled=compiled)
+    work = planner.Workload(seq_len, global_batch * accumulate, precision if precision in PRECISIONS
+                            else "bf16-mixed", compiled=compiled)
     cluster = device_cluster(device, world_size, ranks_per_node)
     return AutoLayoutInputs(shape, hf_config, work, cluster, accumulate), ""
 

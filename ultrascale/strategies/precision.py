@@ -12,10 +12,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
 from ultrascale.parallel.grad import clip_grad_norm_
+from ultrascale.parallel.rules import PRECISIONS
 from ultrascale.parallel.zero import zero_engine_for
 
 PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true"]
-SUPPORTED_PRECISION: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
+SUPPORTED_PRECISION: tuple[str, ...] = PRECISIONS  # the rulebook's list, under the name the strategies' messages use
 
 
 class UltraScalePrecision(Precision):
