@@ -446,7 +446,8 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         if isinstance(precision, UltraScalePrecision):
             tied = self._tied_weights
             precision.clip_across(self._step_groups.stages if self._step_groups is not None else None,
-                                  not_counted=tied.not_counted if tied is not None else lambda: ())
+                                  not_counted=tied.not_counted if tied is not None else lambda: (),
+                                  step_norm=self._step.take_grad_norm)
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
         self.checkpoint_publisher.open(fitting=trainer.state.fn == TrainerFn.FITTING)

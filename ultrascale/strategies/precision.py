@@ -33,15 +33,19 @@ class UltraScalePrecision(Precision):
         self.precision = precision
         self._norm_group: Optional[torch.distributed.ProcessGroup] = None
         self._not_counted: Callable[[], Sequence[torch.Tensor]] = lambda: ()
-        self._step_grad_norm: Optional[Callable[[], Optional[torch.Tensor]]] = None  # only inside `optimizer_step`
+        self._step_norm: Callable[[], Optional[torch.Tensor]] = lambda: None
 
     def clip_across(self, stages: Optional[torch.distributed.ProcessGroup],
-                    not_counted: Callable[[], Sequence[torch.Tensor]] = lambda: ()) -> None:
-        """Under pipeline parallel, the ranks holding the other stages: their gradients count in the
-        clipping norm (the strategy calls it in `setup`; None: this rank's gradients are the model's).
-        `not_counted()`: this step's gradients that another stage counts (`TiedStageWeights.not_counted`)."""
+                    not_counted: Callable[[], Sequence[torch.Tensor]] = lambda: (),
+                    step_norm: Callable[[], Optional[torch.Tensor]] = lambda: None) -> None:
+        """What clipping by norm needs from the strategy (it calls this in `setup`). `stages`: under pipeline
+        parallel, the ranks holding the other stages, whose gradients count in the norm (None: this rank's
+        gradients are the model's). `not_counted()`: this step's gradients that another stage counts
+        (`TiedStageWeights.not_counted`). `step_norm()`: the global norm the step already reduced for its
+        non-finite check, once (`StepRunner.take_grad_norm`), so clipping needs no second reduction."""
         self._norm_group = stages
         self._not_counted = not_counted
+        self._step_norm = step_norm
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -69,28 +73,8 @@ class UltraScalePrecision(Precision):
         return nullcontext()
 
     @override
-    def optimizer_step(
-        self,
-        optimizer: Any,
-        model: Any,
-        closure: Callable[[], Any],
-        step_grad_norm: Optional[Callable[[], Optional[torch.Tensor]]] = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Lightning's step (closure, `on_before_optimizer_step`, clipping, optimizer). `step_grad_norm`: gives
-        the step's global gradient norm once the closure has run, if the strategy reduced it (its non-finite
-        check): clipping in this step reuses it instead of a second reduction."""
-        self._step_grad_norm = step_grad_norm
-        try:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        finally:
-            self._step_grad_norm = None
-
-    @override
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
-        # Used once: after clipping, the gradients' norm is no longer that one.
-        known, self._step_grad_norm = self._step_grad_norm, None
-        total = known() if known is not None else None
+        total = self._step_norm()
         engine = zero_engine_for(optimizer)
         if engine is not None:  # ZeRO-1/2: the reduced gradients are the engine's slices
             engine.clip_grad_norm_(clip_val, total_norm=total)

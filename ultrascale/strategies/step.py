@@ -249,6 +249,7 @@ class StepRunner:
         self._routers: list[torch.nn.Module] = []  # MoE routers of this rank's layers
         self._moe_shape: Optional[tuple[int, int]] = None  # (MoE layers, experts) of the whole model: same on every rank
         self._tied: Optional[TiedStageWeights] = None
+        self._unclipped_norm: Optional[torch.Tensor] = None
 
     def use_routers(self, routers: Sequence[torch.nn.Module], moe_shape: Optional[tuple[int, int]]) -> None:
         """The MoE routers of this rank's layers and the (MoE layers, experts) of the whole model (None: no MoE)."""
@@ -306,8 +307,15 @@ class StepRunner:
                            spike=self.guard.spike(loss_value))
         # Every rank joins the loads' all-reduce, also a pipeline stage without MoE layers.
         moe = self._expert_load(groups) if self._moe_shape is not None else {}
+        self._unclipped_norm = checked.get("grad_norm")
         return StepResult(step=step, loss=loss, tokens=self.tokens.step_tokens if loss is not None else None,
                           skipped_steps=self.guard.skipped, loss_spikes=self.guard.spikes, moe=moe, **checked)
+
+    def take_grad_norm(self) -> Optional[torch.Tensor]:
+        """The last finished step's global gradient norm (None under `nonfinite="off"`), once: clipping reuses it,
+        and after clipping the gradients' norm is no longer that one."""
+        norm, self._unclipped_norm = self._unclipped_norm, None
+        return norm
 
     def discard(self, optimizer: torch.optim.Optimizer) -> None:
         """Drop a skipped step's gradients: the optimizer does not step on them, nor on the next ones."""

@@ -84,11 +84,12 @@ def check_step_output(module: "pl.LightningModule", output: Any, *, pipeline_act
 
 
 def guarded_optimizer_step(policy: str, closure: Callable[[], Any], finish: Callable[[], StepResult],
-                           lightning_step: Callable[..., Any], discard: Callable[[], None], roll_back: Callable[[], None]) -> Any:
+                           lightning_step: Callable[[Callable[[], Any]], Any], discard: Callable[[], None],
+                           roll_back: Callable[[], None]) -> Any:
     """One optimizer step under the non-finite `policy`, in this order: the last micro-batch's forward and
     backward (Lightning's `closure`), `finish` (the step's gradients finished and its numbers logged), then
-    `lightning_step(closure, step_grad_norm=...)` (Lightning's hooks, clipping by the norm the step computed,
-    the optimizer). Under "skip" / "rollback" a non-finite step is `discard`ed instead (and rolled back)."""
+    `lightning_step(closure)` (Lightning's hooks, clipping by the norm `finish` computed, the optimizer). Under
+    "skip" / "rollback" a non-finite step is `discard`ed instead (and rolled back)."""
     finished: list[StepResult] = []
 
     def closure_then_finish() -> Any:
@@ -96,15 +97,12 @@ def guarded_optimizer_step(policy: str, closure: Callable[[], Any], finish: Call
         finished.append(finish())
         return loss
 
-    def step(closure: Any) -> Any:
-        return lightning_step(closure, step_grad_norm=lambda: finished[-1].grad_norm if finished else None)
-
     if policy not in ("skip", "rollback"):
-        return step(closure_then_finish)
+        return lightning_step(closure_then_finish)
     # "skip" and "rollback" decide before the optimizer runs: the closure runs first, then the step (or none).
     loss = closure_then_finish()
     if not finished[-1].skipped:
-        return step(lambda: loss)
+        return lightning_step(lambda: loss)
     discard()
     if policy == "rollback":
         roll_back()
@@ -281,7 +279,7 @@ class StepHooks:
         lightning_step = super().optimizer_step
         return guarded_optimizer_step(
             self._step.guard.policy, closure, lambda: self._finish_step(optimizer),
-            lambda closure, **more: lightning_step(optimizer, closure, model, **more, **kwargs),
+            lambda closure: lightning_step(optimizer, closure, model, **kwargs),
             lambda: self._step.discard(optimizer), self._roll_back,
         )
 
