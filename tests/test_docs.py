@@ -318,14 +318,12 @@ def test_relative_links_and_anchors_resolve(page):
     assert not broken, "broken links:\n" + "\n".join(broken)
 
 
-def _help_subcommands(capsys) -> set[str]:
-    """The subcommands `ultrascale --help` prints (each as `  NAME   what it does`)."""
-    from ultrascale.cli import main
+def _cli_subcommands() -> set[str]:
+    """The subcommands the command dispatches: read from its tables, not from the help text (a help line with one
+    space after `prepare-data` once hid it from a pattern, and from README's table with it)."""
+    from ultrascale.cli import LIGHTNING_SUBCOMMANDS, OWN_SUBCOMMANDS
 
-    capsys.readouterr()
-    main(["--help"])
-    printed = capsys.readouterr().out
-    return set(re.findall(r"^  ([a-z][\w-]*)\s{2,}\S", printed, re.M))
+    return {*LIGHTNING_SUBCOMMANDS, *OWN_SUBCOMMANDS}
 
 
 def _readme_subcommands() -> set[str]:
@@ -339,10 +337,16 @@ def _readme_subcommands() -> set[str]:
 
 
 def test_readme_names_the_subcommands_the_cli_lists(capsys):
-    listed = _help_subcommands(capsys)
-    assert len(listed) >= 4, f"could not read the subcommands from `ultrascale --help`: {listed}"
+    from ultrascale.cli import main
+
+    listed = _cli_subcommands()
     named = _readme_subcommands()
-    assert named == listed, f"README's command table: {sorted(named)}; `ultrascale --help`: {sorted(listed)}"
+    assert named == listed, f"README's command table: {sorted(named)}; the command's: {sorted(listed)}"
+    main(["--help"])
+    printed = capsys.readouterr().out
+    assert all(re.search(rf"^  {re.escape(name)} ", printed, re.M) for name in listed), printed  # and `--help` lists them
+    with pytest.raises(SystemExit):  # each of ultrascale's own is dispatched (its parser answers --help)
+        main(["prepare-data", "--help"])
 
 
 def test_readme_shows_the_command_ci_runs():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 from ultrascale.recipe_cli import RecipeError, UltraScaleCLI, describe_argument_error, known_noise_quieted
 
@@ -73,23 +74,34 @@ def resolve_checkpoint(path: str) -> str:
     return str(found)
 
 
-SUBCOMMANDS_HELP = """usage: ultrascale SUBCOMMAND [options]     (`ultrascale SUBCOMMAND --help` for its options)
+LIGHTNING_SUBCOMMANDS: dict[str, str] = {
+    "fit": "train: ultrascale fit --config recipes/tiny_cpu.yaml [--ckpt_path auto|last|PATH]",
+    "validate": "run the validation loop of a model and checkpoint",
+    "test": "run the test loop",
+    "predict": "run the predict loop",
+}
+"""LightningCLI's subcommands (ultrascale's strategies registered): name -> what `--help` says."""
 
-train and evaluate (LightningCLI, with ultrascale's strategies registered):
-  fit          train: ultrascale fit --config recipes/tiny_cpu.yaml [--ckpt_path auto|last|PATH]
-  validate     run the validation loop of a model and checkpoint
-  test         run the test loop
-  predict      run the predict loop
+OWN_SUBCOMMANDS: dict[str, str] = {
+    "plan": "rank the layouts for a model on a cluster, explain one, or check a recipe (--recipe)",
+    "export-hf": "write an HFCausalLM training checkpoint as a Hugging Face folder (safetensors)",
+    "checkpoint": "verify checkpoints against their manifests: ultrascale checkpoint verify PATH...",
+    "verify": "train a recipe a few steps under its layout and on one device, compare loss and gradient norm",
+    "verify-matrix": "the same for every named layout at one world size: a Markdown table (parity, tokens/s, memory)",
+    "prepare-data": "tokenize a corpus once (text, JSONL, Parquet, a saved dataset) into a folder every rank "
+                    "memory-maps: ultrascale prepare-data --tokenizer DIR --out DIR [--workers N] INPUT...",
+}
+"""ultrascale's own subcommands: name -> what `--help` says. `_main` dispatches exactly these (`_own_command`)."""
 
-ultrascale's own:
-  plan         rank the layouts for a model on a cluster, explain one, or check a recipe (--recipe)
-  export-hf    write an HFCausalLM training checkpoint as a Hugging Face folder (safetensors)
-  checkpoint   verify checkpoints against their manifests: ultrascale checkpoint verify PATH...
-  verify       train a recipe a few steps under its layout and on one device, compare loss and gradient norm
-  verify-matrix  the same for every named layout at one world size: a Markdown table (parity, tokens/s, memory)
-  prepare-data tokenize a corpus once (text, JSONL, Parquet, a saved dataset) into a folder every rank
-               memory-maps: ultrascale prepare-data --tokenizer DIR --out DIR [--workers N] INPUT...
-"""
+
+def _subcommands_help() -> str:
+    width = max(map(len, [*LIGHTNING_SUBCOMMANDS, *OWN_SUBCOMMANDS])) + 2
+    lines = ["usage: ultrascale SUBCOMMAND [options]     (`ultrascale SUBCOMMAND --help` for its options)", "",
+             "train and evaluate (LightningCLI, with ultrascale's strategies registered):"]
+    lines += [f"  {name:<{width}}{what}" for name, what in LIGHTNING_SUBCOMMANDS.items()]
+    lines += ["", "ultrascale's own:"]
+    lines += [f"  {name:<{width}}{what}" for name, what in OWN_SUBCOMMANDS.items()]
+    return "\n".join(lines) + "\n"
 
 
 def prepare_data_main(args: list[str]) -> None:
@@ -146,35 +158,10 @@ def _main(args: list[str] | None) -> None:
     given = args
     args = list(args if args is not None else sys.argv[1:])
     if not args or args[0] in ("-h", "--help"):
-        print(SUBCOMMANDS_HELP)
+        print(_subcommands_help())
         return
-    if args and args[0] == "export-hf":
-        export_hf_main(args[1:])
-        return
-    if args and args[0] == "prepare-data":
-        prepare_data_main(args[1:])
-        return
-    if args and args[0] == "verify":
-        from ultrascale.verify.app import verify_main
-
-        verify_main(args[1:])
-        return
-    if args and args[0] == "verify-matrix":
-        from ultrascale.verify.matrix import matrix_main
-
-        matrix_main(args[1:])
-        return
-    if args and args[0] == "plan":
-        from ultrascale.planner.app import plan_main
-
-        try:
-            plan_main(args[1:])
-        except ValueError as error:  # an impossible layout: say why, no traceback
-            print(f"ultrascale plan: error: {error}", file=sys.stderr)
-            raise SystemExit(2) from None
-        return
-    if args and args[0] == "checkpoint":
-        checkpoint_main(args[1:])
+    if args[0] in OWN_SUBCOMMANDS:
+        _own_command(args[0])(args[1:])
         return
     import argparse
 
@@ -193,6 +180,31 @@ def _main(args: list[str] | None) -> None:
         if os.environ.get("ULTRASCALE_DEBUG"):
             raise
         print(f"ultrascale {args[0]}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _own_command(name: str) -> Callable[[list[str]], None]:
+    """The function behind each of `OWN_SUBCOMMANDS` (imported when called: `ultrascale --help` stays fast)."""
+    if name == "verify":
+        from ultrascale.verify.app import verify_main
+
+        return verify_main
+    if name == "verify-matrix":
+        from ultrascale.verify.matrix import matrix_main
+
+        return matrix_main
+    if name == "plan":
+        return _plan_main
+    return {"export-hf": export_hf_main, "prepare-data": prepare_data_main, "checkpoint": checkpoint_main}[name]
+
+
+def _plan_main(args: list[str]) -> None:
+    from ultrascale.planner.app import plan_main
+
+    try:
+        plan_main(args)
+    except ValueError as error:  # an impossible layout: say why, no traceback
+        print(f"ultrascale plan: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
