@@ -1,9 +1,9 @@
 """The planner's predictions beside published training runs: tokens/s per GPU, MFU and peak memory.
 
-Every published figure comes from `benchmarks/planner_published.py` (copied from the cited
-source, with the quoted row). For each run the planner costs *the published layout* (not its
-own choice) with `ultrascale.planner.evaluate`, at the default achievable fraction of peak,
-and the table gives predicted / published. Where a source leaves a field out, this script
+Every published figure comes from `benchmarks/planner_published.yaml` (copied from the cited
+source, under the quoted row; `planner_published.py` loads it against its schema). For each
+run the planner costs *the published layout* (not its own choice) with `ultrascale.planner.evaluate`,
+at the default achievable fraction of peak, and the table gives predicted / published. Where a source leaves a field out, this script
 fills it and says so in the `assumed` column:
 
 - sequence length: 8192 (torchtitan's Llama 3 configs) where the table gives none;

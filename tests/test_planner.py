@@ -887,3 +887,25 @@ def test_why_not_names_the_rule_that_left_every_split_out(capsys):
     assert "dp_shard=8 x dp_replicate x pp x tp x cp must make the 8 GPUs (" in out.out, out.out
     shape, cluster = model_shape("llama3_8b"), planner.Cluster(planner.GPU_SPECS["h100"], 8)
     assert planner.why_not(shape, cluster, planner.Workload(8192, 16), {"dp_shard": 8})[0].startswith("it is possible")
+
+
+def test_published_runs_are_data_checked_against_their_schema(tmp_path):
+    """benchmarks/planner_published.yaml loads (every run passes the schema), and a run with a misspelt field, a
+    wrong type or an unknown layout degree is refused naming the run and the field."""
+    from benchmarks.planner_published import DATA, PUBLISHED_RUNS, load_published
+
+    assert len(PUBLISHED_RUNS) >= 40 and all(run["gpus"] >= 8 for run in PUBLISHED_RUNS)
+    import yaml
+
+    runs = yaml.safe_load(DATA.read_text())["runs"][:2]
+    runs[0]["tokens_per_second_per_gpu"] = runs[0].pop("tokens_per_s_per_gpu")
+    runs[1]["gpus"] = "8"
+    runs[1]["layout"] = {"fsdp": 8}
+    broken = tmp_path / "runs.yaml"
+    broken.write_text(yaml.safe_dump({"runs": runs}))
+    with pytest.raises(ValueError) as error:
+        load_published(broken)
+    message = str(error.value)
+    assert "run 0 (torchtitan" in message and "unknown field 'tokens_per_second_per_gpu'" in message, message
+    assert "missing field 'tokens_per_s_per_gpu'" in message, message
+    assert "run 1 (" in message and "gpus='8': expected int" in message and "layout fsdp=8" in message, message

@@ -22,7 +22,7 @@ GIB = 2**30
 #   "FSDP + torch.compile | 6,667" (+15.7%), "FSDP + torch.compile + Float8 | 8,532" (Float8 is measured, and pays
 #   off, only compiled: `FLOAT8_SPEEDUP` below).
 #   https://github.com/pytorch/torchtitan/blob/31a17bfdb70bab6f62a13d21816a5339b911d6e3/benchmarks/llama3_h100_202412_torchtitan.md
-#   (the runs `benchmarks/planner_published.py` quotes; also the TorchTitan paper, arXiv 2410.06511). The ratio is of
+#   (the runs `benchmarks/planner_published.yaml` quotes; also the TorchTitan paper, arXiv 2410.06511). The ratio is of
 #   whole steps, FSDP communication included; the planner divides only the compute time by it (cost.py).
 COMPILE_SPEEDUP = 6667 / 5762
 """Compute time eager / compiled per block (1.157): torchtitan, Llama 3.1 8B on 8 H100, FSDP, bf16."""
