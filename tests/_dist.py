@@ -4,7 +4,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ultrascale.launch import free_port, init_gloo, run_ranks
+from ultrascale.launch import init_gloo, run_ranks
 
 
 @contextmanager
@@ -30,4 +30,4 @@ def counting_calls(owner: Any, *names: str) -> Iterator[dict[str, int]]:
             setattr(owner, name, fn)
 
 
-__all__ = ["counting_calls", "free_port", "init_gloo", "run_ranks"]
+__all__ = ["counting_calls", "init_gloo", "run_ranks"]

@@ -89,3 +89,23 @@ def test_zero_grad_norm_equals_the_exact_norm(stage):
     exact = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
     for norm in run_ranks(_zero_norm, 2, stage):
         assert_close(norm.double(), exact, rtol=3e-7, atol=0)
+
+
+def test_clipping_reuses_a_steps_norm_only_within_that_step():
+    """The norm `StepRunner.finish` reduced is handed to clipping once, and only until the next micro-batch starts:
+    a manual-optimization step clips before its own `finish`, and must recompute rather than get the last step's."""
+    from ultrascale.strategies.step import StepGroups, StepRunner
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    runner = StepRunner()
+    groups = StepGroups(data=None, data_ranks=1, device=torch.device("cpu"))
+    model(torch.ones(4, 3)).square().sum().backward()
+    expected = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    runner.start_micro_batch(1)
+    runner.finish(optimizer, groups, loss_divisor=1, step=0, rank=0)
+    assert_close(runner.take_grad_norm(), expected)
+    assert runner.take_grad_norm() is None  # once: clipping changes the norm
+    runner.finish(optimizer, groups, loss_divisor=1, step=1, rank=0)
+    runner.start_micro_batch(1)  # the next step begins: that norm is no longer this step's
+    assert runner.take_grad_norm() is None

@@ -420,13 +420,12 @@ def batch_split_problem(global_batch: int, dp: int, source: str) -> Optional[Pro
                    f"multiple of {dp}")
 
 
-def microbatch_split_problem(local_batch: int, microbatches: int, source: str, *, fix: str,
-                             knob: str = "pipeline_microbatches") -> Optional[Problem]:
-    """A rank's batch into `microbatches` micro-batches of one shape (the pipeline's, `knob`). The message reads
-    "`source` `local_batch` sequences, which `knob`=`microbatches` does not divide`fix`"."""
+def microbatch_split_problem(local_batch: int, microbatches: int, source: str, *, fix: str) -> Optional[Problem]:
+    """A rank's batch into the pipeline's `microbatches` micro-batches of one shape. The message reads
+    "`source` `local_batch` sequences, which pipeline_microbatches=`microbatches` does not divide`fix`"."""
     if local_batch % microbatches == 0:
         return None
-    return Problem(f"{source} {local_batch} sequences, which {knob}={microbatches} does not divide{fix}")
+    return Problem(f"{source} {local_batch} sequences, which pipeline_microbatches={microbatches} does not divide{fix}")
 
 
 def batch_problems(dims: ParallelDims, *, seq_len: Optional[int] = None,

@@ -262,6 +262,9 @@ class StepRunner:
         self._tied = tied
 
     def start_micro_batch(self, accumulate: int) -> None:
+        # A norm is only the step's between `finish` and its update: a manual-optimization step that clips before
+        # its own `finish` must not get the previous step's.
+        self._unclipped_norm = None
         if self._moe_shape is not None:
             scale_balance_terms(self._routers, accumulate)  # the token-normalised scale until `backward_loss` says otherwise
 
@@ -312,8 +315,8 @@ class StepRunner:
                           skipped_steps=self.guard.skipped, loss_spikes=self.guard.spikes, moe=moe, **checked)
 
     def take_grad_norm(self) -> Optional[torch.Tensor]:
-        """The last finished step's global gradient norm (None under `nonfinite="off"`), once: clipping reuses it,
-        and after clipping the gradients' norm is no longer that one."""
+        """This step's global gradient norm once `finish` has run (None before it, or under `nonfinite="off"`), once:
+        clipping reuses it, and after clipping the gradients' norm is no longer that one."""
         norm, self._unclipped_norm = self._unclipped_norm, None
         return norm
 
