@@ -8,7 +8,7 @@ same number of gloo ranks and do the same work per optimizer step:
 - forward, the micro-batch's cross-entropy *sum* over its valid tokens, backward of that sum;
 - one all-reduce of (loss sum, valid tokens) per step, every gradient shard multiplied by 1/N
   (the exact global token mean, `ultrascale.parallel.loss`);
-- clipping by the global gradient norm, AdamW (decay on matrices only, foreach), LambdaLR
+- clipping by the global gradient norm, AdamW (decay on matrices only, `ADAMW_KERNEL` as the module), LambdaLR
   warm-up + cosine stepped every step, `zero_grad(set_to_none=True)`.
 
 The hand loop is what a torch user writes (torchtitan-style): `torch.nn.utils.clip_grad_norm_`
@@ -58,6 +58,7 @@ from _common import WARMUP_STEPS, Data, RandomTokens, Throughput, load_average, 
 
 import ultrascale  # noqa: E402,F401  (registers the strategies)
 from ultrascale.data import ResumableBlockSampler  # noqa: E402
+from ultrascale.estimate import ADAMW_KERNEL  # noqa: E402
 from ultrascale.launch import run_ranks  # noqa: E402
 from ultrascale.models.lm import LlamaLM, warmup_cosine  # noqa: E402
 from ultrascale.parallel.device import tune_cpu_allocator  # noqa: E402
@@ -153,7 +154,7 @@ def _hand(rank, world_size, preset, steps, seq_len, global_batch, seed, clip, *_
             {"params": [p for p in params if p.ndim >= 2], "weight_decay": hp.weight_decay},
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
         ],
-        lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps, fused=False, foreach=True,
+        lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps, **ADAMW_KERNEL,
     )
     schedule = functools.partial(warmup_cosine, warmup_steps=hp.warmup_steps, max_steps=steps, min_lr_ratio=hp.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

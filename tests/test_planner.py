@@ -461,7 +461,7 @@ def test_plan_json_rows_have_the_documented_keys(capsys):
             "fits", "memory_gib", "step_time_s", "tokens_per_s_per_gpu", "mfu"}
     for row in rows:
         assert keys <= set(row)
-        assert set(row["memory_gib"]) == {"params", "grads", "optimizer", "transient", "activations", "buffers", "total"}
+        assert set(row["memory_gib"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
         assert set(row["model_state_gib"]) == {"params", "grads", "optimizer", "total"}
         assert set(row["step_time_s"]) == {"compute", "communication", "bubble", "total"}
         assert row["fits"] and row["memory_gib"]["total"] == pytest.approx(
@@ -789,7 +789,7 @@ def test_zero12_with_tensor_parallel_is_searched_and_priced(tmp_path, capsys):
 def test_cs336_zero_ladder_from_the_command_line(tmp_path, capsys):
     """CS336's ladder for a 7.5B model on 64 GPUs (bf16 weights and gradients, fp32 Adam state with master
     weights: 16 bytes per parameter): params + grads + optimizer of 120 / 31.4 / 16.6 / 1.875 GB for ZeRO-0/1/2/3.
-    ZeRO-0 is priced as ultrascale runs it (dp_replicate alone); the foreach step temporary is its own key."""
+    ZeRO-0 is priced as ultrascale runs it (dp_replicate alone)."""
     import json
 
     import transformers

@@ -20,6 +20,7 @@ __all__ = [
     "ModelFlops",
     "ModelShape",
     "ModelStateEstimate",
+    "ADAMW_KERNEL",
     "STATE_BYTES",
     "active_params",
     "estimate_model_state_bytes",
@@ -88,6 +89,12 @@ def estimate_model_state_bytes(
 # (weight, gradient, optimizer) bytes per parameter under Adam, by precision and ZeRO family,
 # as ultrascale holds them: FSDP2 (ZeRO-3) keeps fp32 sharded weights and casts gathered
 # copies to bf16; ZeRO-1/2 keep bf16 weights and fp32 masters inside the optimizer state.
+ADAMW_KERNEL: dict[str, bool] = {"fused": True}
+"""How the built-in modules' AdamW runs (`models.lm.adamw_warmup_cosine`; `measure` builds the same): torch's fused
+kernel, one launch per parameter group, as torchtitan runs it. foreach's step holds a temporary the size of the
+parameters it updates (4 bytes each, measured), and on DTensor parameters its seven foreach ops each pay a sharding
+propagation at the first step: 2.5 s of a 9.5 s 10-step ZeRO-3 fit of the tiny Llama on CPU, fused 0.2 s."""
+
 STATE_BYTES: dict[tuple[str, str], tuple[int, int, int]] = {
     ("32-true", "fsdp"): (4, 4, 8),
     ("32-true", "zero12"): (4, 4, 8),

@@ -21,7 +21,7 @@ The child process (the fake process group and the fake mode are process-wide) do
 4. materialises the weights as fake tensors (`to_empty`; values do not change memory);
 5. runs one untracked step (forward on random token ids (micro_batch, seq_len / cp), token-sum
    cross-entropy (`cross_entropy_sum`), backward, AdamW as `adamw_warmup_cosine` builds it:
-   foreach, not fused), so that the optimizer state exists as in every later step;
+   `estimate.ADAMW_KERNEL`), so that the optimizer state exists as in every later step;
 6. runs the next step under `FSDPMemTracker` (ZeRO-3) or `MemTracker` (ZeRO-1/2) and reports its peak:
    the larger of the forward/backward peak and the optimizer step's own peak (both are returned).
    With `grad_accumulation` > 1 a step is that many micro-batches, as the strategy's
@@ -315,6 +315,7 @@ def _measure(r: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    from ultrascale.estimate import ADAMW_KERNEL
     from ultrascale.models.adapters import plan_model
     from ultrascale.parallel.context import ContextParallel
     from ultrascale.parallel.dims import build_mesh
@@ -364,9 +365,9 @@ def _measure(r: dict[str, Any]) -> dict[str, Any]:
             module.to_empty(device=torch.device("cpu"))
         params = [p for p in module.parameters() if p.requires_grad]
         params_per_rank = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
-        # As `ultrascale.models.lm.adamw_warmup_cosine`: foreach (one temporary the size of the local parameters).
-        # (The request key "foreach": false, command line only, measures the per-parameter loop instead.)
-        optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=bool(r.get("foreach", True)), fused=False)
+        # As `ultrascale.models.lm.adamw_warmup_cosine` builds it (the request key "adamw_kernel", a `torch.optim.AdamW`
+        # keyword dict, is for measuring another: `benchmarks/` and the cost model's step-temporary figure).
+        optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **r.get("adamw_kernel", ADAMW_KERNEL))
         engine = None
         if not fsdp:
             engine = ZeroEngine(module, optimizer, stage=zero_stage, dp_mesh=mesh.fsdp, bucket_bytes=100 * 2**20,

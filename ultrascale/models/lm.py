@@ -16,6 +16,7 @@ import torch
 from torchmetrics.aggregation import MeanMetric
 
 from ultrascale.contract import attached_strategy, normalizes_token_loss, pipeline_active
+from ultrascale.estimate import ADAMW_KERNEL
 from ultrascale.models.llama import Llama, LlamaConfig
 from ultrascale.parallel.expert import iter_routers, scale_balance_terms
 from ultrascale.parallel.loss import token_loss
@@ -49,7 +50,7 @@ def adamw_warmup_cosine(module: lightning.LightningModule) -> Dict[str, Any]:
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": hp.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps, fused=False, foreach=True)
+    optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps, **ADAMW_KERNEL)
     max_steps = hp.max_steps if hp.max_steps is not None else module.trainer.estimated_stepping_batches
     if not math.isfinite(max_steps):
         raise ValueError(

@@ -24,8 +24,8 @@ class PlanRow:
     layout: Layout
     fits: bool
     memory: dict[str, float]
-    """Bytes per GPU: params, grads, optimizer (model state: the formulas), transient (foreach AdamW's temporary
-    at the step), activations, buffers, total (the worst pipeline stage)."""
+    """Bytes per GPU: params, grads, optimizer (model state: the formulas), activations, buffers, total (the worst
+    pipeline stage)."""
     step_time: dict[str, float]
     """Seconds per optimizer step: compute, communication (exposed), bubble, total."""
     tokens_per_s_per_gpu: float
@@ -285,20 +285,18 @@ def _peak_memory(shape: ModelShape, lay: Layout, work: Workload, acts: Activatio
     # The peak is at the end of the forward, or at the optimizer step. FSDP's gradients do not
     # exist during the forward (zero_grad sets them to None) unless they accumulate over
     # micro-batches (accumulation, pipeline schedules); ZeRO-1/2 keep their gradient buffers.
-    # The step itself adds foreach AdamW's temporary: 4 bytes per parameter it updates
-    # (measured with torch's MemTracker on CPU: states 8 + temporary 4 bytes per parameter).
+    # The step adds nothing: fused AdamW (`ADAMW_KERNEL`) updates in place (MemTracker on CPU: 8 bytes of state per
+    # parameter at the step, foreach's 8 + a 4-byte temporary).
     accumulating = m > 1 or lay.pp > 1 or lay.zero_stage in (1, 2)
     grads_in_forward = grads if accumulating else 0.0
     if lay.accumulate_unsharded_grads and m > 1:
         # FSDP keeps each parameter's whole (tp-local) fp32 gradient from the first micro-batch to the last one's
         # reduce-scatter; the sharded gradients appear only then (measured: `measure_layout`, small, dp_shard 2).
         grads_in_forward = (dense + experts) * 4
-    optimizer_bytes = STATE_BYTES[(work.precision, "fsdp" if lay.zero_stage == 3 else "zero12")][2]
-    step_temporary = optimizer * 4 / optimizer_bytes
-    if activations + grads_in_forward >= grads + step_temporary:
-        moment = {"grads": grads_in_forward, "optimizer": optimizer, "transient": 0.0, "activations": activations}
-    else:  # the step's peak: model state as the formulas have it, plus the temporary on its own
-        moment = {"grads": grads, "optimizer": optimizer, "transient": step_temporary, "activations": 0.0}
+    if activations + grads_in_forward >= grads:
+        moment = {"grads": grads_in_forward, "optimizer": optimizer, "activations": activations}
+    else:  # the step's peak: model state as the formulas have it
+        moment = {"grads": grads, "optimizer": optimizer, "activations": 0.0}
     memory = {"params": params, **moment, "buffers": buffers}
     return {**memory, "total": sum(memory.values())}
 

@@ -43,7 +43,7 @@ def format_table(rows: list[PlanRow], top: int) -> str:
         lines.append(
             f"{i:>3} {lay.pp:>3} {lay.dp_replicate:>4} {lay.dp_shard:>4} {cp:>4} {lay.tp:>3} {lay.ep:>3} {lay.zero_stage:>4} "
             f"{recompute:>12} {lay.micro_batch:>3} {accumulation:>4} | {mem['params']:>7.2f} {mem['grads']:>6.2f} "
-            f"{mem['optimizer'] + mem['transient']:>6.2f} {mem['activations']:>6.2f} {mem['buffers']:>5.2f} {mem['total']:>6.2f} "
+            f"{mem['optimizer']:>6.2f} {mem['activations']:>6.2f} {mem['buffers']:>5.2f} {mem['total']:>6.2f} "
             f"{'yes' if row.fits else 'NO':>4} | {t['compute']:>7.3f} {t['communication']:>7.3f} {t['bubble']:>7.3f} "
             f"{t['total']:>7.3f} | {row.tokens_per_s_per_gpu:>9,.0f} {row.mfu:>5.1%}"
         )
@@ -76,7 +76,6 @@ def explain(row: PlanRow, cluster: Cluster) -> list[str]:
         verdict = f"{'fits' if row.fits else 'does NOT fit'} in the {cluster.usable_bytes / GIB:.1f} GiB planned for"
     return [
         f"per GPU    parameters {mem['params']:.2f} + gradients {mem['grads']:.2f} + optimizer {mem['optimizer']:.2f} + "
-        + (f"step temporary {mem['transient']:.2f} + " if mem.get("transient") else "")
         + f"activations {mem['activations']:.2f} + buffers {mem['buffers']:.2f} = {mem['total']:.2f} GiB: {verdict}",
         f"step       compute {t['compute']:.3f} s + exposed communication {t['communication']:.3f} s + bubble "
         f"{t['bubble']:.3f} s = {t['total']:.3f} s; {row.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {row.mfu:.1%}",
