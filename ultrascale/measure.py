@@ -3,9 +3,9 @@
 `measure_layout` runs one training step of the real model on fake tensors at the real world size
 and reports the peak memory of rank 0, by category, from torch's memory trackers
 (`torch.distributed._tools`). Nothing of the model's size is allocated: Llama-3 8B at world 8 takes
-about 20 s (most of it importing) and under 0.5 GiB of host memory, 70B at world 64 about a minute.
+about 20 s and under 0.5 GiB of host memory, 70B at world 64 about a minute.
 
-The child process (the fake process group and the fake mode are process-wide) does what
+The child process (a fork of the caller; the fake process group and the fake mode are process-wide) does what
 `UltraScaleStrategy._parallelize` and a training step do, without Lightning:
 
 1. joins a *fake* process group (`FakeStore` + backend "fake") as rank 0 of `world` ranks: every
@@ -156,32 +156,80 @@ def measure_layout(
     }
     _check_request(request)
     started = time.perf_counter()
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)  # this ultrascale
-    env.setdefault("OMP_NUM_THREADS", "1")
-    command = [sys.executable, "-m", "ultrascale.measure", json.dumps(request)]
-    try:
-        child = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
-    except subprocess.TimeoutExpired as error:
+    returncode, output = _run_child(request, timeout_s)
+    if returncode is None:
         raise RuntimeError(
             f"measure_layout({model!r}, world={world}): the measurement did not finish within timeout_s={timeout_s} s; "
-            f"its last output:\n{_tail(error.stderr)}"
-        ) from None
-    for line in reversed(child.stdout.splitlines()):
+            f"its last output:\n{_tail(output)}"
+        )
+    for line in reversed(output.splitlines()):
         if line.startswith(_ERROR_PREFIX):
             error = json.loads(line[len(_ERROR_PREFIX):])
             kind = {"NotImplementedError": NotImplementedError, "ValueError": ValueError}.get(error["type"], RuntimeError)
             message = error["message"]
             raise kind(message if message.startswith("measure_layout") else f"measure_layout: {message}")
-        if line.startswith(_RESULT_PREFIX) and child.returncode == 0:
+        if line.startswith(_RESULT_PREFIX) and returncode == 0:
             result = json.loads(line[len(_RESULT_PREFIX):])
             result["seconds"] = time.perf_counter() - started
             return result
     raise RuntimeError(
-        f"measure_layout({model!r}, world={world}) failed in its child process (exit code {child.returncode}):\n"
-        f"{_tail(child.stderr or child.stdout)}"
+        f"measure_layout({model!r}, world={world}) failed in its child process (exit code {returncode}):\n{_tail(output)}"
     )
+
+
+def _run_child(request: dict[str, Any], timeout_s: float) -> tuple[int | None, str]:
+    """`_main` on `request` in a child process: (its exit code, None past `timeout_s`; its output).
+
+    A fork of this process where it has no process group (it has imported all the child needs: a fresh
+    interpreter spends about 7 s of CPU importing Lightning, whose torchmetrics imports scipy and transformers);
+    otherwise a fresh interpreter, since a forked child would inherit the caller's process group."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from ultrascale.launch import die_with_parent, end_processes, one_thread_after_fork
+
+    with tempfile.TemporaryFile("w+") as log:
+        if dist.is_available() and dist.is_initialized():
+            package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)  # this ultrascale
+            env.setdefault("OMP_NUM_THREADS", "1")
+            command = [sys.executable, "-m", "ultrascale.measure", json.dumps(request)]
+            try:
+                returncode: int | None = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                                        env=env, check=False).returncode
+            except subprocess.TimeoutExpired:
+                returncode = None
+        else:
+            import multiprocessing
+
+            parent = os.getpid()
+
+            def child() -> None:
+                die_with_parent(parent)
+                one_thread_after_fork()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(log.fileno(), 1)
+                os.dup2(log.fileno(), 2)
+                sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)  # not a capture the caller installed
+                code = 1
+                try:
+                    code = _main([json.dumps(request)])
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)  # no atexit handlers, no pytest teardown of the parent's copy
+
+            proc = multiprocessing.get_context("fork").Process(target=child, daemon=True)
+            proc.start()
+            proc.join(timeout_s)
+            returncode = proc.exitcode
+            if returncode is None:
+                end_processes([proc])
+        log.seek(0)
+        return returncode, log.read()
 
 
 def _tail(text: Any, lines: int = 25) -> str:
