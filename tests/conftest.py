@@ -36,3 +36,9 @@ def two_thread_region_ran():
     torch.set_num_threads(2)
     torch.cos(torch.randn(1_000_000)).sum()
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow first (stable otherwise): pytest-xdist hands tests out in this order, and a long test
+    handed out last keeps one worker busy while the other has nothing left (longest first packs two workers best)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
