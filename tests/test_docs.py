@@ -25,6 +25,12 @@ README.md and every page under docs/ are read as a reader would read them.
 - **YAML parses.** Every ```yaml block loads with `yaml.safe_load`.
 - **Links resolve.** Every relative Markdown link (outside code) points at a file that exists, and a
   `#anchor` at a heading of the target page (GitHub's slugs). http(s) and mailto links are not followed.
+- **Commands parse.** Every `ultrascale ...` command of a bash block (also after `torchrun ... -m ultrascale.cli`
+  or `srun`) is parsed by the command's own parser, nothing run: LightningCLI's for fit/validate/test/predict (the
+  recipe loaded, every `--model.*` / `--data.*` / `--trainer.*` key checked against the recipe's classes),
+  argparse's for ultrascale's own, whose LightningCLI overrides (`plan --recipe`, `verify --config`) are checked
+  as `fit` would check them. A few stand-ins for what a reader brings (`job.yaml`, `$RECIPE`, `plan ...`) are
+  listed in `COMMAND_STAND_INS`.
 - **README and the CLI agree.** README's command table names exactly the subcommands `ultrascale --help`
   prints, and README shows the test command `.ci/run` runs, verbatim.
 - **Sizes.** README stays a front door (at most 350 lines); each page under docs/ at most 700 lines, and
@@ -361,3 +367,128 @@ def test_sizes():
     too_long = {name: n for name, n in lines.items() if n > (README_MAX_LINES if name == "README.md" else PAGE_MAX_LINES)}
     assert not too_long, f"README at most {README_MAX_LINES} lines, docs pages at most {PAGE_MAX_LINES}: {too_long}"
     assert len(PAGES) - 1 >= MIN_PAGES, f"{len(PAGES) - 1} docs pages, at least {MIN_PAGES} expected"
+
+
+# --- every `ultrascale ...` command of a bash block parses ------------------------------------------------
+
+COMMAND_STAND_INS = {
+    "job.yaml": "recipes/tiny_cpu.yaml",  # a reader's own recipe
+    '"$RECIPE"': "recipes/tiny_cpu.yaml",
+    "$((SLURM_NNODES * 8))": "16",
+    "ultrascale plan ... ": "ultrascale plan --preset llama3_8b --gpus 8 ",  # "..." = the command above it
+    "[LightningCLI overrides] ": "",  # a synopsis: its optional parts are given
+}
+
+
+class _Parsed(Exception):
+    """Raised where a command would start its work: its arguments were accepted."""
+
+
+def doc_commands() -> list[tuple[str, int, str]]:
+    """(page, line of the block, command) for every `ultrascale` command in a bash block, stand-ins applied."""
+    import shlex
+
+    found = []
+    for page in PAGES:
+        for block in _blocks(page, "bash"):
+            code = re.sub(r"\\\n\s*", " ", block.code)
+            for line in code.splitlines():
+                for command in re.split(r"&&|;|\|\|", line.split(" #")[0] if not line.lstrip().startswith("#") else ""):
+                    for stand_in, value in COMMAND_STAND_INS.items():
+                        command = command.replace(stand_in, value)
+                    command = re.sub(r"\[(--[^\]]+)\]", r"\1", command)
+                    words = shlex.split(command)
+                    quoted = [word for word in words if re.search(r"(^|\s)ultrascale\s", word)]  # sbatch --wrap "srun ..."
+                    words = shlex.split(quoted[0]) if quoted and "ultrascale" not in words else words
+                    if "ultrascale.cli" in words:
+                        args = words[words.index("ultrascale.cli") + 1:]
+                    elif "ultrascale" in words:
+                        args = words[words.index("ultrascale") + 1:]
+                    else:
+                        continue
+                    found.append((_name(page), block.line, shlex.join(["ultrascale", *args])))
+    return found
+
+
+def parse_command(command: str, monkeypatch) -> None:
+    """Parse `ultrascale ARGS` as the command would and stop before it works; AssertionError with the parser's
+    message on stderr if it refuses (unknown flag, a key the recipe's classes do not have, a bad value)."""
+    import argparse
+    import contextlib
+    import io
+    import shlex
+    import warnings
+
+    from ultrascale.cli import LIGHTNING_SUBCOMMANDS, main
+    from ultrascale.recipe_cli import UltraScaleCLI
+
+    def parsed(self) -> None:
+        raise _Parsed()
+
+    monkeypatch.setattr(UltraScaleCLI, "before_instantiate_classes", parsed)
+    args = shlex.split(command)[1:]
+    if args[0] not in LIGHTNING_SUBCOMMANDS:
+        real = argparse.ArgumentParser.parse_known_args
+        inside_parse_args = []
+
+        def parse_known_args(self, args=None, namespace=None):
+            options, unknown = real(self, args, namespace)
+            if inside_parse_args or type(self) is not argparse.ArgumentParser or not self.prog.startswith("ultrascale "):
+                return options, unknown
+            # What is left are LightningCLI overrides of a recipe (`plan --recipe R`, `verify --config R`).
+            recipe = ["--config", options.recipe] if getattr(options, "recipe", None) else []
+            if unknown and not recipe and "--config" not in unknown:
+                self.error(f"unrecognized arguments: {' '.join(unknown)}")
+            if unknown or recipe:
+                parse_command(shlex.join(["ultrascale", "fit", *recipe, *unknown]), monkeypatch)
+            raise _Parsed()
+
+        def parse_args(self, args=None, namespace=None):
+            inside_parse_args.append(True)
+            try:
+                options = real_parse_args(self, args, namespace)
+            finally:
+                inside_parse_args.pop()
+            if type(self) is argparse.ArgumentParser and self.prog.startswith("ultrascale "):
+                raise _Parsed()
+            return options
+
+        real_parse_args = argparse.ArgumentParser.parse_args
+        monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", parse_known_args)
+        monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
+            main(args)
+    except _Parsed:
+        return
+    except SystemExit as exit_info:
+        raise AssertionError(f"`{command}` was refused (exit {exit_info.code}): {stderr.getvalue().strip()[-600:]}") from None
+    raise AssertionError(f"`{command}` ran to its end without parsing its arguments first")
+
+
+COMMANDS = doc_commands()
+
+
+def test_the_pages_show_commands():
+    assert len(COMMANDS) >= 30 and {c.split()[1] for _, _, c in COMMANDS} >= {"fit", "plan", "verify", "export-hf"}
+
+
+@pytest.mark.parametrize("page, line, command", COMMANDS, ids=[f"{p}:{n}:{c.split()[1]}" for p, n, c in COMMANDS])
+def test_every_command_in_the_pages_parses(page, line, command, monkeypatch):
+    monkeypatch.chdir(ROOT)  # recipes/... as the pages give them
+    parse_command(command, monkeypatch)
+
+
+@pytest.mark.parametrize("command", [
+    "ultrascale fit --config recipes/llama3_70b.yaml --data.data_pth /data/corpus",  # the data module has no such key
+    "ultrascale fit --config recipes/tiny_cpu.yaml --trainer.strategy.init_args.tensor_paralel 2",
+    "ultrascale plan --preset llama3_70b --gpu-count 256",
+    "ultrascale plan --recipe recipes/tiny_cpu.yaml --model.no_such_knob 1",
+    "ultrascale export-hf --checkpoint runs/x --output /tmp/x",
+])
+def test_a_wrong_command_is_caught(command, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(AssertionError, match="was refused"):
+        parse_command(command, monkeypatch)
