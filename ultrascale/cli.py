@@ -28,14 +28,18 @@ def export_hf_main(args: list[str]) -> None:
 
     parser = argparse.ArgumentParser(
         prog="ultrascale export-hf",
-        description="Write an HFCausalLM training checkpoint (any layout) as a Hugging Face folder: "
-        "sharded safetensors, config.json, generation config and the tokenizer files.",
+        description="Write an HFCausalLM or LlamaLM training checkpoint (any layout) as a Hugging Face folder: "
+        "sharded safetensors, config.json, generation config and the tokenizer files (a LlamaLM becomes a "
+        "LlamaForCausalLM).",
     )
     parser.add_argument("--checkpoint", required=True,
                         help="an ultrascale checkpoint directory (e.g. .../last.ckpt), or a run directory (runs/NAME, "
                         "runs/NAME/version_N, or its checkpoints/ folder): its newest complete checkpoint is exported")
     parser.add_argument("--out", required=True, help="folder to write (loadable with from_pretrained)")
     parser.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (default 2GB)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="LlamaLM only: the tokenizer to write, a Hugging Face tokenizer folder or `bytes` "
+                        "(ByteTokenizer); default: the one the checkpoint's data module names")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a non-empty --out folder (never the model's source folder)")
     options = parser.parse_args(args)
@@ -43,8 +47,9 @@ def export_hf_main(args: list[str]) -> None:
         checkpoint = resolve_checkpoint(options.checkpoint)
         if str(checkpoint) != str(options.checkpoint):
             print(f"exporting {checkpoint} (the newest complete checkpoint under {options.checkpoint})")
-        out = export_hf_checkpoint(checkpoint, options.out, options.max_shard_size, overwrite=options.overwrite)
-    except (FileNotFoundError, ValueError) as error:  # a wrong path or a checkpoint of another model: say so
+        out = export_hf_checkpoint(checkpoint, options.out, options.max_shard_size, overwrite=options.overwrite,
+                                   tokenizer=options.tokenizer)
+    except (FileNotFoundError, ValueError, NotImplementedError) as error:  # a wrong path or a checkpoint of another model: say so
         print(f"ultrascale export-hf: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     print(f"wrote {out}")
@@ -84,7 +89,7 @@ LIGHTNING_SUBCOMMANDS: dict[str, str] = {
 
 OWN_SUBCOMMANDS: dict[str, str] = {
     "plan": "rank the layouts for a model on a cluster, explain one, or check a recipe (--recipe)",
-    "export-hf": "write an HFCausalLM training checkpoint as a Hugging Face folder (safetensors)",
+    "export-hf": "write an HFCausalLM or LlamaLM training checkpoint as a Hugging Face folder (safetensors)",
     "checkpoint": "verify checkpoints against their manifests: ultrascale checkpoint verify PATH...",
     "verify": "train a recipe a few steps under its layout and on one device, compare loss and gradient norm",
     "verify-matrix": "the same for every named layout at one world size: a Markdown table (parity, tokens/s, memory)",

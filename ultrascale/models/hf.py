@@ -351,23 +351,24 @@ def export_hf_from_module(module: HFCausalLM, out_dir: str | Path, overwrite: Op
 
 
 def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "2GB",
-                         overwrite: bool = False) -> Path:
-    """Turn an ultrascale training checkpoint of an `HFCausalLM` (any layout) into a Hugging Face folder.
+                         overwrite: bool = False, tokenizer: Optional[str] = None) -> Path:
+    """Turn an ultrascale training checkpoint of an `HFCausalLM` or a `LlamaLM` (any layout) into a Hugging Face folder.
 
-    Runs in one process, without a process group: DCP reassembles every tensor from the shards.
+    Runs in one process, without a process group: DCP reassembles every tensor from the shards. An `HFCausalLM`
+    becomes the model it was loaded from (its folder's tokenizer and generation config copied); a dense `LlamaLM`
+    a `LlamaForCausalLM` (`ultrascale.models.llama_hf`) with the tokenizer its data used: `tokenizer` (a tokenizer
+    folder, or "bytes" for `ByteTokenizer`) or else the one the checkpoint's data module names.
     """
     from transformers import AutoConfig
 
     from ultrascale.parallel.checkpoint import check_checkpoint_dir, read_checkpoint_metadata
     from ultrascale.parallel.manifest import CheckpointDamaged, damage_message, verify_checkpoint
-    from ultrascale.parallel.safe_load import load_dcp, read_dcp_metadata
 
     path = check_checkpoint_dir(checkpoint)
     problems = verify_checkpoint(path, "checksum")
     if problems:
         raise CheckpointDamaged(damage_message(path, problems))
     meta = read_checkpoint_metadata(path)  # data, not code: a planted payload is refused, never run
-    tensors = read_dcp_metadata(path).state_dict_metadata
     hparams = meta.get("hyper_parameters", {})
     if hparams.get("lora") is not None:
         raise NotImplementedError(
@@ -375,14 +376,27 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path, max_shard_
             "the adapter with `lora_dir=` / the merged model with `export_dir=` when fit ends, or resume it and call "
             "`ultrascale.models.peft.save_peft_adapter` / `export_merged_hf`"
         )
+    if "llama_config" in meta or _llama_preset_hparams(hparams):
+        return _export_llama(path, meta, out_dir, max_shard_size, overwrite, tokenizer)
+    if "hf_config" not in meta:
+        raise ValueError(f"{path} was not written by an HFCausalLM or a LlamaLM (neither's config is in it); cannot export")
+    if tokenizer is not None:
+        raise ValueError("--tokenizer is for LlamaLM checkpoints: an HFCausalLM export copies its model folder's tokenizer")
     source = hparams.get("pretrained_path")
     source = source if source and Path(source).is_dir() else None
     check_export_target(out_dir, source, overwrite)  # before reading any tensor
-    if "hf_config" not in meta:
-        raise ValueError(f"{path} was not written by an HFCausalLM (no Hugging Face config in it); cannot export")
     config_dict = dict(meta["hf_config"])
     model_type = config_dict.pop("model_type")
     config = AutoConfig.for_model(model_type, **config_dict)
+    hf_state = {key[len("model."):]: value for key, value in _model_state(path).items()}
+    return write_hf_folder(hf_state, config, source, out_dir, max_shard_size, overwrite)
+
+
+def _model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The module's `model.*` weights of a checkpoint, whole (fp32 where the run kept fp32 masters)."""
+    from ultrascale.parallel.safe_load import load_dcp, read_dcp_metadata
+
+    tensors = read_dcp_metadata(path).state_dict_metadata
     prefix = "state_dict.model."
     names = [key for key in tensors if key.startswith(prefix)]
     state = {key[len("state_dict.") :]: torch.empty(tensors[key].size, dtype=tensors[key].properties.dtype) for key in names}
@@ -399,5 +413,66 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path, max_shard_
     load_dcp({"state_dict": state, **masters}, path, no_dist=True)
     for saved in masters.values():
         state.update({name: entry["master"].reshape(state[name].shape) for name, entry in saved["state"].items()})
-    hf_state = {key[len("model.") :]: value for key, value in state.items()}
-    return write_hf_folder(hf_state, config, source, out_dir, max_shard_size, overwrite)
+    return state
+
+
+def _export_llama(path: Path, meta: dict[str, Any], out_dir: str | Path, max_shard_size: str, overwrite: bool,
+                  tokenizer: Optional[str]) -> Path:
+    from ultrascale.models.llama import LlamaConfig
+    from ultrascale.models.llama_hf import byte_tokenizer_for_hf, hf_llama_config, hf_llama_state
+
+    if "llama_config" in meta:
+        config = LlamaConfig(**meta["llama_config"])
+    else:  # written before LlamaLM saved its config: its preset and overrides rebuild it
+        hparams = meta["hyper_parameters"]
+        overrides = {key: hparams[key] for key in ("vocab_size", "max_seq_len") if hparams.get(key) is not None}
+        config = LlamaConfig.from_preset(hparams["preset"], **overrides)
+    source = tokenizer if tokenizer is not None else _data_tokenizer(path, meta)
+    if source == "bytes":
+        hf_tokenizer = byte_tokenizer_for_hf()
+        source_dir = None
+    else:
+        from transformers import AutoTokenizer
+
+        if not Path(source).is_dir():
+            raise FileNotFoundError(f"--tokenizer {source}: no such folder (a Hugging Face tokenizer folder, or `bytes`)")
+        hf_tokenizer, source_dir = None, source
+    check_export_target(out_dir, source_dir, overwrite)  # before reading any tensor
+    ids = hf_tokenizer or AutoTokenizer.from_pretrained(source, local_files_only=True)
+    if len(ids) > config.vocab_size:
+        raise ValueError(f"the tokenizer {source} has {len(ids)} ids, the model's vocabulary {config.vocab_size}: "
+                         "not the tokenizer this model was trained with")
+    hf_config = hf_llama_config(config, bos_token_id=ids.bos_token_id, eos_token_id=ids.eos_token_id)
+    state = hf_llama_state({key[len("model."):]: value for key, value in _model_state(path).items()}, config)
+    return write_hf_folder(state, hf_config, source_dir, out_dir, max_shard_size, overwrite, tokenizer=hf_tokenizer)
+
+
+def _llama_preset_hparams(hparams: dict[str, Any]) -> bool:
+    """A `LlamaLM` built from a preset (its signature's hyper-parameters, no explicit config)."""
+    return {"preset", "init_seed", "min_lr_ratio"} <= set(hparams) and hparams.get("config") is None
+
+
+def _data_tokenizer(path: Path, meta: dict[str, Any]) -> str:
+    """The tokenizer the checkpoint's `CausalLMDataModule` encoded with: its `tokenizer_path`, the folder its prepared
+    data was tokenized with, or "bytes"; ValueError (asking for --tokenizer) where the checkpoint does not say."""
+    data = meta.get("datamodule_hyper_parameters") or {}
+    if data.get("tokenizer_path"):
+        return str(data["tokenizer_path"])
+    if "data_path" not in data and "dataset_path" not in data:
+        raise ValueError(f"{path} does not say which tokenizer its data used (not a CausalLMDataModule's run): pass "
+                         "--tokenizer DIR (a Hugging Face tokenizer folder) or --tokenizer bytes")
+    from ultrascale.data.prepared import PreparedTokens
+
+    sources = data.get("data_path")
+    first = sources[0].get("path") if isinstance(sources, list) and sources else sources
+    try:
+        prepared = PreparedTokens.open(first) if isinstance(first, str) else None
+    except (OSError, ValueError):
+        prepared = None
+    if prepared is None:
+        return "bytes"  # raw text without a tokenizer_path: ByteTokenizer
+    name = str(prepared.metadata["tokenizer"]["name"])
+    if not Path(name).is_dir():
+        raise ValueError(f"{path}'s data {first} was tokenized with {name!r}, which is not a folder here: pass "
+                         "--tokenizer DIR (that tokenizer's folder)")
+    return name

@@ -39,12 +39,13 @@ def check_export_target(out_dir: str | Path, source_dir: Optional[str | Path], o
 
 
 def write_hf_folder(state: dict[str, torch.Tensor], config: Any, source_dir: Optional[str], out_dir: str | Path,
-                    max_shard_size: str = "2GB", overwrite: bool = False) -> Path:
+                    max_shard_size: str = "2GB", overwrite: bool = False, tokenizer: Any = None) -> Path:
     """Write HF-named weights as a Hugging Face folder: sharded safetensors, config, generation config, tokenizer.
 
-    Checked first (`check_export_target`), then written and published by `publish_folder`."""
+    The tokenizer files are `source_dir`'s, or `tokenizer` (a transformers tokenizer) saved. Checked first
+    (`check_export_target`), then written and published by `publish_folder`."""
     final = check_export_target(out_dir, source_dir, overwrite)
-    return publish_folder(final, lambda out: _write_hf_files(state, config, source_dir, out, max_shard_size))
+    return publish_folder(final, lambda out: _write_hf_files(state, config, source_dir, out, max_shard_size, tokenizer))
 
 
 def publish_folder(final: Path, write: Callable[[Path], None]) -> Path:
@@ -69,7 +70,7 @@ def publish_folder(final: Path, write: Callable[[Path], None]) -> Path:
 
 
 def _write_hf_files(state: dict[str, torch.Tensor], config: Any, source_dir: Optional[str], out: Path,
-                    max_shard_size: str) -> None:
+                    max_shard_size: str, tokenizer: Any = None) -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     with torch.device("meta"):
@@ -87,3 +88,5 @@ def _write_hf_files(state: dict[str, torch.Tensor], config: Any, source_dir: Opt
         for name in TOKENIZER_FILES:
             if (Path(source_dir) / name).is_file():
                 shutil.copy2(Path(source_dir) / name, out / name)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)

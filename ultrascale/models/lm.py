@@ -180,6 +180,10 @@ class LlamaLM(CausalLMModule):
             self.model = Llama(self.config)
         self.init_weights()
 
+    def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        # `export-hf` rebuilds the model's shape from this (`ultrascale.models.llama_hf`).
+        checkpoint["llama_config"] = dataclasses.asdict(self.config)
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """Seed with ``init_seed`` and initialise the model, leaving the global RNG untouched.
