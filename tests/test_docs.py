@@ -23,6 +23,8 @@ README.md and every page under docs/ are read as a reader would read them.
   `import ultrascale...` in any Python block (the raw-loop fragments included) resolves, and every
   `class_path: ultrascale...` of a YAML block names something that exists.
 - **YAML parses.** Every ```yaml block loads with `yaml.safe_load`.
+- **JSONL records read.** Every ```jsonl block is records `InstructionDataModule` reads: one JSON object per line
+  with its default fields (`prompt`, `response`).
 - **Links resolve.** Every relative Markdown link (outside code) points at a file that exists, and a
   `#anchor` at a heading of the target page (GitHub's slugs). http(s) and mailto links are not followed.
 - **Commands parse.** Every `ultrascale ...` command of a bash block (also after `torchrun ... -m ultrascale.cli`
@@ -306,6 +308,22 @@ def test_yaml_blocks_parse_and_name_what_exists(page):
         class_paths = set().union(*map(_class_paths, documents))
         problems += _unresolved(f"{where}: class_path", {path for path in class_paths if path.split(".")[0] == "ultrascale"})
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_jsonl_blocks_are_instruction_records(page, tmp_path):
+    import inspect
+    import json
+
+    from ultrascale.data import InstructionDataModule
+    from ultrascale.data.instruct import read_examples
+
+    defaults = inspect.signature(InstructionDataModule).parameters
+    fields = (defaults["prompt_field"].default, defaults["response_field"].default)
+    for block in _blocks(page, "jsonl"):
+        (tmp_path / "block.jsonl").write_text(block.code)
+        examples = list(read_examples(str(tmp_path / "block.jsonl"), *fields))  # a missing field or a non-string raises
+        assert len(examples) == len(block.code.strip().splitlines()) and all(json.loads(line) for line in block.code.splitlines())
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_name)
