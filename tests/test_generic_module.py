@@ -2,6 +2,7 @@
 under ultrascale_zero3 with the public loss opt-in and matches a single-process run on masked data."""
 
 import lightning as L
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -81,3 +82,68 @@ def test_unknown_lightning_module_matches_single_process():
     losses = step_losses(results)
     assert_parity(results[0], reference, losses)
     assert losses[-1] < losses[0]
+
+
+# --------------------------------------------------------------------------- docs/bring-your-own-model.md's example
+
+def _page_module() -> type:
+    """`MyLM` as docs/bring-your-own-model.md defines it (its first Python block, run as a reader would), with
+    AdamW's eps at 1e-6 as in every parity test here: Adam's first step divides each gradient by its own size, so
+    an element whose gradient is at rounding level (~1e-9) would move by a full step in one layout and not in
+    another."""
+    from tests.test_docs import DOCS, _blocks
+
+    namespace: dict = {}
+    exec(compile(_blocks(DOCS / "bring-your-own-model.md", "python")[0].code, "bring-your-own-model.md", "exec"), namespace)
+
+    class PageLM(namespace["MyLM"]):
+        def configure_optimizers(self):
+            optimizer = super().configure_optimizers()
+            for group in optimizer.param_groups:
+                group["eps"] = 1e-6
+            return optimizer
+
+    return PageLM
+
+
+def _page_plan() -> dict:
+    """The `plan = {...}` the page's second Python block gives `TensorParallelStrategy`."""
+    import ast
+
+    from tests.test_docs import DOCS, _blocks
+
+    tree = ast.parse(_blocks(DOCS / "bring-your-own-model.md", "python")[1].code)
+    (value,) = [node.value for node in tree.body if isinstance(node, ast.Assign) and node.targets[0].id == "plan"]
+    return ast.literal_eval(value)
+
+
+PAGE_PLAN = _page_plan()
+
+
+def _page_worker(rank, world_size, knobs):
+    L.seed_everything(0, verbose=False)
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**knobs), recorder, STEPS)
+    torch.manual_seed(7)
+    trainer.fit(_page_module()(), ParityData(page_data(), GLOBAL_BATCH))
+    return recorder.result()
+
+
+def page_data() -> TokenDataset:
+    return TokenDataset(STEPS * GLOBAL_BATCH, SEQ, 258, masked=True)
+
+
+@pytest.mark.parametrize("knobs", [
+    {"tensor_parallel": 2, "data_parallel_shard": 1, "tp_plan": PAGE_PLAN},
+    {"pipeline_parallel": 2, "pipeline_microbatches": 4, "data_parallel_shard": 1},
+], ids=["tp2", "pp2"])
+def test_the_docs_example_module_matches_one_process(knobs):
+    torch.manual_seed(7)
+    reference = reference_run(_page_module()(), page_data(), global_batch=GLOBAL_BATCH, steps=STEPS)
+    results = run_ranks(_page_worker, 2, knobs)
+    if "pipeline_parallel" in knobs:
+        from tests._parity import merge_stages
+
+        assert_parity(merge_stages(results), reference, step_losses(results))
+    else:
+        assert_parity(results[0], reference, step_losses(results))
