@@ -111,3 +111,21 @@ def test_gradient_accumulation_keeps_zero3_gradients_sharded_unless_asked():
         assert abs(predicted - measured["peak_gib"]) / measured["peak_gib"] < 0.10, (whole, predicted, measured)
     for result in (sharded, unsharded):
         check_sums(result)
+
+
+def _measure_in(queue):
+    queue.put(measure_layout("small", world=2, seq_len=256)["peak_gib"])
+
+
+def test_a_daemonic_caller_can_measure():
+    """A multiprocessing.Pool worker is daemonic, and multiprocessing refuses it children: the measurement forks
+    with os.fork."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    worker = context.Process(target=_measure_in, args=(queue,), daemon=True)
+    worker.start()
+    peak = queue.get(timeout=120)
+    worker.join(timeout=60)
+    assert worker.exitcode == 0 and peak > 0

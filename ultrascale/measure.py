@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -187,7 +188,7 @@ def _run_child(request: dict[str, Any], timeout_s: float) -> tuple[int | None, s
 
     import torch.distributed as dist
 
-    from ultrascale.launch import die_with_parent, end_processes, one_thread_after_fork
+    from ultrascale.launch import die_with_parent, one_thread_after_fork
 
     with tempfile.TemporaryFile("w+") as log:
         if dist.is_available() and dist.is_initialized():
@@ -202,8 +203,6 @@ def _run_child(request: dict[str, Any], timeout_s: float) -> tuple[int | None, s
             except subprocess.TimeoutExpired:
                 returncode = None
         else:
-            import multiprocessing
-
             parent = os.getpid()
 
             def child() -> None:
@@ -222,12 +221,26 @@ def _run_child(request: dict[str, Any], timeout_s: float) -> tuple[int | None, s
                     sys.stderr.flush()
                     os._exit(code)  # no atexit handlers, no pytest teardown of the parent's copy
 
-            proc = multiprocessing.get_context("fork").Process(target=child, daemon=True)
-            proc.start()
-            proc.join(timeout_s)
-            returncode = proc.exitcode
-            if returncode is None:
-                end_processes([proc])
+            # os.fork, not multiprocessing: a daemonic caller (a multiprocessing.Pool worker) may not have children there.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    child()
+                finally:
+                    os._exit(1)
+            returncode = None
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    returncode = os.waitstatus_to_exitcode(status)
+                    break
+                time.sleep(0.05)
+            else:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
         log.seek(0)
         return returncode, log.read()
 
