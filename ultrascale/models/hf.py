@@ -438,7 +438,7 @@ def _export_llama(path: Path, meta: dict[str, Any], out_dir: str | Path, max_sha
             raise FileNotFoundError(f"--tokenizer {source}: no such folder (a Hugging Face tokenizer folder, or `bytes`)")
         hf_tokenizer, source_dir = None, source
     check_export_target(out_dir, source_dir, overwrite)  # before reading any tensor
-    ids = hf_tokenizer or AutoTokenizer.from_pretrained(source, local_files_only=True)
+    ids = hf_tokenizer if hf_tokenizer is not None else AutoTokenizer.from_pretrained(source, local_files_only=True)
     if len(ids) > config.vocab_size:
         raise ValueError(f"the tokenizer {source} has {len(ids)} ids, the model's vocabulary {config.vocab_size}: "
                          "not the tokenizer this model was trained with")
