@@ -6,7 +6,7 @@ that runs is held to the parity of tests/_parity.py (masked labels with uneven c
 accumulation 2, against the inline one-process reference: first-step loss and every gradient, the weights
 after step 1, the 10-step curve), and the folder it exports is re-loaded by transformers and gives the
 one-process model's logits. A cell that is refused checks its message. `MATRIX` is the one statement of what
-runs; `benchmarks/hf_support.py` writes docs/huggingface.md's support table from it, and
+runs; `benchmarks/doc_tables.py` writes docs/huggingface.md's support table from it, and
 `test_the_docs_show_this_matrix` checks the page holds that table.
 """
 
@@ -184,10 +184,10 @@ def test_cell(architecture, layout, checkpoints, tmp_path):
 
 
 def test_the_docs_show_this_matrix():
-    """docs/huggingface.md's support table is the one `benchmarks/hf_support.py` writes from `MATRIX` (rerun it)."""
-    from benchmarks.hf_support import PAGE, render, table_in
+    """docs/huggingface.md's support table is the one `benchmarks/doc_tables.py` writes from `MATRIX` (rerun it)."""
+    from benchmarks.doc_tables import SUPPORT_TABLE
 
-    assert table_in(PAGE.read_text()) == render(), "docs/huggingface.md's table is stale: run python -m benchmarks.hf_support"
+    assert SUPPORT_TABLE.current() == SUPPORT_TABLE.render(), "docs/huggingface.md's table is stale: run python -m benchmarks.doc_tables"
 
 
 # --------------------------------------------------------------------------- combinations, world 4

@@ -52,7 +52,7 @@ import sys
 import time
 from typing import Any
 
-from ultrascale.parallel.rules import PRECISIONS, RECOMPUTE_MODES  # re-exported (`__all__`)
+from ultrascale.parallel.rules import PRECISIONS, RECOMPUTE_MODES, not_built  # the first two re-exported (`__all__`)
 
 __all__ = ["CATEGORIES", "PRECISIONS", "RECOMPUTE_MODES", "measure_layout"]
 
@@ -267,13 +267,15 @@ def _check_request(r: dict[str, Any]) -> None:
                          f"({', '.join(LLAMA_PRESETS)}) nor a folder with a Hugging Face config.json")
     dims = _resolve(r)
     if dims.ep_enabled:
-        raise NotImplementedError(
+        raise not_built(
+            "measure_expert_parallel",
             f"measure_layout: expert parallel (ep={dims.ep}) is not measured: the all-to-all sizes of its token dispatch "
             "come from the routing decisions (token counts per expert read on the host), and fake tensors have no values; "
             "MoE models are measured with ep=1"
         )
     if dims.pp_enabled and r["grad_accumulation"] != 1:
-        raise NotImplementedError(
+        raise not_built(
+            "measure_pipeline_accumulation",
             f"measure_layout: grad_accumulation={r['grad_accumulation']} with pipeline parallel (pp={dims.pp}) is not "
             "measured; give the pipeline's micro-batches as `pipeline_microbatches`"
         )
@@ -527,7 +529,7 @@ def _first_stage_1f1b(stages: Any, layout: Any, batch: dict[str, Any], engine: A
 
     (stage,) = stages  # 1F1B: one stage per rank
     if stage.stage != 0 or stage.stage == layout.num_stages - 1:
-        raise NotImplementedError("measure_layout measures the first pipeline stage only (rank 0)")
+        raise RuntimeError("measure_layout measures the first pipeline stage only (rank 0)")
     m = layout.microbatches
     ids = batch["input_ids"].chunk(m)
     positions = batch.get("position_ids")

@@ -21,6 +21,7 @@ from ultrascale.contract import stage_mesh
 from ultrascale.models.hf_folder import check_export_target, write_hf_folder
 from ultrascale.models.hf_load import check_hf_folder, check_sharded_loading_supported, load_hf_weights, local_and_indices
 from ultrascale.models.lm import CausalLMModule, attached_strategy
+from ultrascale.parallel.rules import not_built
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 @torch.no_grad()
@@ -274,11 +275,11 @@ def lora_config(fields: Dict[str, Any]) -> Any:
 
     config = require_peft().LoraConfig(**fields)
     if config.init_lora_weights is not True or config.use_dora:
-        raise NotImplementedError(
-            f"HFCausalLM(lora=...): init_lora_weights={config.init_lora_weights!r}, use_dora={config.use_dora!r}: "
-            "ultrascale initialises the adapters itself after sharding (PEFT's default: Kaiming-uniform A, zero B); "
-            "data-dependent inits (PiSSA, OLoRA, ...) and DoRA are not supported"
-        )
+        raise not_built("lora_data_dependent_init",
+                        f"HFCausalLM(lora=...): init_lora_weights={config.init_lora_weights!r}, "
+                        f"use_dora={config.use_dora!r}: ultrascale initialises the adapters itself after sharding "
+                        "(PEFT's default: Kaiming-uniform A, zero B); data-dependent inits (PiSSA, OLoRA, ...) and DoRA "
+                        "are not supported")
     return config
 
 
@@ -371,7 +372,8 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path, max_shard_
     meta = read_checkpoint_metadata(path)  # data, not code: a planted payload is refused, never run
     hparams = meta.get("hyper_parameters", {})
     if hparams.get("lora") is not None:
-        raise NotImplementedError(
+        raise not_built(
+            "export_lora_checkpoint",
             f"{path} is a checkpoint of a LoRA run (HFCausalLM(lora=...)); `export-hf` writes plain models. Export "
             "the adapter with `lora_dir=` / the merged model with `export_dir=` when fit ends, or resume it and call "
             "`ultrascale.models.peft.save_peft_adapter` / `export_merged_hf`"

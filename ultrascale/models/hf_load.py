@@ -14,6 +14,8 @@ from typing import Any, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from ultrascale.parallel.rules import not_built
+
 WEIGHT_SUFFIX = ".safetensors"
 
 
@@ -97,7 +99,8 @@ def _stacking(converter: Any, model_type: Optional[str]) -> Optional[int]:
     target = converter.target_patterns[0] if len(converter.target_patterns) == 1 else converter.target_patterns
 
     def refuse(what: str) -> NotImplementedError:
-        return NotImplementedError(
+        return not_built(
+            "hf_conversion_not_per_expert",
             f"model_type {model_type!r}: transformers converts this architecture's checkpoint while loading, and "
             f"ultrascale's sharded loader cannot rebuild {target!r} from {converter.source_patterns}: {what}. It reads "
             "per-expert weights stacked by MergeModulelist(dim=0), then optionally concatenated by Concatenate(dim>=1). "

@@ -20,13 +20,15 @@ from typing import Any
 import torch
 
 from ultrascale.models.llama import LlamaConfig
+from ultrascale.parallel.rules import not_built
 
 __all__ = ["byte_tokenizer_for_hf", "hf_llama_config", "hf_llama_state"]
 
 
 def _check_dense(config: LlamaConfig) -> None:
     if config.n_experts:
-        raise NotImplementedError(
+        raise not_built(
+            "export_moe_llama",
             f"export-hf writes the dense LlamaLM as a LlamaForCausalLM; this checkpoint is its MoE variant "
             f"(n_experts={config.n_experts}), which has no transformers model to become"
         )

@@ -39,6 +39,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
+from ultrascale.parallel.rules import not_built
+
 __all__ = ["PeftAdapterExport", "export_merged_hf", "find_peft_model", "save_peft_adapter"]
 
 PEFT_INSTALL_HINT = 'pip install "ultrascale[peft]"'
@@ -182,10 +184,9 @@ def _refuse_unsupported(peft_model: Any, local: dict[str, torch.Tensor]) -> None
     if any(isinstance(v, DTensor) for v in local.values()) and any(
         getattr(peft_model.peft_config[name], "is_prompt_learning", False) for name in peft_model.peft_config
     ):
-        raise NotImplementedError(
-            "prompt-learning adapters (prompt/prefix/p-tuning) read their weights from the model, not from a "
-            "state dict: saving them from sharded (DTensor) parameters is not supported; use ZeRO-1/2"
-        )
+        raise not_built("prompt_learning_sharded_save",
+                        "prompt-learning adapters (prompt/prefix/p-tuning) read their weights from the model, not from "
+                        "a state dict: saving them from sharded (DTensor) parameters is not supported; use ZeRO-1/2")
 
 
 # ------------------------------------------------------------------ public API

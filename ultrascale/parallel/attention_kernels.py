@@ -10,6 +10,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from ultrascale.parallel.rules import not_built
+
 # (out, lse) = forward(q, k, v, causal, bias, scale):  q (B, H, Tq, D), k/v (B, Hkv, Tk, D),
 #   bias None or additive (B|1, 1, Tq, Tk) in q's dtype; out (B, H, Tq, D), lse (B, H, Tq) fp32.
 # (dq, dk, dv) = backward(dout, q, k, v, out, lse, causal, bias, scale) with the *merged* out and lse.
@@ -131,5 +133,5 @@ def softcap_kernel(softcap: float) -> tuple[Any, Any]:
 def attention_kernel(device: torch.device) -> tuple[Any, Any]:
     """(forward, backward) of the attention-with-LSE kernel for `device`: the one place that chooses it."""
     if device.type not in _KERNELS:
-        raise NotImplementedError(f"context parallel has no attention kernel for device type {device.type!r}")
+        raise not_built("context_parallel_device", f"context parallel has no attention kernel for device type {device.type!r}")
     return _KERNELS[device.type]

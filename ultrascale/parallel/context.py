@@ -53,7 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ultrascale.parallel.attention_kernels import attention_kernel, repeat_kv, softcap_kernel
 from ultrascale.parallel.device import all_gather_single, grouped_sdpa, reduce_scatter_single
-from ultrascale.parallel.rules import CONTEXT_PARALLEL_METHODS
+from ultrascale.parallel.rules import CONTEXT_PARALLEL_METHODS, not_built
 
 ContextParallelMethod = Literal["allgather", "ring", "alltoall"]
 
@@ -603,9 +603,11 @@ def hf_context_parallel_attention(
     if cp is None:
         raise RuntimeError(f"{type(module).__name__} runs context parallel attention but was not set up for it")
     if dropout and module.training:
-        raise NotImplementedError(f"{type(module).__name__}: attention dropout is not supported under context parallel")
+        raise not_built("context_parallel_attention_dropout",
+                        f"{type(module).__name__}: attention dropout is not supported under context parallel")
     if not getattr(module, "is_causal", True):
-        raise NotImplementedError(f"{type(module).__name__}: context parallel supports causal self-attention only")
+        raise not_built("context_parallel_non_causal",
+                        f"{type(module).__name__}: context parallel supports causal self-attention only")
     out = cp.attention(query, key, value, scale=scaling, window=sliding_window, softcap=softcap, sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
 

@@ -31,8 +31,9 @@ from ultrascale.parallel.dims import ParallelDims
 
 __all__ = [
     "CONTEXT_PARALLEL_METHODS",
-    "LayoutError", "LayoutKnobs", "LayoutNotImplemented", "ModelFacts", "Problem", "SCHEDULES", "SINGLE_STAGE_SCHEDULES", "V_SCHEDULES",
-    "batch_problems", "knob_problems", "model_problems", "pipeline_problems", "raise_first", "resolve",
+    "LayoutError", "LayoutKnobs", "LayoutNotImplemented", "ModelFacts", "NOT_BUILT", "NotBuilt", "Problem", "SCHEDULES",
+    "SINGLE_STAGE_SCHEDULES", "V_SCHEDULES",
+    "batch_problems", "knob_problems", "model_problems", "not_built", "pipeline_problems", "raise_first", "resolve",
     "tp_divides_problem",
 ]
 
@@ -64,7 +65,65 @@ class LayoutError(ValueError):
 
 
 class LayoutNotImplemented(NotImplementedError):
-    """A combination ultrascale does not run yet (printed like `LayoutError`)."""
+    """A combination ultrascale does not run yet (printed like `LayoutError`); `key` names its `NOT_BUILT` entry."""
+
+    def __init__(self, message: str, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass(frozen=True)
+class NotBuilt:
+    """One thing ultrascale refuses because it is not built yet (not because it cannot work)."""
+
+    line: str
+    """What it is, as README's and docs/troubleshooting.md's lists say it (`python -m benchmarks.doc_tables`)."""
+    layout: bool = True
+    """A layout or a combination of knobs (README's list); else a narrower case (docs/troubleshooting.md only)."""
+
+
+NOT_BUILT: dict[str, NotBuilt] = {
+    "expert_parallel_with_tensor_parallel": NotBuilt("expert parallel and tensor parallel together (each works alone)"),
+    "expert_parallel_with_zero12": NotBuilt("ZeRO-1/2 with expert parallel (use ZeRO-3)"),
+    "predict_under_pipeline": NotBuilt("`predict` under pipeline parallel"),
+    "hf_sequence_parallel": NotBuilt("sequence parallel on Hugging Face models (TP alone runs)"),
+    "float8_with_tensor_parallel": NotBuilt("FP8 with tensor parallel (the float8 TP styles)"),
+    "ring_with_ulysses": NotBuilt("ring and Ulysses together (accelerate's `cp_size` with `sp_size`)"),
+    "async_tensor_parallel": NotBuilt("async TP (accelerate's `enable_async_tp`)"),
+    "accelerate_ulysses_kernel": NotBuilt("Ulysses from accelerate with an attention kernel other than SDPA "
+                                          "(`sp_attn_implementation`)", layout=False),
+    "tied_embeddings_v_schedule": NotBuilt("tied embeddings under the V pipeline schedules (ZBVZeroBubble, DualPipeV)"),
+    "tied_embeddings_zero12_pipeline": NotBuilt("tied embeddings under ZeRO-1/2 with pipeline parallel (use ZeRO-3)"),
+    "context_parallel_attention_dropout": NotBuilt("attention dropout under context parallel", layout=False),
+    "context_parallel_non_causal": NotBuilt("non-causal attention under context parallel", layout=False),
+    "context_parallel_device": NotBuilt("context parallel on devices other than CPU and CUDA", layout=False),
+    "lora_data_dependent_init": NotBuilt("LoRA with DoRA or a data-dependent initialisation (PiSSA, OLoRA, ...)",
+                                         layout=False),
+    "prompt_learning_sharded_save": NotBuilt("saving prompt-learning adapters (prompt, prefix, p-tuning) from sharded "
+                                             "parameters (ZeRO-1/2 save them)", layout=False),
+    "hf_conversion_not_per_expert": NotBuilt("Hugging Face checkpoints whose load-time conversion the sharded loader "
+                                             "cannot rebuild one expert at a time (the error names the operation)",
+                                             layout=False),
+    "export_lora_checkpoint": NotBuilt("`export-hf` of a LoRA run's checkpoint (export the adapter or the merged model "
+                                       "when fit ends)", layout=False),
+    "export_moe_llama": NotBuilt("`export-hf` of the built-in Llama's MoE variant (the dense one exports)", layout=False),
+    "measure_expert_parallel": NotBuilt("`measure_layout` (`plan --measure`) with expert parallel (MoE models measure "
+                                        "at ep=1)", layout=False),
+    "measure_pipeline_accumulation": NotBuilt("`measure_layout` with gradient accumulation under pipeline parallel "
+                                              "(give `pipeline_microbatches`)", layout=False),
+    "fork_launcher_second_fit": NotBuilt("a second `fit` on one Trainer under the fork launcher (make a new Trainer)",
+                                         layout=False),
+}
+"""Every refusal of something not built yet, by key: each raises `LayoutNotImplemented` with its key (a `Problem`
+with `not_built=key`, or `not_built(key, message)`), tests/test_not_built.py triggers each, and the lists in the docs
+are written from this table."""
+
+
+def not_built(key: str, message: str) -> LayoutNotImplemented:
+    """The error refusing `NOT_BUILT[key]`, with the caller's message (what to use instead)."""
+    if key not in NOT_BUILT:
+        raise KeyError(f"{key!r} is not in NOT_BUILT")
+    return LayoutNotImplemented(message, key)
 
 
 @dataclass(frozen=True)
@@ -74,8 +133,9 @@ class Problem:
     message: str
     knobs: tuple[str, ...] = ()
     """`name=value` of the arguments at fault, in the strategy's names (shown in backticks)."""
-    not_implemented: bool = False
-    """A combination ultrascale may run one day (NotImplementedError), not an impossible one (ValueError)."""
+    not_built: Optional[str] = None
+    """A `NOT_BUILT` key: a combination ultrascale may run one day (NotImplementedError), not an impossible one
+    (ValueError)."""
 
     def text(self, owner: str = "") -> str:
         """The message users see: ``Owner(`a=1`, `b=2`): message`` (``Owner: message`` without knobs)."""
@@ -85,7 +145,9 @@ class Problem:
         return f"{knobs}: {self.message}" if knobs else self.message
 
     def error(self, owner: str = "") -> Exception:
-        return (LayoutNotImplemented if self.not_implemented else LayoutError)(self.text(owner))
+        if self.not_built is not None:
+            return not_built(self.not_built, self.text(owner))
+        return LayoutError(self.text(owner))
 
 
 PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
@@ -188,12 +250,12 @@ def knob_problems(k: LayoutKnobs) -> list[Problem]:
         problems.append(Problem(
             "expert parallel runs with zero_stage=3 (FSDP shards the experts over the ranks that hold the same ones); "
             "ZeRO-1/2 would replicate every expert on every data rank",
-            (f"expert_parallel={k.ep}", f"zero_stage={k.zero_stage}"), not_implemented=True))
+            (f"expert_parallel={k.ep}", f"zero_stage={k.zero_stage}"), not_built="expert_parallel_with_zero12"))
     if k.ep != 1 and k.tp != 1:
         problems.append(Problem(
             "expert parallel with tensor parallel is not implemented yet: choose one (tensor_parallel alone splits "
             "every expert's intermediate width over the tp ranks, expert_parallel splits the experts over data ranks)",
-            (f"expert_parallel={k.ep}", f"tensor_parallel={k.tp}"), not_implemented=True))
+            (f"expert_parallel={k.ep}", f"tensor_parallel={k.tp}"), not_built="expert_parallel_with_tensor_parallel"))
     if k.context_parallel_method not in CONTEXT_PARALLEL_METHODS:
         problems.append(Problem(f"choose one of {CONTEXT_PARALLEL_METHODS}",
                                 (f"context_parallel_method={k.context_parallel_method!r}",)))
@@ -364,12 +426,12 @@ def _tied_stage_problems(k: LayoutKnobs, name: str, pp: int) -> list[Problem]:
             f"{name} ties its input embedding to its output head, and the V placement puts the first and the last "
             "stage on one rank, where each stage is its own FSDP unit and one weight cannot belong to both: choose a "
             "looped schedule (1F1B, Interleaved1F1B, ...) or untie them (`tie_word_embeddings=False`)",
-            (f"pipeline_schedule={k.pipeline_schedule!r}",), not_implemented=True))
+            (f"pipeline_schedule={k.pipeline_schedule!r}",), not_built="tied_embeddings_v_schedule"))
     if k.zero_stage in (1, 2):
         problems.append(Problem(
             f"{name} ties its input embedding to its output head; the two pipeline ends sum that weight's gradient "
             "halves on the parameters, which ZeRO-1/2 have already reduced into their buckets: use zero_stage=3",
-            (f"zero_stage={k.zero_stage}", f"pipeline_parallel={pp}"), not_implemented=True))
+            (f"zero_stage={k.zero_stage}", f"pipeline_parallel={pp}"), not_built="tied_embeddings_zero12_pipeline"))
     return problems
 
 
@@ -405,7 +467,7 @@ def _tensor_parallel_problems(tp: int, k: LayoutKnobs, facts: ModelFacts) -> lis
     if k.sequence_parallel and not facts.sequence_parallel:
         return [Problem(
             f"sequence parallel is not implemented for {name} (its model code derives positions and the attention mask "
-            "from the local sequence length); set `sequence_parallel=False`.")]
+            "from the local sequence length); set `sequence_parallel=False`.", not_built="hf_sequence_parallel")]
     divides = tp_divides_problem(tp, facts.tp_sizes, name)
     return [divides] if divides else []
 

@@ -37,6 +37,7 @@ from ultrascale.launch import (
     join_rendezvous,
     one_thread_after_fork,
 )
+from ultrascale.parallel.rules import not_built
 
 RENDEZVOUS_TIMEOUT_S = 600.0
 """How long a forked rank waits for the launcher's port, and the store's own timeout (torch's default, 10 min)."""
@@ -200,7 +201,8 @@ class ForkLauncher(_MultiProcessingLauncher):
                 "call, a model moved to the GPU): remove those calls, or use `launcher='subprocess'`."
             )
         if self._fitted_once and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            raise NotImplementedError(
+            raise not_built(
+                "fork_launcher_second_fit",
                 "Calling `trainer.fit()` twice on the same Trainer with the fork launcher is not supported: create a "
                 "new Trainer and pass `fit(ckpt_path=...)`."
             )

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ultrascale.parallel.rules import not_built
+
 __all__ = ["ACCELERATE_FIELDS", "knobs_from_accelerate"]
 
 ACCELERATE_FIELDS: dict[str, str] = {
@@ -61,8 +63,8 @@ def knobs_from_accelerate(config: Any, owner: str = "UltraScaleStrategy",
             raise ValueError(f"{owner}.from_accelerate: `{field}={value!r}` must be a positive integer")
         sizes[field] = value
     if sizes["sp_size"] > 1 and sizes["cp_size"] > 1:
-        raise NotImplementedError(f"{owner}.from_accelerate: `cp_size={sizes['cp_size']}` with `sp_size={sizes['sp_size']}` "
-                                  "(ring x Ulysses) is not implemented; choose one")
+        raise not_built("ring_with_ulysses", f"{owner}.from_accelerate: `cp_size={sizes['cp_size']}` with "
+                        f"`sp_size={sizes['sp_size']}` (ring x Ulysses) is not implemented; choose one")
     if sizes["sp_size"] > 1:
         sp_backend = _field(config, "sp_backend") or "deepspeed"
         if sp_backend != "deepspeed":
@@ -70,17 +72,17 @@ def knobs_from_accelerate(config: Any, owner: str = "UltraScaleStrategy",
         sp_handler = _field(config, "sp_handler")
         kernel = _field(sp_handler, "sp_attn_implementation") if sp_handler is not None else None
         if kernel not in (None, "sdpa"):
-            raise NotImplementedError(f"{owner}.from_accelerate: `sp_handler.sp_attn_implementation={kernel!r}`: "
-                                      "ultrascale's Ulysses attention runs torch's SDPA; leave it unset or 'sdpa'")
+            raise not_built("accelerate_ulysses_kernel",
+                            f"{owner}.from_accelerate: `sp_handler.sp_attn_implementation={kernel!r}`: ultrascale's "
+                            "Ulysses attention runs torch's SDPA; leave it unset or 'sdpa'")
     backend = _field(config, "cp_backend") or "torch"
     if backend != "torch":
         raise ValueError(f"{owner}.from_accelerate: `cp_backend={backend!r}`: only 'torch' is known")
     tp_handler = _field(config, "tp_handler")
     if tp_handler is not None and bool(_field(tp_handler, "enable_async_tp", False)):
-        raise NotImplementedError(
-            f"{owner}.from_accelerate: `tp_handler.enable_async_tp=True` (async tensor parallel, a torch.compile "
-            "micro-pipelining of the TP collectives) is not implemented; set it to False"
-        )
+        raise not_built("async_tensor_parallel",
+                        f"{owner}.from_accelerate: `tp_handler.enable_async_tp=True` (async tensor parallel, a "
+                        "torch.compile micro-pipelining of the TP collectives) is not implemented; set it to False")
     knobs: dict[str, Any] = {
         "data_parallel_replicate": sizes["dp_replicate_size"],
         "data_parallel_shard": sizes["dp_shard_size"],

@@ -20,7 +20,7 @@ from ultrascale.parallel.compile import BlockCompiler, CompileStats
 from ultrascale.parallel.context import ContextParallel
 from ultrascale.parallel.loss import NUM_TOKENS_KEY
 from ultrascale.parallel.pipeline import PipelineLayout, PipelineRunner
-from ultrascale.parallel.rules import batch_problems, raise_first
+from ultrascale.parallel.rules import batch_problems, not_built, raise_first
 from ultrascale.parallel.tensor import maybe_loss_parallel, synchronize_dropout_rng
 from ultrascale.parallel.zero import ZeroEngine
 from ultrascale.strategies import model_setup
@@ -318,10 +318,9 @@ class StepHooks:
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
-            raise NotImplementedError(
-                f"{type(self).__name__}: predict under pipeline parallel is not implemented (the logits exist on the last "
-                "stage only); predict with pipeline_parallel=1 from the same checkpoint"
-            )
+            raise not_built("predict_under_pipeline",
+                            f"{type(self).__name__}: predict under pipeline parallel is not implemented (the logits exist "
+                            "on the last stage only); predict with pipeline_parallel=1 from the same checkpoint")
         return self._call_step("predict_step", *args, **kwargs)
 
     def _call_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
