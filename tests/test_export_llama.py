@@ -3,7 +3,8 @@
 The converter is checked against transformers' own `LlamaForCausalLM` (logits of the same weights, tied and
 untied, grouped-query heads); the byte tokenizer against `ByteTokenizer`; and end to end, for a ZeRO-3 and a 2-D
 (tp2 x dp2) checkpoint of the tiny recipes, the exported folder's validation loss on the recipe's validation
-batches equals `ultrascale validate`'s on the same checkpoint, and `generate` runs.
+batches equals `ultrascale validate`'s on the same checkpoint, and `generate` runs. The tokenizer written is the one
+the data used (`tokenizer_path`, the prepared data's folder, bytes), or `--tokenizer DIR`'s, refused at another size.
 """
 
 from __future__ import annotations
@@ -71,6 +72,33 @@ def _recipe_val_batches(recipe: Path) -> list[torch.Tensor]:
     return [torch.stack([torch.as_tensor(row[key]) for row in rows]) for key in ("input_ids", "labels")]
 
 
+def test_the_tokenizer_is_the_one_the_data_used(tmp_path):
+    """Which tokenizer an export writes when `--tokenizer` is not given: the data module's `tokenizer_path`, the
+    folder its prepared data was tokenized with, the byte tokenizer for raw text; asked for where nobody says."""
+    from ultrascale.data.prepared import prepare_data
+    from ultrascale.models.hf import _data_tokenizer
+
+    checkpoint = tmp_path / "last.ckpt"
+    folder = tmp_path / "tokenizer"
+    byte_tokenizer_for_hf().save_pretrained(folder)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("one document\nanother one\n")
+    prepared = prepare_data([str(corpus)], folder, tmp_path / "prepared", progress=False)
+
+    def data(**hparams):
+        return {"datamodule_hyper_parameters": hparams}
+
+    assert _data_tokenizer(checkpoint, data(tokenizer_path=str(folder))) == str(folder)
+    assert _data_tokenizer(checkpoint, data(dataset_path=str(corpus), tokenizer_path=None)) == "bytes"
+    for sources in (str(prepared), [{"path": str(prepared), "weight": 1.0}]):  # one folder, or a blend
+        assert Path(_data_tokenizer(checkpoint, data(data_path=sources))) == folder.resolve()
+    with pytest.raises(ValueError, match="pass --tokenizer DIR"):
+        _data_tokenizer(checkpoint, {})
+    folder.rename(tmp_path / "moved")
+    with pytest.raises(ValueError, match="is not a folder here: pass --tokenizer DIR"):
+        _data_tokenizer(checkpoint, data(data_path=str(prepared)))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tiny_cpu.yaml", "tiny_cpu_2d.yaml"], ids=["zero3", "tp2xdp2"])
 def test_exported_model_validates_as_ultrascale_validate(recipe, tmp_path, monkeypatch):
@@ -108,6 +136,19 @@ def test_exported_model_validates_as_ultrascale_validate(recipe, tmp_path, monke
         assert {**old.config.to_dict(), "_name_or_path": ""} == {**model.config.to_dict(), "_name_or_path": ""}
         for name, value in model.state_dict().items():
             assert torch.equal(old.state_dict()[name], value), name
+
+    if recipe == "tiny_cpu_2d.yaml":  # --tokenizer DIR: that folder's files; a tokenizer of another size: refused
+        folder = tmp_path / "tokenizer"
+        byte_tokenizer_for_hf().save_pretrained(folder)
+        main(["export-hf", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "hf_dir"), "--tokenizer", str(folder)])
+        assert (tmp_path / "hf_dir" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+        larger = transformers.AutoTokenizer.from_pretrained(folder)
+        larger.add_tokens(["<extra>"])
+        larger.save_pretrained(tmp_path / "larger")
+        with pytest.raises(SystemExit) as refused:
+            main(["export-hf", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "hf_no"), "--tokenizer",
+                  str(tmp_path / "larger")])
+        assert refused.value.code != 0 and not (tmp_path / "hf_no").exists()
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
     prompt = tokenizer("def main(", return_tensors="pt")
