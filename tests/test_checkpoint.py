@@ -90,8 +90,7 @@ def test_resume_continues_the_same_loss_curve(uninterrupted, stopped_checkpoint,
 def test_tensor_parallel_checkpoint_resumes_without_tp(tmp_path):
     """Saved with tp=2 (DTensors sharded over heads and vocab), resumed as plain ZeRO-3 (tp=1)."""
     tp2 = ultrascale.UltraScaleStrategy(tensor_parallel=2, data_parallel_shard=1)
-    uninterrupted = step_losses(run_ranks(_train, 2, TOTAL_STEPS, None, None, tp2))
-    run_ranks(_train, 2, STOP_STEP, str(tmp_path), None, tp2)
+    uninterrupted = step_losses(run_ranks(_train, 2, TOTAL_STEPS, str(tmp_path), None, tp2))  # saves at STOP_STEP
     results = run_ranks(_train, 2, TOTAL_STEPS, None, str(tmp_path / f"epoch=0-step={STOP_STEP}.ckpt"), "ultrascale_zero3")
     resumed = step_losses(results)
     assert_close(torch.tensor(resumed), torch.tensor(uninterrupted[STOP_STEP:]), rtol=0, atol=1e-5)
@@ -101,8 +100,7 @@ def test_tensor_parallel_checkpoint_resumes_without_tp(tmp_path):
 def test_zero2_checkpoint_resumes_on_fewer_ranks(tmp_path, resume_stage):
     """ZeRO-2 on 4 ranks -> ZeRO-2 (or ZeRO-1) on 2: the per-parameter optimizer state is re-laid out."""
     zero2 = ultrascale.ZeRO2Strategy(zero_bucket_mb=0.05)
-    uninterrupted = step_losses(run_ranks(_train, 4, TOTAL_STEPS, None, None, zero2))
-    run_ranks(_train, 4, STOP_STEP, str(tmp_path), None, zero2)
+    uninterrupted = step_losses(run_ranks(_train, 4, TOTAL_STEPS, str(tmp_path), None, zero2))  # saves at STOP_STEP
     resumed_strategy = ultrascale.UltraScaleStrategy(zero_stage=resume_stage, zero_bucket_mb=0.03)  # other buckets too
     results = run_ranks(_train, 2, TOTAL_STEPS, None, str(tmp_path / f"epoch=0-step={STOP_STEP}.ckpt"), resumed_strategy)
     resumed = step_losses(results)
@@ -202,8 +200,7 @@ def test_context_parallel_checkpoint_resumes_without_cp(tmp_path):
     """Saved with cp=2 (weights sharded over dp_shard x cp = 2 ranks), resumed as plain ZeRO-3 over
     2 data-parallel ranks: the same global batches, the same loss curve."""
     cp2 = ultrascale.ContextParallelStrategy(context_parallel=2)
-    uninterrupted = step_losses(run_ranks(_train, 2, TOTAL_STEPS, None, None, cp2))
-    run_ranks(_train, 2, STOP_STEP, str(tmp_path), None, cp2)
+    uninterrupted = step_losses(run_ranks(_train, 2, TOTAL_STEPS, str(tmp_path), None, cp2))  # saves at STOP_STEP
     results = run_ranks(_train, 2, TOTAL_STEPS, None, str(tmp_path / f"epoch=0-step={STOP_STEP}.ckpt"), "ultrascale_zero3")
     resumed = step_losses(results)
     assert len(resumed) == TOTAL_STEPS - STOP_STEP

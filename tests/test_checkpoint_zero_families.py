@@ -72,8 +72,7 @@ def _ckpt(path):
 
 @pytest.mark.parametrize("saved_stage, resume_stage", [(3, 2), (2, 3), (3, 1), (1, 3)])
 def test_resume_across_zero_families(tmp_path, saved_stage, resume_stage):
-    run_ranks(_train, WORLD, STOP_STEP, str(tmp_path), None, saved_stage)
-    uninterrupted = step_losses(run_ranks(_train, WORLD, TOTAL_STEPS, None, None, saved_stage))
+    uninterrupted = step_losses(run_ranks(_train, WORLD, TOTAL_STEPS, str(tmp_path), None, saved_stage))  # saves at STOP_STEP
     results = run_ranks(_train, WORLD, TOTAL_STEPS, None, _ckpt(tmp_path), resume_stage)
     assert results[0]["step"] == TOTAL_STEPS
     resumed = step_losses(results)
@@ -120,13 +119,13 @@ TP_CASES = {
 @pytest.mark.parametrize("case", list(TP_CASES))
 def test_resume_across_tensor_parallel_and_zero_families(tmp_path, case):
     (saved_stage, saved_tp), (resume_stage, resume_tp) = TP_CASES[case]
-    run_ranks(_train, 4, STOP_STEP, str(tmp_path), None, saved_stage, "32-true", 258, saved_tp)
+    # One run gives the uninterrupted curve and the checkpoint at STOP_STEP (saving does not move the curve).
+    uninterrupted = step_losses(run_ranks(_train, 4, TOTAL_STEPS, str(tmp_path), None, saved_stage, "32-true", 258, saved_tp))
     from ultrascale.parallel.safe_load import read_dcp_metadata
 
     saved = read_dcp_metadata(_ckpt(tmp_path)).state_dict_metadata
     moment = saved["optimizer_0.state.model.layers.0.attention.wq.weight.exp_avg"].size
     assert len(moment) == (1 if (saved_stage, saved_tp) == (2, 1) else 2)  # the layout under test was written
-    uninterrupted = step_losses(run_ranks(_train, 4, TOTAL_STEPS, None, None, saved_stage, "32-true", 258, saved_tp))
     results = run_ranks(_train, 4, TOTAL_STEPS, None, _ckpt(tmp_path), resume_stage, "32-true", 258, resume_tp)
     assert "error" not in results[0], results[0]
     resumed = step_losses(results)

@@ -421,8 +421,7 @@ def _fit(rank, world_size, strategy_kwargs, max_steps, ckpt_dir, resume_from):
 def test_checkpoint_from_ep2_resumes_at_ep1(tmp_path):
     """Expert weights keep their global shape and names (DTensor shards of the expert dim): an ep=2 checkpoint
     resumes on one process on the uninterrupted curve, selection bias included."""
-    run_ranks(_fit, 2, {"expert_parallel": 2}, STOP, str(tmp_path), None)
-    uninterrupted = run_ranks(_fit, 2, {"expert_parallel": 2}, TOTAL, None, None)
+    uninterrupted = run_ranks(_fit, 2, {"expert_parallel": 2}, TOTAL, str(tmp_path), None)  # saves at STOP too
     resumed = run_ranks(_fit, 1, {}, TOTAL, None, str(tmp_path / f"epoch=0-step={STOP}.ckpt"))[0]
     assert resumed["step"] == TOTAL
     assert_close(torch.tensor(resumed["losses"]), torch.tensor(step_losses(uninterrupted)[STOP:]), rtol=0, atol=1e-5)

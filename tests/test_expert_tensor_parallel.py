@@ -84,8 +84,7 @@ def test_tp2_checkpoint_resumes_at_tp2_and_on_one_process(tmp_path):
     back into the packed split) and on one process (another layout), weights, Adam state and the aux-loss-free
     selection bias."""
     tp2 = {"tensor_parallel": 2}
-    run_ranks(_fit, 2, tp2, STOP, str(tmp_path), None)
-    uninterrupted = step_losses(run_ranks(_fit, 2, tp2, TOTAL, None, None))
+    uninterrupted = step_losses(run_ranks(_fit, 2, tp2, TOTAL, str(tmp_path), None))  # saves at STOP too
     checkpoint = str(tmp_path / f"epoch=0-step={STOP}.ckpt")
     again = step_losses(run_ranks(_fit, 2, tp2, TOTAL, None, checkpoint))
     alone = run_ranks(_fit, 1, {}, TOTAL, None, checkpoint)[0]

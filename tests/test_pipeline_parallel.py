@@ -186,8 +186,7 @@ def test_checkpoint_from_pp2_resumes_at_other_degrees(tmp_path, resume_pp):
     import torch
     from torch.testing import assert_close
 
-    run_ranks(_fit, 2, 2, STOP, str(tmp_path), None)
-    uninterrupted = step_losses(run_ranks(_fit, 2, 2, TOTAL, None, None))
+    uninterrupted = step_losses(run_ranks(_fit, 2, 2, TOTAL, str(tmp_path), None))  # saves at STOP too
     results = run_ranks(_fit, resume_pp, resume_pp, TOTAL, None, str(tmp_path / f"epoch=0-step={STOP}.ckpt"))
     assert results[0]["step"] == TOTAL
     resumed = step_losses(results)
@@ -203,8 +202,7 @@ def test_tied_embeddings_checkpoints_move_between_pipeline_degrees(tmp_path):
     from torch.testing import assert_close
 
     run_ranks(_fit, 2, 2, STOP, str(tmp_path / "pp2"), None, True)
-    run_ranks(_fit, 1, 1, STOP, str(tmp_path / "pp1"), None, True)
-    uninterrupted = step_losses(run_ranks(_fit, 1, 1, TOTAL, None, None, True))
+    uninterrupted = step_losses(run_ranks(_fit, 1, 1, TOTAL, str(tmp_path / "pp1"), None, True))  # saves at STOP too
     for world, saved in ((1, "pp2"), (2, "pp1")):
         results = run_ranks(_fit, world, world, TOTAL, None, str(tmp_path / saved / f"epoch=0-step={STOP}.ckpt"), True)
         assert results[0]["step"] == TOTAL
