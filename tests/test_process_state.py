@@ -90,6 +90,7 @@ def check_compiled_zero1_fit(fail_at: int | None) -> None:
     assert zero_engine_for(optimizer) is not None  # still answers for the optimizer's state (a save after fit)
     step = vars(optimizer).get("step")
     assert step is None or "ZeroEngine" not in getattr(step, "__qualname__", "")
+    assert not optimizer._optimizer_step_post_hooks  # the engine's step hook goes at teardown
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters()
                if getattr(p, "_post_accumulate_grad_hooks", None) is not None)
 

@@ -51,7 +51,6 @@ once, one tensor at a time (transient memory of one parameter's state, not of th
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Iterator
@@ -127,9 +126,9 @@ class ZeroEngine(ZeroCheckpointing):
     LR schedulers and Lightning keep working on the same object. Gradient hooks accumulate
     into the buckets (ZeRO-2 also reduce-scatters them during a synchronised backward);
     `reduce_gradients()` finishes the step's reduction, after which `grad_shards()` are this
-    rank's summed gradient slices (scale or clip them there); a wrapper around
-    `optimizer.step` reduces if that has not happened yet, hands the slices to the optimizer
-    and all-gathers the updated weights.
+    rank's summed gradient slices (scale or clip them there); the optimizer's own `step` then runs
+    unchanged, and torch's step hooks (registered here, removed by `detach`) reduce if that has not
+    happened yet, hand the slices to it after its closure, and all-gather the updated weights.
 
     Args:
         module: the model whose parameters the optimizer holds (plain tensors, not DTensors).
@@ -231,28 +230,21 @@ class ZeroEngine(ZeroCheckpointing):
         for b in self.buckets:
             for p in b.params:
                 p._ultrascale_zero_engine = weakref.ref(self)
-        # Lightning runs forward/backward as the closure *inside* optimizer.step, so a
-        # step pre-hook would fire before the gradients exist: wrap step instead.
-        self._optimizer_step = optimizer.step
-        self._own_step = vars(optimizer).get("step")  # an LR scheduler's wrapper, say; None: the class's step
-
-        @functools.wraps(self._optimizer_step)  # keeps the LR scheduler's "step was called" marker
-        def step(closure: Any = None) -> Any:
-            return self._step(closure)
-
-        optimizer.step = step  # type: ignore[method-assign]
+        # The optimizer's own step runs unchanged on the masters, through torch's step hooks: the pre-hook hands it
+        # this rank's reduced slices as the masters' gradients once its closure has run (Lightning's closure is the
+        # last forward and backward and the clipping: a pre-hook runs before it, so it wraps it), the post-hook
+        # publishes the updated masters into every rank's weights.
+        self._step_hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
+                            optimizer.register_step_post_hook(self._after_optimizer_step)]
+        self._initialising = False
         _ENGINES[optimizer] = self
 
     def detach(self) -> None:
-        """Take the gradient hooks off the model and give the optimizer its own `step` back (the end of a fit).
+        """Take the gradient hooks off the model and the step hook off the optimizer (the end of a fit).
         The engine still answers for the optimizer's state (`zero_engine_for`, a checkpoint saved after the fit)."""
-        for hook in self._hooks:
+        for hook in [*self._hooks, *self._step_hooks]:
             hook.remove()
-        self._hooks = []
-        if self._own_step is not None:
-            self.optimizer.step = self._own_step  # type: ignore[method-assign]
-        else:
-            vars(self.optimizer).pop("step", None)  # the optimizer class's own step again
+        self._hooks, self._step_hooks = [], []
 
     def close(self) -> None:
         """`detach`, and no longer the optimizer's engine; the parameters stay views of the last weights, so a
@@ -397,10 +389,10 @@ class ZeroEngine(ZeroCheckpointing):
     def reduce_gradients(self) -> None:
         """Reduce what the step's backward passes left unreduced into this rank's gradient slices.
 
-        Call once per optimizer step, after its last backward (the step wrapper calls it too; a
-        second call is a no-op). Any number of backward passes may precede it: ZeRO-1 sums them
-        locally and reduces once here; ZeRO-2 has already reduced each synchronised backward
-        into the slices and reduces only what accumulated without sync.
+        Call once per optimizer step, after its last backward and before the optimizer's step (a second call
+        is a no-op). Any number of backward passes may precede it: ZeRO-1 sums them locally and reduces once
+        here; ZeRO-2 has already reduced each synchronised backward into the slices and reduces only what
+        accumulated without sync.
         """
         if self._unreduced:
             self._reduce_all()
@@ -432,17 +424,34 @@ class ZeroEngine(ZeroCheckpointing):
         self._unreduced = False
 
     # ------------------------------------------------------------------ step
-    def _step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _before_optimizer_step(self, optimizer: Any, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        """torch's step pre-hook (`args` starts with the optimizer): the masters' gradients, after the closure."""
+        if self._initialising:
+            return None
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._expose_gradients()
+            return None
+
+        def closure_then_gradients() -> Any:
+            loss = closure()
+            self._expose_gradients()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_gradients}
+        return (args[0], closure_then_gradients, *args[2:]), kwargs
+
+    @torch.no_grad()
+    def _expose_gradients(self) -> None:
+        """This rank's reduced slices as the masters' gradients (cast to the masters' dtype), for the update."""
         self.reduce_gradients()
-        for bucket in self.buckets:  # the optimizer sees this rank's reduced slices (cast to the masters' dtype)
+        for bucket in self.buckets:
             bucket.master.grad = None if bucket.grad_shard is None else bucket.grad_shard.to(bucket.master.dtype)
-        self._optimizer_step()
-        self._after_step()
-        return loss
+
+    def _after_optimizer_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        if not self._initialising:
+            self._after_step()
 
     @torch.no_grad()
     def _publish_masters(self) -> None:
@@ -486,8 +495,10 @@ class ZeroEngine(ZeroCheckpointing):
                 group["lr"] = 0.0
             for bucket in self.buckets:
                 bucket.master.grad = torch.zeros_like(bucket.master)
-            self._optimizer_step()  # the unwrapped step: no all-gather, weights unchanged
+            self._initialising = True  # no all-gather after it: the weights are unchanged
+            self.optimizer.step()
         finally:
+            self._initialising = False
             for group, lr in zip(self.optimizer.param_groups, lrs):
                 group["lr"] = lr
             for bucket in self.buckets:
