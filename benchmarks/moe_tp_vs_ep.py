@@ -50,7 +50,7 @@ import ultrascale.parallel.expert as expert  # noqa: E402
 from ultrascale.launch import init_gloo  # noqa: E402
 from ultrascale.models.moe import GroupedExperts  # noqa: E402
 from ultrascale.parallel.device import tune_cpu_allocator  # noqa: E402
-from ultrascale.parallel.tensor import ExpertTensorParallel  # noqa: E402
+from ultrascale.parallel.tensor_styles import ExpertTensorParallel  # noqa: E402
 
 RANKS = 2
 MiB = 2**20

@@ -13,11 +13,11 @@ from torch.distributed.tensor.parallel import RowwiseParallel
 from torch.testing import assert_close
 
 from tests._dist import run_ranks
-from ultrascale.parallel.tensor import (
+from ultrascale.parallel.tensor import apply_tp
+from ultrascale.parallel.tensor_styles import (
     PARAMETER_STYLE_NAMES,
     REFUSED_STYLE_NAMES,
     STYLE_NAMES,
-    apply_tp,
     packed_shard,
     resolve_plan,
     style_from_name,
@@ -249,7 +249,7 @@ def _toy_and_batch():
 def _styles_tp2(rank, world_size, plan):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ultrascale.parallel.tensor import MlaKvAProjParallel
+    from ultrascale.parallel.tensor_styles import MlaKvAProjParallel
 
     model, ids = _toy_and_batch()
     plan = resolve_plan({k: MlaKvAProjParallel(rope_dim=ROPE) if v == "mla_kv_a_proj" else v for k, v in plan.items()})

@@ -311,7 +311,8 @@ def _hf_expert_parallel_problem(hf: nn.Module, name: str) -> Optional[str]:
 
 def _hf_tp_refusal(hf: nn.Module, base_plan: Mapping[str, str], name: str) -> Optional[str]:
     """Why `base_plan` cannot run on `hf` (checked on every rank before any collective), or None."""
-    from ultrascale.parallel.tensor import lora_entries, split_parameter_entries, style_from_name
+    from ultrascale.parallel.tensor import lora_entries, split_parameter_entries
+    from ultrascale.parallel.tensor_styles import style_from_name
 
     base = _prefix(hf.base_model_prefix)
     styles = {}
@@ -347,7 +348,7 @@ def hf_tp_plan(
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from ultrascale.parallel.tensor import MlaKvAProjParallel, style_from_name
+    from ultrascale.parallel.tensor_styles import MlaKvAProjParallel, style_from_name
 
     def style(name: str) -> ParallelStyle:
         if name == "mla_kv_a_proj":  # the RoPE key width is in the config, not on the Linear

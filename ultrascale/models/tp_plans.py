@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from ultrascale.parallel.tensor import ExpertTensorParallel
+from ultrascale.parallel.tensor_styles import ExpertTensorParallel
 
 
 def llama_tp_plan(

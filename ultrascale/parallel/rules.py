@@ -463,7 +463,7 @@ def _tensor_parallel_problems(tp: int, k: LayoutKnobs, facts: ModelFacts) -> lis
             "Hugging Face causal LM's config ships (`base_model_tp_plan`: Llama, Mistral, Qwen2/3, Gemma3, Phi3, OLMo2 "
             "and every other dense model with one), and this model has none. Pass your own plan to the strategy, e.g. "
             "`UltraScaleStrategy(tp_plan={'layers.*.attn.q': 'colwise', 'layers.*.attn.out': 'rowwise', ...})` "
-            "(module path -> ParallelStyle or one of ultrascale.parallel.tensor.STYLE_NAMES).")]
+            "(module path -> ParallelStyle or one of ultrascale.parallel.tensor_styles.STYLE_NAMES).")]
     if k.sequence_parallel and not facts.sequence_parallel:
         return [Problem(
             f"sequence parallel is not implemented for {name} (its model code derives positions and the attention mask "

@@ -33,7 +33,8 @@ from ultrascale.parallel.fsdp import reshard
 from ultrascale.parallel.manifest import VERIFY_LEVELS, VerifyLevel
 from ultrascale.parallel.pipeline import PipelineLayout, PipelineRunner, TiedStageWeights
 from ultrascale.parallel.rules import LayoutKnobs, knob_problems, raise_first
-from ultrascale.parallel.tensor import has_tensor_parallel_dropout, resolve_plan
+from ultrascale.parallel.tensor import has_tensor_parallel_dropout
+from ultrascale.parallel.tensor_styles import resolve_plan
 from ultrascale.parallel.transforms import ModelTransform
 from ultrascale.parallel.zero import ZeroEngine
 from ultrascale.strategies import collectives, model_setup, process_group
@@ -97,7 +98,7 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
             LightningModule sets `supports_loss_parallel = True` (its loss code accepts DTensor logits, as `LlamaLM`'s does), off
             otherwise.
         tp_plan: a tensor-parallel plan for models without an adapter: module path (wildcards allowed) -> `ParallelStyle` or a name
-            in `ultrascale.parallel.tensor.STYLE_NAMES` ("colwise", "rowwise", ...).
+            in `ultrascale.parallel.tensor_styles.STYLE_NAMES` ("colwise", "rowwise", ...).
         zero_stage: 3 = parameters, gradients and optimizer state sharded (FSDP2); 2 = replicated parameters, sharded gradients and
             optimizer state; 1 = replicated parameters and gradients, sharded optimizer state. Stages 1/2 need an elementwise
             optimizer (AdamW, SGD, ...); with tensor parallel they shard each rank's tp shards (Megatron's distributed optimizer).
