@@ -130,7 +130,7 @@ def _measure(rank, world_size, stage, dim, layers, bucket_mb, folder):
     fresh_optimizer, fresh_engine = _engine(fresh_model, stage, mesh, bucket_mb)
     fresh_engine.init_state()
     with PeakResident() as loading:
-        load_training_state(path, fresh_model, [fresh_optimizer], zero_stage=stage)
+        load_training_state(path, fresh_model, [fresh_optimizer], zero_stage=stage, engines=[fresh_engine])
     for old, new, master in zip(engine.buckets, fresh_engine.buckets, masters):  # the load is exact
         torch.testing.assert_close(new.master.detach(), master, rtol=0, atol=0)
         for key, value in saved[id(old)].items():

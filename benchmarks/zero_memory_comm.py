@@ -94,7 +94,7 @@ class Measure(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if trainer.global_step == WARMUP_STEPS:
-            self.memory = model_state_bytes(pl_module, [optimizer])
+            self.memory = model_state_bytes(pl_module, [optimizer], trainer.strategy.zero_engines)
 
 
 def _run(rank, world_size, variant, args):

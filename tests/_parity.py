@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
 from ultrascale.data import ResumableBlockSampler
-from ultrascale.parallel.zero import zero_engine_for
+from ultrascale.parallel.zero import engine_for
 
 
 class TokenDataset(Dataset):
@@ -126,7 +126,7 @@ class Recorder(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.first_grads is None:
-            engine = zero_engine_for(optimizer)
+            engine = engine_for(optimizer, getattr(trainer.strategy, "zero_engines", ()))
             if engine is not None:  # ZeRO-1/2: the reduced gradients are sharded slices of flat buckets
                 self.first_grads = {n: g.float() for n, g in engine.full_gradients().items()}
             else:

@@ -15,7 +15,7 @@ from tests._dist import run_ranks
 from tests._parity import Recorder, full, step_losses
 from ultrascale.data import CausalLMDataModule
 from ultrascale.models.lm import LlamaLM
-from ultrascale.parallel.zero import zero_engine_for
+from ultrascale.parallel.zero import engine_for
 
 TOTAL_STEPS, STOP_STEP, WORLD = 10, 5, 2
 
@@ -41,7 +41,7 @@ class _FP32Weights(L.Callback):
 
     @staticmethod
     def _weights(trainer, pl_module):
-        engine = zero_engine_for(trainer.optimizers[0])
+        engine = engine_for(trainer.optimizers[0], trainer.strategy.zero_engines)
         if engine is None or not engine.has_master_copies:
             return {n: full(p).float() for n, p in pl_module.named_parameters()}
         return engine.full_master_weights()

@@ -288,8 +288,6 @@ def test_mixtral_export_roundtrip(tmp_path):
 def _finetune_zero12_bf16(rank, world_size, path, ckpt_dir, export_dir, strategy_kwargs):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from ultrascale.parallel.zero import zero_engine_for
-
     module = HFCausalLM(path, learning_rate=3e-3, warmup_steps=1, max_steps=100, export_dir=export_dir)
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=ultrascale.UltraScaleStrategy(**strategy_kwargs), max_steps=3,
@@ -297,8 +295,8 @@ def _finetune_zero12_bf16(rank, world_size, path, ckpt_dir, export_dir, strategy
         callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=3)],
     )
     trainer.fit(module, ParityData(TokenDataset(24, SEQ, VOCAB, seed=8), 8))
-    engine = zero_engine_for(trainer.optimizers[0])
-    assert engine is not None and engine.has_master_copies
+    (engine,) = trainer.strategy.zero_engines
+    assert engine.has_master_copies
     masters = {n[len("model."):]: w for n, w in engine.full_master_weights().items()}
     return {"masters": masters, "compute_dtypes": {str(p.dtype) for p in module.parameters()}}
 

@@ -19,7 +19,7 @@ class MeasureModelState(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if trainer.global_step == 1:  # grads of step 2 and Adam moments of step 1 are both alive
-            self.measured = model_state_bytes(pl_module, [optimizer])
+            self.measured = model_state_bytes(pl_module, [optimizer], trainer.strategy.zero_engines)
             self.param_dtypes = {str(p.dtype) for p in pl_module.parameters()}
             self.grad_dtypes = {str(p.grad.dtype) for p in pl_module.parameters()}
 

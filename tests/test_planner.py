@@ -385,7 +385,7 @@ def test_activation_peak_matches_memtracker(preset, recompute, dtype):
 class _MeasureModelState(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if trainer.global_step == 1:
-            self.measured = model_state_bytes(pl_module, [optimizer])
+            self.measured = model_state_bytes(pl_module, [optimizer], trainer.strategy.zero_engines)
 
 
 def _live_state(rank, world_size, preset, degrees, zero_stage):

@@ -112,7 +112,7 @@ def test_bytes_communicated_per_step_match_ddp(stage):
 class MeasureModelState(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if trainer.global_step == 1:
-            self.measured = model_state_bytes(pl_module, [optimizer])
+            self.measured = model_state_bytes(pl_module, [optimizer], trainer.strategy.zero_engines)
 
 
 def _memory(rank, world_size, stage, tp=1):
@@ -305,7 +305,7 @@ def _save_then_load_elsewhere(rank, world_size, stage, folder, saving_world):
         save_sharded_checkpoint({"state_dict": get_model_state_dict(model), "optimizer_0": saved}, {}, folder)
         return out
     engine.init_state()
-    load_training_state(folder, model, [optimizer], zero_stage=stage)
+    load_training_state(folder, model, [optimizer], zero_stage=stage, engines=[engine])
     _zero_step(model, optimizer, engine, steps[2])
     out["masters"] = engine.full_master_weights()
     return out

@@ -146,12 +146,13 @@ class MemoryMonitor(Callback):
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         # Model state peaks here: the gradients exist (ZeRO-2 frees its slices after the step) and
         # the optimizer state exists from the step before (from the second step on).
-        self._measured = model_state_bytes(pl_module, trainer.optimizers).total
+        self._measured = model_state_bytes(pl_module, trainer.optimizers, _engines(trainer)).total
 
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        measured = self._measured if self._measured is not None else model_state_bytes(pl_module, trainer.optimizers).total
+        measured = (self._measured if self._measured is not None
+                    else model_state_bytes(pl_module, trainer.optimizers, _engines(trainer)).total)
         self._measured = None
         metrics = {"memory/model_state_gib": measured / GiB}
         estimate = self.estimate(trainer, pl_module)
@@ -197,3 +198,8 @@ class MemoryMonitor(Callback):
         print(f"MemoryMonitor: rank {trainer.global_rank} wrote a CUDA memory snapshot to {path} "
               "(open it at https://pytorch.org/memory_viz)", flush=True)
         return str(path)
+
+
+def _engines(trainer: "pl.Trainer") -> tuple:
+    """The strategy's ZeRO-1/2 engines (its public `zero_engines`), whose gradient slices count as gradients."""
+    return tuple(getattr(trainer.strategy, "zero_engines", ()))

@@ -329,13 +329,10 @@ def _zero_masters(module: HFCausalLM, strategy: Any, keep: bool) -> dict[str, to
     """Under ZeRO-1/2 with bf16-mixed the module's weights are the bf16 compute copies of the fp32 masters the
     optimizer steps: the export takes the masters (HF names, on the CPU), as ZeRO-3 exports its fp32 weights.
     Every rank calls it; {} where there are no master copies, or on a rank that does not `keep`."""
-    from ultrascale.parallel.zero import zero_engine_for
-
     prefix = next(name for name, child in module.named_children() if child is module.model) + "."
     masters: dict[str, torch.Tensor] = {}
-    for optimizer in getattr(strategy, "optimizers", None) or []:
-        engine = zero_engine_for(optimizer)
-        if engine is not None and engine.has_master_copies:
+    for engine in getattr(strategy, "zero_engines", ()):
+        if engine.has_master_copies:
             gathered = engine.full_master_weights(keep=keep, cpu=True)
             masters.update({name[len(prefix):]: value for name, value in gathered.items() if name.startswith(prefix)})
     return masters

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -21,16 +22,18 @@ class ModelStateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> ModelStateBytes:
+def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = (),
+                      engines: Sequence[Any] = ()) -> ModelStateBytes:
     """Bytes of memory this rank holds for parameters, gradients and optimizer state.
 
     Counted per storage, so views into one flat buffer (ZeRO-1/2 buckets, FSDP shards)
     count once, padding included, and a tensor already counted in an earlier category
     (a ZeRO master slice that is a view of the weights) is not counted again.
     Optimizer state includes optimizer parameters that are not model parameters (fp32
-    master weights) and ZeRO-2's reduced gradient slices count as gradients.
+    master weights) and ZeRO-2's reduced gradient slices (of the optimizers' `ZeroEngine`s, `engines`) count as
+    gradients.
     """
-    from ultrascale.parallel.zero import zero_engine_for
+    from ultrascale.parallel.zero import engine_for
 
     optimizers = list(optimizers)
     seen: set[int] = set()
@@ -40,7 +43,7 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimi
     params = _storage_bytes(module_params, seen)
     grads = [p.grad for p in (*module_params, *optimizer_params) if p.grad is not None]
     for optimizer in optimizers:
-        engine = zero_engine_for(optimizer)
+        engine = engine_for(optimizer, engines)
         if engine is not None:
             grads.extend(engine.grad_shards())
     grad_bytes = _storage_bytes(grads, seen)

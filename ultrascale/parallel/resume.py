@@ -14,6 +14,7 @@ A checkpoint resumes under any world size, ZeRO family, TP / CP layout or pipeli
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,28 +22,29 @@ import torch
 import torch.nn as nn
 
 from ultrascale.parallel.checkpoint import load_sharded_checkpoint
-from ultrascale.parallel.zero import zero_engine_for
+from ultrascale.parallel.zero import ZeroEngine, engine_for
 from ultrascale.parallel.zero_layouts import flat_state_template, param_shaped_from_flat, relayout_like, saved_optimizer_layout
 
 
 def load_training_state(
-    path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], *, strict: bool = True, zero_stage: int = 3
+    path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], *, strict: bool = True, zero_stage: int = 3,
+    engines: Sequence[ZeroEngine] = (),
 ) -> dict[str, Any]:
     """Load the checkpoint at `path` into `model` and `optimizers` (ZeRO-1/2 ones through their
-    `ZeroEngine`); returns the checkpoint's non-tensor metadata. Every rank calls it.
+    `ZeroEngine`, one of `engines`); returns the checkpoint's non-tensor metadata. Every rank calls it.
     `zero_stage` only names this run's family in errors."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    tensors, layouts, currents = _read_targets(path, model, optimizers, zero_stage)
+    tensors, layouts, currents = _read_targets(path, model, optimizers, zero_stage, engines)
     metadata = load_sharded_checkpoint(path, tensors)
     saved_optimizers = metadata.get("ultrascale", {}).get("num_optimizers", len(optimizers))
     if optimizers and saved_optimizers != len(optimizers):
         raise ValueError(f"checkpoint {path} holds {saved_optimizers} optimizer(s), the model configures {len(optimizers)}")
     options = StateDictOptions(strict=strict)
-    optimizer_states = _convert_loaded(tensors, model, optimizers, layouts, currents)
+    optimizer_states = _convert_loaded(tensors, model, optimizers, layouts, currents, engines)
     set_model_state_dict(model, tensors["state_dict"], options=options)
     for i, optimizer in enumerate(optimizers):
-        engine = zero_engine_for(optimizer)
+        engine = engine_for(optimizer, engines)
         if engine is None:
             set_optimizer_state_dict(model, optimizer, optimizer_states[i], options=options)
         elif layouts[i] == "param":
@@ -53,7 +55,7 @@ def load_training_state(
 
 
 def _read_targets(
-    path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], zero_stage: int
+    path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], zero_stage: int, engines: Sequence[ZeroEngine]
 ) -> tuple[dict[str, Any], list[Optional[str]], list[Any]]:
     """What DCP reads the checkpoint into, per optimizer in the layout it was saved in; also each
     optimizer's saved layout and, for FSDP optimizers, their current (parameter-shaped) state dict."""
@@ -73,7 +75,7 @@ def _read_targets(
     currents: list[Any] = []
     for i, optimizer in enumerate(optimizers):
         prefix = f"optimizer_{i}"
-        engine = zero_engine_for(optimizer)
+        engine = engine_for(optimizer, engines)
         layout = saved_optimizer_layout(saved, prefix)
         current: Any = None
         try:
@@ -101,14 +103,14 @@ def _read_targets(
 
 def _convert_loaded(
     tensors: dict[str, Any], model: nn.Module, optimizers: list[torch.optim.Optimizer], layouts: list[Optional[str]],
-    currents: list[Any],
+    currents: list[Any], engines: Sequence[ZeroEngine],
 ) -> list[Any]:
     """The FSDP optimizers' states in their own layout (a ZeRO-1/2 one converted; its fp32 master
     weights, if saved, replace the model weights read in `tensors`), with this rank's param names."""
     states: list[Any] = []
     for i, optimizer in enumerate(optimizers):
         state = tensors[f"optimizer_{i}"]
-        if zero_engine_for(optimizer) is None:
+        if engine_for(optimizer, engines) is None:
             if layouts[i] == "flat":
                 state, masters = param_shaped_from_flat(state, currents[i])
                 for name, master in masters.items():

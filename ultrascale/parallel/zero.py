@@ -52,8 +52,7 @@ once, one tensor at a time (transient memory of one parameter's state, not of th
 from __future__ import annotations
 
 import math
-import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -86,18 +85,13 @@ _reduce_scatter = reduce_scatter_single
 _all_gather = all_gather_single
 _gather_for_inspection = _all_gather  # not the training path: tests count `_all_gather` calls
 
-_ENGINES: "weakref.WeakKeyDictionary[torch.optim.Optimizer, ZeroEngine]" = weakref.WeakKeyDictionary()
-
-
-def zero_engine_for(optimizer: Any) -> Optional["ZeroEngine"]:
-    """The ZeRO-1/2 engine that owns `optimizer`, if any. Wrappers that expose the wrapped optimizer
-    as `.optimizer` (Lightning's LightningOptimizer, accelerate's AcceleratedOptimizer) are unwrapped."""
+def engine_for(optimizer: Any, engines: Sequence["ZeroEngine"]) -> Optional["ZeroEngine"]:
+    """Which of `engines` (a strategy's, or a loop's own) owns `optimizer`, if any. Wrappers that expose the
+    wrapped optimizer as `.optimizer` (Lightning's LightningOptimizer, accelerate's AcceleratedOptimizer) are
+    unwrapped."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = getattr(optimizer, "optimizer", optimizer)
-    try:
-        return _ENGINES.get(optimizer)
-    except TypeError:
-        return None
+    return next((engine for engine in engines if engine.optimizer is optimizer), None)
 
 
 @dataclass
@@ -194,12 +188,6 @@ class ZeroEngine(ZeroCheckpointing):
         self.tp_rank = self.tp_mesh.get_local_rank() if self.tp_mesh is not None else 0
         if dp_mesh.ndim not in (1, 2):
             raise ValueError(f"ZeroEngine: dp_mesh must be 1-D (shard) or 2-D (replicate, shard), got {dp_mesh.ndim}-D")
-        for group in optimizer.param_groups:  # a previous engine over the same parameters (a second fit) steps down
-            for p in group["params"]:
-                previous = getattr(p, "_ultrascale_zero_engine", None)
-                previous = previous() if previous is not None else None
-                if previous is not None and previous is not self:
-                    previous.close()
         self.stage = stage
         self.dp_mesh = dp_mesh
         self.group = dp_mesh.get_group(dp_mesh.ndim - 1)
@@ -227,9 +215,6 @@ class ZeroEngine(ZeroCheckpointing):
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next_to_launch = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for b in self.buckets for p in b.params]
-        for b in self.buckets:
-            for p in b.params:
-                p._ultrascale_zero_engine = weakref.ref(self)
         # The optimizer's own step runs unchanged on the masters, through torch's step hooks: the pre-hook hands it
         # this rank's reduced slices as the masters' gradients once its closure has run (Lightning's closure is the
         # last forward and backward and the clipping: a pre-hook runs before it, so it wraps it), the post-hook
@@ -237,20 +222,14 @@ class ZeroEngine(ZeroCheckpointing):
         self._step_hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
                             optimizer.register_step_post_hook(self._after_optimizer_step)]
         self._initialising = False
-        _ENGINES[optimizer] = self
 
     def detach(self) -> None:
         """Take the gradient hooks off the model and the step hook off the optimizer (the end of a fit).
-        The engine still answers for the optimizer's state (`zero_engine_for`, a checkpoint saved after the fit)."""
+        The engine still answers for the optimizer's state (a checkpoint saved after the fit); a new engine over
+        the same parameters may take over (their weights are views of this one's last buffers)."""
         for hook in [*self._hooks, *self._step_hooks]:
             hook.remove()
         self._hooks, self._step_hooks = [], []
-
-    def close(self) -> None:
-        """`detach`, and no longer the optimizer's engine; the parameters stay views of the last weights, so a
-        new engine can take over."""
-        self.detach()
-        _ENGINES.pop(self.optimizer, None)
 
     # ------------------------------------------------------------------ layout
     def _build_buckets(self, named, bucket_bytes, compute_dtype, accumulate_dtype) -> list[_Bucket]:

@@ -36,7 +36,7 @@ from ultrascale.parallel.rules import LayoutKnobs, knob_problems, raise_first
 from ultrascale.parallel.tensor import has_tensor_parallel_dropout
 from ultrascale.parallel.tensor_styles import resolve_plan
 from ultrascale.parallel.transforms import ModelTransform
-from ultrascale.parallel.zero import ZeroEngine
+from ultrascale.parallel.zero import ZeroEngine, engine_for
 from ultrascale.strategies import collectives, model_setup, process_group
 from ultrascale.strategies._lightning_compat import StrategyInternals, attach_device_mesh, check_lightning_internals, optimizers_to_device
 from ultrascale.strategies.auto_layout import apply_auto_layout, fixed_knobs
@@ -279,6 +279,11 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         return self._parallel_dims
 
     @property
+    def zero_engines(self) -> tuple[ZeroEngine, ...]:
+        """The ZeRO-1/2 engines of this strategy's optimizers (empty under ZeRO-3); kept after `fit` for a save."""
+        return tuple(self._zero_engines)
+
+    @property
     def parallel_mesh(self) -> ParallelMesh:
         """All meshes of the run by axis name: `pp, dp_replicate, dp_shard, cp, tp, dp, dp_shard_cp`."""
         if self._parallel_mesh is None:
@@ -440,7 +445,7 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
             self.setup_optimizers(trainer)
             if self.zero_stage in (1, 2):
                 for engine in self._zero_engines:  # a second fit: the old engines' hooks must go
-                    engine.close()
+                    engine.detach()
                 self._zero_engines = [self._make_zero_engine(optimizer) for optimizer in self.optimizers]
         self.setup_precision_plugin()
         precision = self.precision_plugin
@@ -448,7 +453,8 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
             tied = self._tied_weights
             precision.clip_across(self._step_groups.stages if self._step_groups is not None else None,
                                   not_counted=tied.not_counted if tied is not None else lambda: (),
-                                  step_norm=self._step.take_grad_norm)
+                                  step_norm=self._step.take_grad_norm,
+                                  engine_of=lambda optimizer: engine_for(optimizer, self._zero_engines))
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
         self.checkpoint_publisher.open(fitting=trainer.state.fn == TrainerFn.FITTING)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -36,7 +36,7 @@ from ultrascale.parallel.dims import ParallelDims
 from ultrascale.parallel.fsdp import reshard
 from ultrascale.parallel.manifest import CheckpointDamaged, VerifyLevel, damage_message, verify_distributed
 from ultrascale.parallel.resume import load_training_state
-from ultrascale.parallel.zero import zero_engine_for
+from ultrascale.parallel.zero import ZeroEngine, engine_for
 from ultrascale.strategies.autoresume import AUTO
 
 PathLike = Union[str, Path]
@@ -139,13 +139,15 @@ def model_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     return get_model_state_dict(model)
 
 
-def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """An optimizer's sharded state dict: a ZeRO-1/2 engine's own, or DCP's for FSDP's parameters."""
+def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         engines: Sequence[ZeroEngine] = ()) -> dict[str, Any]:
+    """An optimizer's sharded state dict: its ZeRO-1/2 engine's own (one of `engines`), or DCP's for FSDP's
+    parameters."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     if isinstance(optimizer, LightningOptimizer):
         optimizer = optimizer.optimizer
-    engine = zero_engine_for(optimizer)
+    engine = engine_for(optimizer, engines)
     if engine is not None:
         return engine.sharded_state_dict()
     return get_optimizer_state_dict(model, optimizer)
@@ -210,7 +212,7 @@ class CheckpointHooks:
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         assert self.model is not None
-        return optimizer_state_dict(self.model, optimizer)
+        return optimizer_state_dict(self.model, optimizer, self._zero_engines)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -253,7 +255,8 @@ class CheckpointHooks:
             raise CheckpointDamaged(damage_message(path, problems))
         assert self.model is not None and self.lightning_module is not None
         return load_training_state(path, self.model, plain_optimizers(self.optimizers),
-                                   strict=self.lightning_module.strict_loading, zero_stage=self.zero_stage)
+                                   strict=self.lightning_module.strict_loading, zero_stage=self.zero_stage,
+                                   engines=self._zero_engines)
 
     @override
     def remove_checkpoint(self, filepath: PathLike) -> None:

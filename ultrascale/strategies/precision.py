@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from ultrascale.parallel.grad import clip_grad_norm_
 from ultrascale.parallel.rules import PRECISIONS
-from ultrascale.parallel.zero import zero_engine_for
+from ultrascale.parallel.zero import ZeroEngine
 
 PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true"]
 SUPPORTED_PRECISION: tuple[str, ...] = PRECISIONS  # the rulebook's list, under the name the strategies' messages use
@@ -34,18 +34,22 @@ class UltraScalePrecision(Precision):
         self._norm_group: Optional[torch.distributed.ProcessGroup] = None
         self._not_counted: Callable[[], Sequence[torch.Tensor]] = lambda: ()
         self._step_norm: Callable[[], Optional[torch.Tensor]] = lambda: None
+        self._engine_of: Callable[[Any], Optional[ZeroEngine]] = lambda optimizer: None
 
     def clip_across(self, stages: Optional[torch.distributed.ProcessGroup],
                     not_counted: Callable[[], Sequence[torch.Tensor]] = lambda: (),
-                    step_norm: Callable[[], Optional[torch.Tensor]] = lambda: None) -> None:
+                    step_norm: Callable[[], Optional[torch.Tensor]] = lambda: None,
+                    engine_of: Callable[[Any], Optional[ZeroEngine]] = lambda optimizer: None) -> None:
         """What clipping by norm needs from the strategy (it calls this in `setup`). `stages`: under pipeline
         parallel, the ranks holding the other stages, whose gradients count in the norm (None: this rank's
         gradients are the model's). `not_counted()`: this step's gradients that another stage counts
         (`TiedStageWeights.not_counted`). `step_norm()`: the global norm the step already reduced for its
-        non-finite check, once (`StepRunner.take_grad_norm`), so clipping needs no second reduction."""
+        non-finite check, once (`StepRunner.take_grad_norm`), so clipping needs no second reduction.
+        `engine_of(optimizer)`: its ZeRO-1/2 engine (whose slices hold the reduced gradients), or None."""
         self._norm_group = stages
         self._not_counted = not_counted
         self._step_norm = step_norm
+        self._engine_of = engine_of
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -75,7 +79,7 @@ class UltraScalePrecision(Precision):
     @override
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
         total = self._step_norm()
-        engine = zero_engine_for(optimizer)
+        engine = self._engine_of(optimizer)
         if engine is not None:  # ZeRO-1/2: the reduced gradients are the engine's slices
             engine.clip_grad_norm_(clip_val, total_norm=total)
         else:
@@ -84,7 +88,7 @@ class UltraScalePrecision(Precision):
 
     @override
     def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
-        engine = zero_engine_for(optimizer)
+        engine = self._engine_of(optimizer)
         if engine is not None:
             engine.clip_grad_value_(clip_val)
         else:

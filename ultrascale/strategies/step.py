@@ -41,7 +41,7 @@ from ultrascale.parallel.grad import global_grad_norm
 from ultrascale.parallel.loss import NUM_TOKENS_KEY, StepTokens, scale_gradients
 from ultrascale.parallel.pipeline import TiedStageWeights
 from ultrascale.parallel.rules import Problem, raise_first
-from ultrascale.parallel.zero import zero_engine_for
+from ultrascale.parallel.zero import ZeroEngine
 
 
 class TokenNormalizedStep:
@@ -278,15 +278,14 @@ class StepRunner:
             scale_balance_terms(self._routers, accumulate, mean_over=getattr(self._routers[0], ROUTER_LOAD_ATTRIBUTE).tokens)
         return self.tokens.backward_loss(closure_loss)
 
-    def finish(self, optimizer: torch.optim.Optimizer, groups: StepGroups, *, loss_divisor: int, step: int,
-               rank: int) -> StepResult:
+    def finish(self, optimizer: torch.optim.Optimizer, engine: Optional[ZeroEngine], groups: StepGroups, *,
+               loss_divisor: int, step: int, rank: int) -> StepResult:
         """The step's gradients reduced (ZeRO-1/2) and normalised once, checked, and the MoE loads counted.
 
         `loss_divisor`: what Lightning divided each micro-batch's loss by (`accumulate_grad_batches`
         under automatic optimisation, else 1). Raises FloatingPointError where `nonfinite` says to stop."""
         if self._tied is not None:
             self._tied.sync_gradients()
-        engine = zero_engine_for(optimizer)
         if engine is not None:
             engine.reduce_gradients()
             grads: list[Optional[torch.Tensor]] = list(engine.grad_shards())
@@ -320,9 +319,8 @@ class StepRunner:
         norm, self._unclipped_norm = self._unclipped_norm, None
         return norm
 
-    def discard(self, optimizer: torch.optim.Optimizer) -> None:
+    def discard(self, optimizer: torch.optim.Optimizer, engine: Optional[ZeroEngine]) -> None:
         """Drop a skipped step's gradients: the optimizer does not step on them, nor on the next ones."""
-        engine = zero_engine_for(optimizer)
         if engine is not None:
             engine.discard_step()
         optimizer.zero_grad(set_to_none=True)

@@ -22,7 +22,7 @@ from ultrascale.parallel.loss import NUM_TOKENS_KEY
 from ultrascale.parallel.pipeline import PipelineLayout, PipelineRunner
 from ultrascale.parallel.rules import batch_problems, not_built, raise_first
 from ultrascale.parallel.tensor import maybe_loss_parallel, synchronize_dropout_rng
-from ultrascale.parallel.zero import ZeroEngine
+from ultrascale.parallel.zero import ZeroEngine, engine_for
 from ultrascale.strategies import model_setup
 from ultrascale.strategies._lightning_compat import logging_as_hook, step_logged
 from ultrascale.strategies.autoresume import roll_back
@@ -280,7 +280,7 @@ class StepHooks:
         return guarded_optimizer_step(
             self._step.guard.policy, closure, lambda: self._finish_step(optimizer),
             lambda closure: lightning_step(optimizer, closure, model, **kwargs),
-            lambda: self._step.discard(optimizer), self._roll_back,
+            lambda: self._step.discard(optimizer, engine_for(optimizer, self._zero_engines)), self._roll_back,
         )
 
     def _finish_step(self, optimizer: torch.optim.Optimizer) -> StepResult:
@@ -289,7 +289,8 @@ class StepHooks:
         assert module is not None and self._step_groups is not None
         trainer = module.trainer
         result = self._step.finish(
-            optimizer, self._step_groups, step=trainer.global_step, rank=self.global_rank,
+            optimizer, engine_for(optimizer, self._zero_engines), self._step_groups, step=trainer.global_step,
+            rank=self.global_rank,
             loss_divisor=trainer.accumulate_grad_batches if module.automatic_optimization else 1,
         )
         log_step(module, result, self._step.guard, type(self).__name__)
