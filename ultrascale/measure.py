@@ -452,11 +452,10 @@ def _measure(r: dict[str, Any]) -> dict[str, Any]:
                 sync = i == accumulation - 1
                 if fsdp:
                     set_gradient_sync(module, sync or not r["accumulate_unsharded_grads"])
-                if engine is not None:
-                    engine.require_backward_grad_sync = sync
+                deferred = engine.no_sync() if engine is not None and not sync else contextlib.nullcontext()
                 if tracker is not None and i > 0:  # the trackers refuse a second root forward otherwise
                     tracker.reset_mod_stats()
-                with maybe_loss_parallel(loss_parallel):
+                with deferred, maybe_loss_parallel(loss_parallel):
                     logits = _logits(module, step_batch["input_ids"], step_batch.get("position_ids"))
                     loss_sum, _ = cross_entropy_sum(logits, step_batch["labels"])
                     del logits
@@ -547,8 +546,6 @@ def _first_stage_1f1b(stages: Any, layout: Any, batch: dict[str, Any], engine: A
         stage.set_is_last_backward(False)
         stage.set_reshard_after_backward(False)
         stage.set_requires_gradient_sync(False)
-    if engine is not None:
-        engine.require_backward_grad_sync = False
     in_flight: list[Any] = []
 
     def forward(i: int) -> None:
@@ -562,13 +559,14 @@ def _first_stage_1f1b(stages: Any, layout: Any, batch: dict[str, Any], engine: A
         del output
 
     warmup = min(m, layout.num_stages)
-    for i in range(warmup):
-        forward(i)
-    for i in range(warmup, m):
-        backward()
-        forward(i)
-    while in_flight:
-        backward()
+    with engine.no_sync() if engine is not None else contextlib.nullcontext():  # one reduction per step
+        for i in range(warmup):
+            forward(i)
+        for i in range(warmup, m):
+            backward()
+            forward(i)
+        while in_flight:
+            backward()
     if fsdp:  # the schedule's REDUCE_GRAD action
         stage.set_is_last_backward(True)
         stage.set_reshard_after_backward(True)
@@ -579,7 +577,6 @@ def _first_stage_1f1b(stages: Any, layout: Any, batch: dict[str, Any], engine: A
                 group.post_backward()
         state._root_post_backward_final_callback()
     if engine is not None:
-        engine.require_backward_grad_sync = True
         engine.absorb_assigned_grads()
 
 

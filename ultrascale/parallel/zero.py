@@ -51,6 +51,7 @@ once, one tensor at a time (transient memory of one parameter's state, not of th
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -194,7 +195,7 @@ class ZeroEngine(ZeroCheckpointing):
         self.world = dp_mesh.size(dp_mesh.ndim - 1)
         self.rank = dp_mesh.get_local_rank(dp_mesh.ndim - 1)
         self.replicate_group = dp_mesh.get_group(0) if dp_mesh.ndim == 2 and dp_mesh.size(0) > 1 else None
-        self.require_backward_grad_sync = True
+        self._sync = True
         self._backward_queued = False
         self._unreduced = False  # some backward since the last reduction left local gradients
         self._reduced = False  # this step's gradients are reduced; the next event must be the step
@@ -222,6 +223,16 @@ class ZeroEngine(ZeroCheckpointing):
         self._step_hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
                             optimizer.register_step_post_hook(self._after_optimizer_step)]
         self._initialising = False
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside defer their reduction to the step's `reduce_gradients` (DDP's `no_sync`): the
+        non-final micro-batches of gradient accumulation, a pipeline schedule's micro-batches."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
 
     def detach(self) -> None:
         """Take the gradient hooks off the model and the step hook off the optimizer (the end of a fit).
@@ -315,7 +326,7 @@ class ZeroEngine(ZeroCheckpointing):
             # unless the bucket accumulates in another dtype (or the parameter is a DTensor).
             p.grad = view if view.dtype == p.dtype and not isinstance(p, DTensor) else None
         bucket.ready += 1
-        if self.stage == 2 and self.require_backward_grad_sync:
+        if self.stage == 2 and self._sync:
             self._launch_ready_buckets()
 
     @torch.no_grad()
@@ -361,7 +372,7 @@ class ZeroEngine(ZeroCheckpointing):
         self._backward_queued = False
         for bucket in self.buckets:
             bucket.ready = 0
-        if self.stage == 2 and self.require_backward_grad_sync:
+        if self.stage == 2 and self._sync:
             self._reduce_all()
 
     @torch.no_grad()

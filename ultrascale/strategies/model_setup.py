@@ -9,7 +9,7 @@ stay with the strategy and run before `shard_model`, so no weight moves for a la
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -172,12 +172,11 @@ def deferred_gradient_sync(model: Optional[torch.nn.Module], engines: Sequence[Z
     fsdp = model is not None and is_fsdp_sharded(model) and accumulate_unsharded_grads
     if fsdp:
         set_gradient_sync(model, False)
-    for engine in engines:
-        engine.require_backward_grad_sync = False
     try:
-        yield
+        with ExitStack() as deferred:
+            for engine in engines:
+                deferred.enter_context(engine.no_sync())
+            yield
     finally:
         if fsdp:
             set_gradient_sync(model, True)
-        for engine in engines:
-            engine.require_backward_grad_sync = True

@@ -15,6 +15,7 @@ Lightning-free: the strategy calls `run` from `pipeline_loss` and `restore` from
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from typing import TypeVar
 
 import torch
@@ -44,14 +45,10 @@ class PipelineGradientStash:
         earlier = _take_gradients(model) if train else []
         # ZeRO-1/2 reduce once per step under PP: each micro-batch's backward is its own autograd call,
         # and the zero-bubble schedules assign weight gradients, which no hook sees, after it.
-        syncs = [engine.require_backward_grad_sync for engine in engines]
-        for engine in engines:
-            engine.require_backward_grad_sync = False
-        try:
+        with ExitStack() as deferred:
+            for engine in engines:
+                deferred.enter_context(engine.no_sync())
             out = schedule_step()
-        finally:
-            for engine, sync in zip(engines, syncs):
-                engine.require_backward_grad_sync = sync
         if train:
             for engine in engines:
                 engine.absorb_assigned_grads()
