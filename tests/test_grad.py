@@ -103,9 +103,9 @@ def test_clipping_reuses_a_steps_norm_only_within_that_step():
     model(torch.ones(4, 3)).square().sum().backward()
     expected = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))
     runner.start_micro_batch(1)
-    runner.finish(optimizer, groups, loss_divisor=1, step=0, rank=0)
+    runner.finish(optimizer, None, groups, loss_divisor=1, step=0, rank=0)
     assert_close(runner.take_grad_norm(), expected)
     assert runner.take_grad_norm() is None  # once: clipping changes the norm
-    runner.finish(optimizer, groups, loss_divisor=1, step=1, rank=0)
+    runner.finish(optimizer, None, groups, loss_divisor=1, step=1, rank=0)
     runner.start_micro_batch(1)  # the next step begins: that norm is no longer this step's
     assert runner.take_grad_norm() is None
