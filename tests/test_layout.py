@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -150,6 +151,25 @@ def layering_problems(graph: dict[str, set[str]], layers: tuple[tuple[str, ...],
 
 def test_imports_point_down_and_close_no_circle():
     assert layering_problems(import_graph(PACKAGE), LAYERS, "ultrascale") == []
+
+
+def drawn_layers(page: str) -> tuple[tuple[str, ...], ...]:
+    """The layers docs/architecture.md draws under "## Layers": each line of its first code block names files and
+    folders of `ultrascale/` (`cli.py, verify/, planner/app.py   what they are`); lines naming none are skipped."""
+    block = page.split("## Layers", 1)[1].split("```", 2)[1]
+    layers = []
+    for line in block.splitlines()[1:]:
+        names = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
+        modules = tuple("ultrascale." + name.strip().rstrip("/").removesuffix(".py").replace("/", ".")
+                        for name in names.split(",") if name.strip().endswith((".py", "/")))
+        if modules and not any("*" in m or m.startswith("ultrascale.recipes") for m in modules):
+            layers.append(modules)
+    return tuple(layers)
+
+
+def test_the_architecture_page_draws_these_layers():
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    assert drawn_layers(page) == LAYERS
 
 
 def test_the_layering_check_catches_an_upward_import_and_a_circle(tmp_path):
