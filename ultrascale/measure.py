@@ -52,7 +52,13 @@ import sys
 import time
 from typing import Any
 
-from ultrascale.parallel.rules import PRECISIONS, RECOMPUTE_MODES, not_built  # the first two re-exported (`__all__`)
+from ultrascale.parallel.rules import (  # the first two re-exported (`__all__`)
+    PRECISIONS,
+    RECOMPUTE_MODES,
+    choice_problems,
+    not_built,
+    raise_first,
+)
 
 __all__ = ["CATEGORIES", "PRECISIONS", "RECOMPUTE_MODES", "measure_layout"]
 
@@ -253,10 +259,8 @@ def _tail(text: Any, lines: int = 25) -> str:
 
 def _check_request(r: dict[str, Any]) -> None:
     """ValueError / NotImplementedError for what can be refused without building anything."""
-    if r["precision"] not in PRECISIONS:
-        raise ValueError(f"measure_layout: precision={r['precision']!r}; choose one of {', '.join(PRECISIONS)}")
-    if r["recompute"] not in RECOMPUTE_MODES:
-        raise ValueError(f"measure_layout: recompute={r['recompute']!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
+    raise_first(choice_problems("precision", r["precision"], PRECISIONS)
+                + choice_problems("recompute", r["recompute"], RECOMPUTE_MODES), "measure_layout")
     for name in ("seq_len", "micro_batch", "grad_accumulation"):
         if not isinstance(r[name], int) or r[name] < 1:
             raise ValueError(f"measure_layout: {name}={r[name]!r} must be a positive integer")
@@ -294,7 +298,7 @@ def _knobs(r: dict[str, Any]) -> Any:
 
 def _resolve(r: dict[str, Any]) -> Any:
     """The request's degrees, checked by the rulebook as the strategy checks its knobs (`ParallelDims`)."""
-    from ultrascale.parallel.rules import knob_problems, raise_first, resolve
+    from ultrascale.parallel.rules import knob_problems, resolve
 
     knobs = _knobs(r)
     raise_first(knob_problems(knobs), "measure_layout")

@@ -53,7 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ultrascale.parallel.attention_kernels import attention_kernel, repeat_kv, softcap_kernel
 from ultrascale.parallel.device import all_gather_single, grouped_sdpa, reduce_scatter_single
-from ultrascale.parallel.rules import CONTEXT_PARALLEL_METHODS, not_built
+from ultrascale.parallel.rules import CONTEXT_PARALLEL_METHODS, choice_problems, not_built, raise_first
 
 ContextParallelMethod = Literal["allgather", "ring", "alltoall"]
 
@@ -461,8 +461,7 @@ class ContextParallel:
     """
 
     def __init__(self, mesh: DeviceMesh, method: ContextParallelMethod = "ring", load_balance: bool = True) -> None:
-        if method not in CONTEXT_PARALLEL_METHODS:
-            raise ValueError(f"context parallel method {method!r}: choose one of {CONTEXT_PARALLEL_METHODS}")
+        raise_first(choice_problems("method", method, CONTEXT_PARALLEL_METHODS), "ContextParallel")
         if mesh.ndim != 1:
             raise ValueError(f"context parallel needs a 1-D cp mesh, got {mesh.ndim}-D")
         self.mesh = mesh

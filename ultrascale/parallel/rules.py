@@ -33,7 +33,7 @@ __all__ = [
     "CONTEXT_PARALLEL_METHODS",
     "LayoutError", "LayoutKnobs", "LayoutNotImplemented", "ModelFacts", "NOT_BUILT", "NotBuilt", "Problem", "SCHEDULES",
     "SINGLE_STAGE_SCHEDULES", "V_SCHEDULES",
-    "batch_problems", "knob_problems", "model_problems", "not_built", "pipeline_problems", "raise_first", "resolve",
+    "batch_problems", "choice_problems", "knob_problems", "model_problems", "not_built", "pipeline_problems", "raise_first", "resolve",
     "tp_divides_problem",
 ]
 
@@ -159,6 +159,12 @@ RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 "selective" or its "full" on every block."""
 
 
+def choice_problems(knob: str, value: object, choices: Sequence[str]) -> list[Problem]:
+    """A knob that takes one of `choices`: a precision (`PRECISIONS`), a recompute mode (`RECOMPUTE_MODES`), a
+    context-parallel method (`CONTEXT_PARALLEL_METHODS`). The one check of each, wherever the knob arrives."""
+    return [] if value in choices else [Problem(f"choose one of {', '.join(choices)}", (f"{knob}={value!r}",))]
+
+
 def raise_first(problems: Sequence[Problem], owner: str = "") -> None:
     """Raise the first problem (ValueError, or NotImplementedError for a combination not built yet)."""
     if problems:
@@ -256,9 +262,7 @@ def knob_problems(k: LayoutKnobs) -> list[Problem]:
             "expert parallel with tensor parallel is not implemented yet: choose one (tensor_parallel alone splits "
             "every expert's intermediate width over the tp ranks, expert_parallel splits the experts over data ranks)",
             (f"expert_parallel={k.ep}", f"tensor_parallel={k.tp}"), not_built="expert_parallel_with_tensor_parallel"))
-    if k.context_parallel_method not in CONTEXT_PARALLEL_METHODS:
-        problems.append(Problem(f"choose one of {CONTEXT_PARALLEL_METHODS}",
-                                (f"context_parallel_method={k.context_parallel_method!r}",)))
+    problems += choice_problems("context_parallel_method", k.context_parallel_method, CONTEXT_PARALLEL_METHODS)
     if k.zero_stage not in ZERO_STAGES:
         plain = (" (plain replicated data parallel, ZeRO-0, is `data_parallel_replicate=N, data_parallel_shard=1`: HSDP "
                  "without sharding)") if k.zero_stage == 0 else ""

@@ -21,7 +21,7 @@ from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, GPU_SPECS,
 from ultrascale.models.adapters import model_shape
 from ultrascale.parallel import rules
 from ultrascale.parallel.dims import ParallelDims
-from ultrascale.parallel.rules import PRECISIONS, LayoutKnobs, batch_problems, raise_first
+from ultrascale.parallel.rules import PRECISIONS, LayoutKnobs, batch_problems, choice_problems, raise_first
 from ultrascale.planner.cost import PlanRow, Workload, evaluate
 from ultrascale.planner.layouts import RECOMPUTE_MODES, Layout, model_facts_of, parse_layout
 from ultrascale.planner.recipe import recipe_yaml
@@ -396,9 +396,7 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
 
     precision = str(trainer_args.get("precision"))
     precision = _PRECISION_ALIASES.get(precision, precision)
-    if precision not in SUPPORTED_PRECISION:
-        raise ValueError(f"`trainer.precision={trainer_args.get('precision')!r}`: ultrascale runs "
-                         f"{', '.join(SUPPORTED_PRECISION)}")
+    raise_first(choice_problems("trainer.precision", precision, SUPPORTED_PRECISION))
 
     seq_len = getattr(datamodule, "seq_len", None)
     global_batch = getattr(datamodule, "global_batch_size", None)

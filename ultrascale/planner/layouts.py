@@ -18,6 +18,8 @@ from ultrascale.parallel.rules import (
     LayoutKnobs,
     ModelFacts,
     Problem,
+    choice_problems,
+    raise_first,
 )
 
 __all__ = ["LAYOUT_KEYS", "Layout", "PIPELINE_SPLITS", "RECOMPUTE_MODES", "format_layers", "layout_problems",
@@ -119,8 +121,7 @@ def parse_layout(text: str) -> dict[str, Any]:
             fixed[key] = value.lower() in ("1", "true")
             continue
         if key == "cp_method":
-            if value not in CONTEXT_PARALLEL_METHODS:
-                raise ValueError(f"cp_method={value!r}: choose one of {', '.join(CONTEXT_PARALLEL_METHODS)}")
+            raise_first(choice_problems(key, value, CONTEXT_PARALLEL_METHODS))
             fixed[key] = value
             continue
         if key == "pipeline_schedule":
@@ -139,8 +140,7 @@ def parse_layout(text: str) -> dict[str, Any]:
                                  "stage as 7:8:8:7") from None
             continue
         if key == "recompute":
-            if value not in RECOMPUTE_MODES:
-                raise ValueError(f"recompute={value!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
+            raise_first(choice_problems(key, value, RECOMPUTE_MODES))
             fixed[key] = value
             continue
         try:
@@ -232,8 +232,7 @@ def rule_problems(layout: Layout, shape: ModelShape, cluster: Cluster, seq_len: 
     if layout.accumulate_unsharded_grads and not (layout.pp == 1 and layout.grad_accumulation > 1):
         problems.append(Problem("accumulate_unsharded_grads changes nothing without gradient accumulation, and a "
                                 "pipeline reduces once per step anyway"))
-    if layout.recompute not in RECOMPUTE_MODES:
-        problems.append(Problem(f"recompute={layout.recompute!r}: choose one of {', '.join(RECOMPUTE_MODES)}"))
+    problems += choice_problems("recompute", layout.recompute, RECOMPUTE_MODES)
     return problems
 
 

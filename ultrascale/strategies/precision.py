@@ -12,7 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
 from ultrascale.parallel.grad import clip_grad_norm_
-from ultrascale.parallel.rules import PRECISIONS
+from ultrascale.parallel.rules import PRECISIONS, choice_problems, raise_first
 from ultrascale.parallel.zero import ZeroEngine
 
 PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true"]
@@ -28,8 +28,7 @@ class UltraScalePrecision(Precision):
     """
 
     def __init__(self, precision: PrecisionName = "32-true") -> None:
-        if precision not in SUPPORTED_PRECISION:
-            raise ValueError(f"ultrascale supports precision {SUPPORTED_PRECISION}, got precision={precision!r}")
+        raise_first(choice_problems("precision", precision, SUPPORTED_PRECISION), "UltraScalePrecision")
         self.precision = precision
         self._norm_group: Optional[torch.distributed.ProcessGroup] = None
         self._not_counted: Callable[[], Sequence[torch.Tensor]] = lambda: ()
