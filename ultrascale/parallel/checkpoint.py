@@ -236,7 +236,7 @@ def dcp_storable(state: Any, *, read_back: bool = False) -> Iterator[None]:
     with the values DCP read into the copies first if `read_back`.
 
     DCP writes each rank's shard as one (offsets, sizes) box. A packed [gate; up] weight split over tp
-    (`ultrascale.parallel.tensor.packed_shard`, a `_StridedShard` not nested in a plain shard of the
+    (`ultrascale.parallel.tensor_styles.packed_shard`, a `_StridedShard` not nested in a plain shard of the
     same dim, as FSDP's own is) holds two boxes, which DCP refuses as overlapping. Its copy shards that
     dim plainly: the same global values, so the file reads back into any layout. The copy costs one
     more shard of each such tensor while it lives (an all-to-all over tp per tensor). Containers are
