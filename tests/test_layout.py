@@ -172,6 +172,53 @@ def test_the_architecture_page_draws_these_layers():
     assert drawn_layers(page) == LAYERS
 
 
+def defined_names(package: Path) -> tuple[set[str], dict[str, set[str]]]:
+    """Every module-level function and class of the package, and each class's members (methods, properties, class
+    attributes and annotated fields), read from the source."""
+    functions: set[str] = set()
+    members: dict[str, set[str]] = {}
+    for path in package.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                functions.add(node.name)
+            elif isinstance(node, ast.ClassDef):
+                owned = members.setdefault(node.name, set())
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        owned.add(item.name)
+                    elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        owned.add(item.target.id)
+    return functions, members
+
+
+def drawn_step_problems(page: str, functions: set[str], members: dict[str, set[str]]) -> list[str]:
+    """The names in the step docs/architecture.md draws ("### Each optimizer step", its code block) that the code
+    does not have: every `Class.member` anywhere on a line, every `function(` called before the comment."""
+    block = page.split("### Each optimizer step", 1)[1].split("```", 2)[1]
+    local = {"closure", "lightning_step", "step"}  # the closure and the step Lightning hands to the hook
+    problems = []
+    for line in block.splitlines():
+        for owner, member in re.findall(r"\b([A-Z]\w+)\.(\w+)", line):
+            if member not in members.get(owner, ()):
+                problems.append(f"{owner}.{member}")
+        code = line.split("#", 1)[0]
+        for name in re.findall(r"(?<![.\w])([a-z_]\w*)\(", code):
+            if name not in functions and name not in local:
+                problems.append(f"{name}()")
+    return problems
+
+
+def test_the_architecture_page_draws_the_step_the_code_has():
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    block = page.split("### Each optimizer step", 1)[1].split("```", 2)[1]
+    assert 10 < len(block.splitlines()) <= 60
+    functions, members = defined_names(PACKAGE)
+    assert drawn_step_problems(page, functions, members) == []
+    # The check itself: a renamed method and a function that does not exist are both found.
+    broken = page.replace("StepRunner.observe(", "StepRunner.look(").replace("log_step(", "record_step(")
+    assert drawn_step_problems(broken, functions, members) == ["StepRunner.look", "record_step()"]
+
+
 def test_the_layering_check_catches_an_upward_import_and_a_circle(tmp_path):
     package = tmp_path / "pkg"
     (package / "low").mkdir(parents=True)
