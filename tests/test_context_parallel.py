@@ -29,6 +29,8 @@ from tests._parity import (
 )
 from ultrascale.models.lm import LlamaLM
 from ultrascale.parallel.context import ContextLayout, ContextParallel, document_ids
+from ultrascale.parallel.dims import ParallelDims
+from ultrascale.parallel.rules import batch_problems
 
 # ----------------------------------------------------------------------------- attention alone
 
@@ -194,6 +196,23 @@ def test_layout_zigzag_chunks():
     assert layout.token_index(1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
     with pytest.raises(ValueError, match="multiple of 4"):
         ContextLayout(seq_len=18, cp=2, load_balance=True)
+
+
+def test_the_layout_and_the_strategys_batch_check_share_one_rule():
+    """`ContextLayout` (a raw loop's cut) and `batch_problems` (the strategy's check before any collective) accept and
+    refuse the same lengths, with and without load balance."""
+    dims = ParallelDims.resolve(4, dp_shard=1, cp=4)
+    for load_balance in (True, False):
+        for seq_len in range(4, 41):
+            try:
+                ContextLayout(seq_len=seq_len, cp=4, load_balance=load_balance)
+                layout_error = None
+            except ValueError as error:
+                layout_error = str(error)
+            problems = batch_problems(dims, seq_len=seq_len, load_balance=load_balance)
+            assert (layout_error is None) == (not problems), (seq_len, load_balance)
+            assert (seq_len % (8 if load_balance else 4) == 0) == (layout_error is None)
+    assert "cp=4 chunks" in batch_problems(dims, seq_len=18, load_balance=False)[0].message
 
 
 # ----------------------------------------------------------------------------- whole model

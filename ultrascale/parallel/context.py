@@ -53,6 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ultrascale.parallel.attention_kernels import attention_kernel, repeat_kv, softcap_kernel
 from ultrascale.parallel.device import all_gather_single, grouped_sdpa, reduce_scatter_single
+from ultrascale.parallel.dims import context_chunks, sequence_split_problem
 from ultrascale.parallel.rules import CONTEXT_PARALLEL_METHODS, choice_problems, not_built, raise_first
 
 ContextParallelMethod = Literal["allgather", "ring", "alltoall"]
@@ -77,15 +78,14 @@ class ContextLayout:
     """(B, seq_len) document index of every token of the whole sequence (packed sequences), or None."""
 
     def __post_init__(self) -> None:
-        if self.seq_len % self.num_chunks != 0:
-            raise ValueError(
-                f"context parallel: sequence length {self.seq_len} must be a multiple of {self.num_chunks} "
-                f"({'2*cp load-balanced chunks' if self.load_balance else 'cp chunks'}, cp={self.cp})"
-            )
+        problem = sequence_split_problem(self.seq_len, tp=1, cp=self.cp, load_balance=self.load_balance,
+                                         where="the context-parallel batch")
+        if problem is not None:
+            raise ValueError(problem)
 
     @property
     def num_chunks(self) -> int:
-        return 2 * self.cp if self.load_balance else self.cp
+        return context_chunks(self.cp, load_balance=self.load_balance)
 
     @property
     def chunk_len(self) -> int:

@@ -156,31 +156,45 @@ class ParallelDims:
         return self.ep > 1
 
     def seq_len_divisor(self, *, sequence_parallel: bool) -> int:
-        """Sequence lengths must be multiples of this: SP splits the sequence by tp, load-balanced
-        CP into 2*cp chunks; plain TP (no SP) takes any length."""
-        return (self.tp if sequence_parallel else 1) * (2 * self.cp if self.cp > 1 else 1)
+        """Sequence lengths must be multiples of this (`sequence_split_problem` with the strategy's default,
+        load-balanced context parallel)."""
+        return (self.tp if sequence_parallel else 1) * (context_chunks(self.cp, load_balance=True) if self.cp > 1 else 1)
 
     def check_seq_len(self, seq_len: int, *, sequence_parallel: bool, where: str = "the batch") -> None:
         """ValueError (before any collective sees the sequence) if `seq_len` does not split evenly."""
-        divisor = self.seq_len_divisor(sequence_parallel=sequence_parallel)
-        if seq_len % divisor == 0:
-            return
-        reasons = []
-        if sequence_parallel and self.tp > 1:
-            reasons.append(f"sequence parallel splits it over tp={self.tp} ranks")
-        if self.cp > 1:
-            reasons.append(f"context parallel cuts it into 2*cp={2 * self.cp} load-balanced chunks")
-        below, above = seq_len - seq_len % divisor, seq_len - seq_len % divisor + divisor
-        fitting = f"{below} or {above}" if below > 0 else f"{above}"
-        raise ValueError(
-            f"sequence length {seq_len} of {where} must be a multiple of {divisor} ({'; '.join(reasons)}): "
-            f"use {fitting} (any multiple of {divisor})"
-            + ("" if self.cp > 1 else ", or turn off `sequence_parallel`")
-        )
+        problem = sequence_split_problem(seq_len, tp=self.tp if sequence_parallel else 1, cp=self.cp,
+                                         load_balance=True, where=where)
+        if problem is not None:
+            raise ValueError(problem)
 
     def describe(self) -> str:
         experts = f", ep={self.ep} within dp_shard x cp" if self.ep_enabled else ""
         return " x ".join(f"{axis}={getattr(self, axis)}" for axis in MESH_AXES) + f"{experts} (world {self.world_size})"
+
+
+def context_chunks(cp: int, *, load_balance: bool) -> int:
+    """The chunks context parallel cuts a sequence into: 2·cp load-balanced (zig-zag: rank r holds chunks r and
+    2cp-1-r, so every rank does the same causal work), else cp."""
+    return 2 * cp if load_balance else cp
+
+
+def sequence_split_problem(seq_len: int, *, tp: int, cp: int, load_balance: bool, where: str = "the batch") -> Optional[str]:
+    """The one rule of a sequence's length against the layout: a multiple of tp (sequence parallel splits it over
+    the `tp` ranks; pass 1 without it) times `context_chunks(cp)`. The message says why and what fits; None if it
+    splits."""
+    divisor = tp * (context_chunks(cp, load_balance=load_balance) if cp > 1 else 1)
+    if seq_len % divisor == 0:
+        return None
+    reasons = []
+    if tp > 1:
+        reasons.append(f"sequence parallel splits it over tp={tp} ranks")
+    if cp > 1:
+        reasons.append(f"context parallel cuts it into 2*cp={2 * cp} load-balanced chunks" if load_balance
+                       else f"context parallel cuts it into cp={cp} chunks")
+    below, above = seq_len - seq_len % divisor, seq_len - seq_len % divisor + divisor
+    fitting = f"{below} or {above}" if below > 0 else f"{above}"
+    return (f"sequence length {seq_len} of {where} must be a multiple of {divisor} ({'; '.join(reasons)}): "
+            f"use {fitting} (any multiple of {divisor})" + ("" if cp > 1 else ", or turn off `sequence_parallel`"))
 
 
 @dataclass(frozen=True)
@@ -282,4 +296,5 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-__all__ = ["MESH_AXES", "FLAT_AXES", "EXPERT_AXES", "ParallelDims", "ParallelMesh", "build_mesh"]
+__all__ = ["MESH_AXES", "FLAT_AXES", "EXPERT_AXES", "ParallelDims", "ParallelMesh", "build_mesh", "context_chunks",
+           "sequence_split_problem"]

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ultrascale.parallel.dims import ParallelDims
+from ultrascale.parallel.dims import ParallelDims, sequence_split_problem
 
 __all__ = [
     "CONTEXT_PARALLEL_METHODS",
@@ -497,17 +497,18 @@ def microbatch_split_problem(local_batch: int, microbatches: int, source: str, *
 def batch_problems(dims: ParallelDims, *, seq_len: Optional[int] = None,
                    global_batch: Optional[int] = None, sequence_parallel: bool = False,
                    microbatches: Optional[int] = None, micro_batch: Optional[int] = None,
-                   grad_accumulation: Optional[int] = None, where: str = "") -> list[Problem]:
-    """The data against the layout: the sequence splits over sp x cp, the global batch over dp, each rank's
-    batch into the pipeline's micro-batches; with `micro_batch` and `grad_accumulation` (the planner's
-    split of the batch) also that they make the global batch."""
+                   grad_accumulation: Optional[int] = None, where: str = "",
+                   load_balance: bool = True) -> list[Problem]:
+    """The data against the layout: the sequence splits over sp x cp (`load_balance`: context parallel's zig-zag
+    chunks, `sequence_split_problem`), the global batch over dp, each rank's batch into the pipeline's micro-batches;
+    with `micro_batch` and `grad_accumulation` (the planner's split of the batch) also that they make the global
+    batch."""
     problems: list[Problem] = []
     if seq_len is not None:
-        try:
-            dims.check_seq_len(seq_len, sequence_parallel=sequence_parallel and dims.tp_enabled,
-                               where=f"{where}(seq_len={seq_len})" if where else "the batch")
-        except ValueError as error:
-            problems.append(Problem(str(error)))
+        split = sequence_split_problem(seq_len, tp=dims.tp if sequence_parallel and dims.tp_enabled else 1, cp=dims.cp,
+                                       load_balance=load_balance,
+                                       where=f"{where}(seq_len={seq_len})" if where else "the batch")
+        problems += [Problem(split)] if split is not None else []
     if global_batch is not None:
         source = f"{where}(global_batch_size={global_batch})" if where else f"the global batch of {global_batch} sequences"
         split = batch_split_problem(global_batch, dims.dp, source)

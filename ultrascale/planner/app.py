@@ -20,7 +20,7 @@ from ultrascale.estimate import ModelShape
 from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, GPU_SPECS, Cluster, GpuSpec
 from ultrascale.models.adapters import model_shape
 from ultrascale.parallel import rules
-from ultrascale.parallel.dims import ParallelDims
+from ultrascale.parallel.dims import ParallelDims, context_chunks
 from ultrascale.parallel.rules import PRECISIONS, LayoutKnobs, batch_problems, choice_problems, raise_first
 from ultrascale.planner.cost import PlanRow, Workload, evaluate
 from ultrascale.planner.layouts import RECOMPUTE_MODES, Layout, model_facts_of, parse_layout
@@ -458,7 +458,7 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
     local = global_batch // dims.dp
     splits = []
     if dims.cp > 1:
-        splits.append(f"2*cp={2 * dims.cp} chunks")
+        splits.append(f"{context_chunks(dims.cp, load_balance=True)} context-parallel chunks")
     if sequence_parallel and dims.tp > 1:
         splits.append(f"tp={dims.tp} (sequence parallel)")
     checks.append(f"seq_len {seq_len}{' splits into ' + ' x '.join(splits) if splits else ''}"

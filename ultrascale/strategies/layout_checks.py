@@ -42,6 +42,7 @@ class LayoutChecks:
     _degrees: dict[str, int]
     zero_stage: int
     context_parallel_method: Any
+    context_parallel_load_balance: bool
     pipeline_schedule: str
     pipeline_virtual_stages: Optional[int]
     pipeline_microbatches: Optional[int]
@@ -133,4 +134,5 @@ class LayoutChecks:
             self.parallel_dims, seq_len=seq_len if isinstance(seq_len, int) else None,
             global_batch=global_batch if isinstance(global_batch, int) else None, sequence_parallel=sequence_parallel,
             microbatches=microbatches, where=type(datamodule).__name__,
+            load_balance=self.context_parallel_load_balance,
         ), type(self).__name__)

@@ -188,6 +188,7 @@ class StepHooks:
     _tensor_parallel_dropout: bool
     _rollbacks: int
     accumulate_unsharded_grads: bool
+    context_parallel_load_balance: bool
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -197,7 +198,8 @@ class StepHooks:
         tokens = batch.get("input_ids") if isinstance(batch, Mapping) else None
         if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
             raise_first(batch_problems(self.parallel_dims, seq_len=tokens.shape[1],
-                                       sequence_parallel=bool(self._sequence_parallel_active)))
+                                       sequence_parallel=bool(self._sequence_parallel_active),
+                                       load_balance=self.context_parallel_load_balance))
         if self._context_parallel is not None:
             batch = self._context_parallel.shard_batch(batch)
         return batch
