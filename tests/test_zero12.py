@@ -311,6 +311,31 @@ def _save_then_load_elsewhere(rank, world_size, stage, folder, saving_world):
     return out
 
 
+def _load_without_the_engine(rank, world_size, folder):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests._dist import init_gloo
+    from ultrascale.parallel.resume import load_training_state
+
+    init_gloo(rank, world_size)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard_cp",))
+    model = _odd_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    zero_module.ZeroEngine(model, optimizer, stage=1, dp_mesh=mesh)
+    try:
+        load_training_state(folder, model, [optimizer], zero_stage=1)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_a_zero12_optimizer_loaded_without_its_engine_is_refused_before_any_read(tmp_path):
+    """A raw loop that forgets `engines=` is told so by name, before the checkpoint is opened (the folder does not
+    even exist here), not with DCP's error about unknown parameters."""
+    message = run_ranks(_load_without_the_engine, 1, tmp_path / "never-written")[0]
+    assert message is not None and "not parameters of the model" in message and "engines=[engine]" in message
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_checkpoint_relayout_is_exact_across_world_sizes(tmp_path, stage):
     """Saved at dp3 (every parameter's chunk cut at rank-slice and bucket boundaries), loaded at dp2 and

@@ -35,6 +35,9 @@ def load_training_state(
     `zero_stage` only names this run's family in errors."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
+    unowned = _unowned_optimizer_problem(model, optimizers, engines)
+    if unowned is not None:
+        raise ValueError(f"cannot resume {path}: {unowned}")
     tensors, layouts, currents = _read_targets(path, model, optimizers, zero_stage, engines)
     metadata = load_sharded_checkpoint(path, tensors)
     saved_optimizers = metadata.get("ultrascale", {}).get("num_optimizers", len(optimizers))
@@ -52,6 +55,22 @@ def load_training_state(
         else:
             engine.load_sharded_state_dict(tensors[f"optimizer_{i}"])
     return metadata
+
+
+def _unowned_optimizer_problem(model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                               engines: Sequence[ZeroEngine]) -> Optional[str]:
+    """An optimizer that steps tensors which are not the model's parameters and that no engine owns (a ZeRO-1/2
+    optimizer steps its engine's flat master slices): its state has no names to load by. Asked before any read."""
+    own = {id(p) for p in model.parameters()}
+    for i, optimizer in enumerate(optimizers):
+        if engine_for(optimizer, engines) is not None:
+            continue
+        foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in own)
+        if foreign:
+            return (f"optimizer {i} ({type(optimizer).__name__}) steps {foreign} tensor(s) that are not parameters of the "
+                    "model. A ZeRO-1/2 optimizer steps its engine's flat master slices: pass the engine "
+                    "(`load_training_state(..., engines=[engine])`); otherwise give the optimizer the model's parameters")
+    return None
 
 
 def _read_targets(
