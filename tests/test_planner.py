@@ -706,7 +706,7 @@ def test_recipe_with_compile_is_priced_compiled(capsys):
     from pathlib import Path
 
     from ultrascale.hardware import COMPILE_SPEEDUP
-    from ultrascale.planner.app import check_recipe, format_recipe_plan
+    from ultrascale.planner.recipe_check import check_recipe, format_recipe_plan
 
     recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu_2d.yaml")
     eager = check_recipe(recipe)

@@ -17,7 +17,7 @@ import yaml
 from tests._cli import run_main
 from ultrascale.estimate import ModelShape
 from ultrascale.models.llama import Llama, LlamaConfig
-from ultrascale.planner.app import check_recipe
+from ultrascale.planner.recipe_check import check_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))

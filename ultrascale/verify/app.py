@@ -189,7 +189,7 @@ def _config_and_overrides(cli_args: Sequence[str]) -> tuple[str, list[str]]:
 def check_layout(cli_args: Sequence[str], gpu: str) -> tuple[Optional[Any], Optional[str]]:
     """The recipe checked as `ultrascale plan --recipe` checks it, in fp32: (the planner's `RecipePlan`, None), or
     (None, why there is no prediction). A layout the rulebook refuses is a VerifyError, before any process starts."""
-    from ultrascale.planner.app import check_recipe
+    from ultrascale.planner.recipe_check import check_recipe
 
     recipe, overrides = _config_and_overrides(cli_args)
     try:

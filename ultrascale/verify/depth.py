@@ -53,7 +53,7 @@ def reduce_depth(module: Any, depth: int) -> str:
 
 
 def one_device_depth(plan: Any, device_bytes: float, stages: int) -> Optional[int]:
-    """The depth for a one-device reference of the recipe `plan` (`ultrascale.planner.app.RecipePlan`): None when
+    """The depth for a one-device reference of the recipe `plan` (`ultrascale.planner.recipe_check.RecipePlan`): None when
     the planner's fp32 peak for the whole model on one device fits `device_bytes`, else the most blocks whose
     peak fits, at least `stages` (the layout's pipeline stages need a block each) and below the model's."""
     from ultrascale import planner
