@@ -236,3 +236,19 @@ def test_a_degree_resolved_at_launch_is_auto_or_a_positive_int(strategy, knob, v
     with pytest.raises(rules.LayoutError, match=rf"{strategy}\(`{knob}={value!r}`\): give a positive int or 'auto'"):
         getattr(ultrascale, strategy)(**{knob: value})
     assert rules.auto_degree_problems(**{knob: "auto"}) == rules.auto_degree_problems(**{knob: 3}) == []
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.0, True])
+def test_a_count_is_a_positive_int_wherever_it_arrives(value):
+    """One rule (`rules.positive_int_problems`) for counts given as numbers: a pipeline knob of a strategy, a size of
+    accelerate's ParallelismConfig, measure_layout's sequence length (refused before its child process starts)."""
+    import ultrascale
+    from ultrascale.measure import measure_layout
+
+    with pytest.raises(rules.LayoutError, match=rf"\(`pipeline_microbatches={value!r}`\): must be a positive integer"):
+        ultrascale.PipelineParallelStrategy(pipeline_parallel=2, pipeline_microbatches=value)
+    with pytest.raises(rules.LayoutError, match=rf"from_accelerate\(`tp_size={value!r}`\): must be a positive integer"):
+        ultrascale.UltraScaleStrategy.from_accelerate({"tp_size": value})
+    with pytest.raises(rules.LayoutError, match=rf"measure_layout\(`seq_len={value!r}`\): must be a positive integer"):
+        measure_layout("tiny", world=2, seq_len=value)
+    assert rules.positive_int_problems(seq_len=4096, micro_batch=1) == []

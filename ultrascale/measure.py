@@ -57,6 +57,7 @@ from ultrascale.parallel.rules import (  # the first two re-exported (`__all__`)
     RECOMPUTE_MODES,
     choice_problems,
     not_built,
+    positive_int_problems,
     raise_first,
 )
 
@@ -261,9 +262,8 @@ def _check_request(r: dict[str, Any]) -> None:
     """ValueError / NotImplementedError for what can be refused without building anything."""
     raise_first(choice_problems("precision", r["precision"], PRECISIONS)
                 + choice_problems("recompute", r["recompute"], RECOMPUTE_MODES), "measure_layout")
-    for name in ("seq_len", "micro_batch", "grad_accumulation"):
-        if not isinstance(r[name], int) or r[name] < 1:
-            raise ValueError(f"measure_layout: {name}={r[name]!r} must be a positive integer")
+    raise_first(positive_int_problems(**{name: r[name] for name in ("seq_len", "micro_batch", "grad_accumulation")}),
+                "measure_layout")
     from ultrascale.models.llama import LLAMA_PRESETS
 
     if r["model"] not in LLAMA_PRESETS and not os.path.isfile(os.path.join(r["model"], "config.json")):
@@ -283,8 +283,6 @@ def _check_request(r: dict[str, Any]) -> None:
             f"measure_layout: grad_accumulation={r['grad_accumulation']} with pipeline parallel (pp={dims.pp}) is not "
             "measured; give the pipeline's micro-batches as `pipeline_microbatches`"
         )
-    if dims.pp_enabled and r["pipeline_microbatches"] is not None and r["pipeline_microbatches"] < 1:
-        raise ValueError(f"measure_layout: pipeline_microbatches={r['pipeline_microbatches']!r} must be a positive integer")
 
 
 def _knobs(r: dict[str, Any]) -> Any:

@@ -171,10 +171,20 @@ def raise_first(problems: Sequence[Problem], owner: str = "") -> None:
         raise problems[0].error(owner) from None
 
 
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def positive_int_problems(**values: object) -> list[Problem]:
+    """Counts (a sequence length, a micro-batch, accumulation steps, a degree given as a number): positive ints."""
+    return [Problem("must be a positive integer", (f"{name}={value!r}",)) for name, value in values.items()
+            if not _positive_int(value)]
+
+
 def auto_degree_problems(**degrees: object) -> list[Problem]:
     """A degree a strategy resolves at launch (from the world size or the planner) is 'auto' or a positive int."""
     return [Problem("give a positive int or 'auto'", (f"{name}={value!r}",)) for name, value in degrees.items()
-            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1)]
+            if value != "auto" and not _positive_int(value)]
 
 
 @dataclass(frozen=True)
@@ -300,8 +310,8 @@ def schedule_problems(schedule: str, virtual_stages: Optional[int], microbatches
         return [Problem(f"`pipeline_schedule={schedule!r}` is not a torch pipeline schedule; choose one of {list(SCHEDULES)}")]
     problems = []
     if virtual_stages is not None:
-        if not isinstance(virtual_stages, int) or virtual_stages < 1:
-            problems.append(Problem(f"`pipeline_virtual_stages={virtual_stages!r}` must be a positive integer"))
+        if not _positive_int(virtual_stages):
+            problems += positive_int_problems(pipeline_virtual_stages=virtual_stages)
         elif schedule in SINGLE_STAGE_SCHEDULES and virtual_stages != 1:
             problems.append(Problem(
                 f"`pipeline_schedule={schedule!r}` runs one stage per rank; `pipeline_virtual_stages={virtual_stages}` "
@@ -309,8 +319,8 @@ def schedule_problems(schedule: str, virtual_stages: Optional[int], microbatches
         elif schedule in V_SCHEDULES and virtual_stages != 2:
             problems.append(Problem(f"`pipeline_schedule={schedule!r}` places exactly 2 stages per rank (a V); got "
                                     f"`pipeline_virtual_stages={virtual_stages}`"))
-    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
-        problems.append(Problem(f"`pipeline_microbatches={microbatches!r}` must be a positive integer"))
+    if microbatches is not None:
+        problems += positive_int_problems(pipeline_microbatches=microbatches)
     return problems
 
 

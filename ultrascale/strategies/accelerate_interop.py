@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ultrascale.parallel.rules import not_built
+from ultrascale.parallel.rules import not_built, positive_int_problems, raise_first
 
 __all__ = ["ACCELERATE_FIELDS", "knobs_from_accelerate"]
 
@@ -59,8 +59,7 @@ def knobs_from_accelerate(config: Any, owner: str = "UltraScaleStrategy",
     for field in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size"):
         value = _field(config, field)
         value = 1 if value is None else value
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{owner}.from_accelerate: `{field}={value!r}` must be a positive integer")
+        raise_first(positive_int_problems(**{field: value}), f"{owner}.from_accelerate")
         sizes[field] = value
     if sizes["sp_size"] > 1 and sizes["cp_size"] > 1:
         raise not_built("ring_with_ulysses", f"{owner}.from_accelerate: `cp_size={sizes['cp_size']}` with "
