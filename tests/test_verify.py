@@ -181,8 +181,14 @@ def test_a_broken_reduction_fails_naming_the_step_and_the_difference(capsys, two
 # --------------------------------------------------------------------------- the matrix at world 1, 2, 4, 8
 
 
-def _matrix(world: int, layouts: list[str] | None = None) -> dict[str, str]:
-    rows = run_matrix(world, steps=2, layouts=layouts)
+def _matrix(world: int, layouts: list[str] | None = None, explain: bool | None = None) -> dict[str, str]:
+    rows = run_matrix(world, steps=2, layouts=layouts, explain=explain)
+    if explain:  # every layout that ran was compared module by module, and nothing was found
+        for row in rows:
+            if row.report is not None:
+                explanation = row.report.explanation
+                assert explanation is not None and explanation.parameters_compared > 0, row.layout
+                assert not explanation.found, "\n".join([row.layout, *explanation.lines()])
     table = "\n".join(matrix_markdown(rows, accelerator="cpu", tolerance=1e-4, steps=2))
     assert table.count("\n| ") == len(layouts or LAYOUTS) + 1  # the header and a row per layout
     return {row.layout: row.status for row in rows}
@@ -209,7 +215,8 @@ WORLD_4 = ["hsdp", "tp_x_dp", "tp", "cp_ring", "pp_zbv", "ep"]
 
 @pytest.mark.slow
 def test_matrix_world_4():
-    statuses = _matrix(4, WORLD_4)
+    """With --explain: no module output and no gradient of an exact layout differs from one device's."""
+    statuses = _matrix(4, WORLD_4, explain=True)
     assert all(status == "pass" for status in statuses.values()), statuses
 
 

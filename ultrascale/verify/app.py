@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
+from ultrascale.verify.explain import explain as explain_step
 from ultrascale.verify.layouts import LAYOUTS, ONE, layout_names
 from ultrascale.verify.report import (
     Comparison,
@@ -60,10 +61,15 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
     depth: Optional[str] = None
     """How many blocks both runs kept, when not all (`ultrascale.verify.depth`)."""
+    explanation: Optional[Any] = None
+    """Where the layout's first step departs from the reference's (`ultrascale.verify.explain.Explanation`), when
+    `--explain` asked or after a failure; None otherwise."""
 
     @property
     def passed(self) -> bool:
-        return self.comparison.passed
+        """Every step within the tolerance and, when explained, no module output or gradient beyond it either (a wrong
+        gradient can hide in a loss and a norm that still agree)."""
+        return self.comparison.passed and not (self.explanation is not None and self.explanation.found)
 
     @property
     def ranks(self) -> list[RankFigures]:
@@ -76,6 +82,11 @@ class VerifyReport:
         lines += [""]
         lines += step_table(self.comparison, "ref")
         lines += ["", verdict(self.comparison), ""]
+        if self.explanation is not None:
+            lines += [*self.explanation.lines(), ""]
+            if self.comparison.passed and self.explanation.found:
+                lines += ["FAIL: the losses and gradient norms agree, but the first step differs module by module "
+                          "(above)", ""]
         lines += figures_table(self.ranks, self.prediction, self.why_no_prediction)
         lines += [f"note: {note}" for note in self.notes]
         return lines
@@ -258,14 +269,17 @@ def reference_depth(plan: Optional[Any], depth: Optional[int], against: str) -> 
 def verify(cli_args: Sequence[str], *, steps: int = DEFAULT_STEPS, against: str = ONE, tolerance: float = DEFAULT_TOLERANCE,
            gpu: str = "h100", launch: Launch = "auto", workdir: Optional[Path] = None,
            checked: Optional[tuple[Any, Optional[str]]] = None, reference: Optional[dict[str, Any]] = None,
-           depth: Optional[int] = None) -> Optional[VerifyReport]:
+           depth: Optional[int] = None, explain: Optional[bool] = None) -> Optional[VerifyReport]:
     """Train the recipe (`cli_args`: `--config RECIPE` and overrides) for `steps` steps under its layout and under
     the reference, in fp32, and compare. Under torchrun every rank trains the layout; rank 0 then trains the
     reference and returns the report, the other ranks None.
 
     `checked` (the recipe's `check_layout`) and `reference` (a reference run's results) let the matrix reuse them.
     `depth` keeps only the model's first blocks in both runs (`ultrascale.verify.depth`); without it a model the
-    planner prices too big for one device gets a reduced-depth copy, said in the output."""
+    planner prices too big for one device gets a reduced-depth copy, said in the output.
+
+    `explain`: True records the first step module by module in both runs and explains it (`ultrascale.verify.explain`);
+    None does so only after a failure, with one more step of each run; False never."""
     if steps < 1:
         raise VerifyError(f"--steps {steps}: must be >= 1")
     if not tolerance > 0:
@@ -285,7 +299,9 @@ def verify(cli_args: Sequence[str], *, steps: int = DEFAULT_STEPS, against: str 
         work = Path(workdir or temp)
         work.mkdir(parents=True, exist_ok=True)
         fork = (_auto_launch() if launch == "auto" else launch) == "fork" and not torchrun
-        layout_spec = RunSpec(cli_args, steps, str(work / "layout.json"), fork=fork, depth=depth)
+        traced = explain is True
+        layout_spec = RunSpec(cli_args, steps, str(work / "layout.json"), fork=fork, depth=depth,
+                              trace=str(work / "layout-trace") if traced else None)
         if torchrun:
             run(layout_spec)  # this process is one of the ranks
             if int(os.environ.get("RANK", "0")) != 0:
@@ -294,19 +310,36 @@ def verify(cli_args: Sequence[str], *, steps: int = DEFAULT_STEPS, against: str 
         else:
             layout = launch_run(layout_spec, work, "layout", launch)
         knobs, one_device, name = reference_knobs(against, layout["world"])
-        if reference is None:
-            ref_spec = RunSpec(cli_args, steps, str(work / "reference.json"), reference=knobs, one_device=one_device,
-                               fork=fork, depth=depth)
-            from ultrascale.launch import without_launch_variables
+        from ultrascale.launch import without_launch_variables
 
-            env = without_launch_variables(dict(os.environ))  # rank 0's reference is a job of its own
-            reference = launch_run(ref_spec, work, "reference", "subprocess" if torchrun else launch, env=env)
-    notes = []
-    if layout.get("dropped_callbacks"):
-        notes.append(f"left out of both runs (they save, log or validate): {', '.join(layout['dropped_callbacks'])}")
+        env = without_launch_variables(dict(os.environ))  # rank 0's reference is a job of its own
+        reference_launch: Launch = "subprocess" if torchrun else launch
+        if reference is None or (traced and "trace" not in reference):
+            ref_spec = RunSpec(cli_args, steps, str(work / "reference.json"), reference=knobs, one_device=one_device,
+                               fork=fork, depth=depth, trace=str(work / "reference-trace") if traced else None)
+            reference = {**launch_run(ref_spec, work, "reference", reference_launch, env=env),
+                         **({"trace": ref_spec.trace} if traced else {})}
+        comparison = compare(reference["steps"], layout["steps"], tolerance)
+        notes = []
+        if layout.get("dropped_callbacks"):
+            notes.append(f"left out of both runs (they save, log or validate): {', '.join(layout['dropped_callbacks'])}")
+        explanation = None
+        if traced:
+            explanation = explain_step(Path(reference["trace"]), Path(layout_spec.trace or ""), tolerance)
+        elif explain is None and not comparison.passed and torchrun:
+            notes.append("add --explain to see where the layout departs (under torchrun the trace is recorded in the "
+                         "same runs, not after a failure)")
+        elif explain is None and not comparison.passed:
+            # One more step of each run, recorded module by module (the first step is where a fault shows first).
+            layout_trace = RunSpec(cli_args, 1, str(work / "layout-explain.json"), fork=fork, depth=depth,
+                                   trace=str(work / "layout-explain"))
+            launch_run(layout_trace, work, "layout (explain)", launch)
+            reference_trace = RunSpec(cli_args, 1, str(work / "reference-explain.json"), reference=knobs,
+                                      one_device=one_device, fork=fork, depth=depth, trace=str(work / "reference-explain"))
+            launch_run(reference_trace, work, "reference (explain)", reference_launch, env=env)
+            explanation = explain_step(Path(work / "reference-explain"), Path(work / "layout-explain"), tolerance)
     prediction = Prediction.of(plan.row, plan.cluster.gpu.name) if plan is not None else None
-    return VerifyReport(compare(reference["steps"], layout["steps"], tolerance), name, layout, reference, prediction, why_not,
-                        notes, depth_note)
+    return VerifyReport(comparison, name, layout, reference, prediction, why_not, notes, depth_note, explanation)
 
 
 # --------------------------------------------------------------------------- the command
@@ -331,6 +364,14 @@ def _parser() -> argparse.ArgumentParser:
                              "does (auto: fork without CUDA). Under torchrun the ranks are this command's")
     parser.add_argument("--workdir", default=None, help="keep the runs' logs and results here (default: a temporary folder)")
     parser.add_argument("--json", default=None, help="also write the comparison and figures to this JSON file")
+    explain = parser.add_mutually_exclusive_group()
+    explain.add_argument("--explain", action="store_true", default=None,
+                         help="record the first step module by module in both runs and say where the layout departs "
+                              "(the first module output, the parameters' gradients); done after a failure by default")
+    explain.add_argument("--no-explain", dest="explain", action="store_false",
+                         help="no explanation after a failure (saves one more step of each run)")
+    parser.add_argument("--plot", default=None, metavar="FILE.svg",
+                        help="draw both runs' loss and gradient-norm curves and their difference per step (SVG)")
     parser.add_argument("--depth", type=int, default=None,
                         help="both runs keep only the model's first N blocks (default: all, or the most that fit one "
                              "device when the whole model does not)")
@@ -338,11 +379,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def verify_main(args: list[str]) -> None:
+    from ultrascale.verify.plot import plot_path_problem, write_plot
+
     options, cli_args = _parser().parse_known_args(args)
     try:
+        problem = plot_path_problem(Path(options.plot)) if options.plot else None
+        if problem is not None:
+            raise VerifyError(problem)
         report = verify(cli_args, steps=options.steps, against=options.against, tolerance=options.tolerance, gpu=options.gpu,
                         launch=options.launch, workdir=Path(options.workdir) if options.workdir else None,
-                        depth=options.depth)
+                        depth=options.depth, explain=options.explain)
     except VerifyError as error:
         print(f"ultrascale verify: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -355,6 +401,11 @@ def verify_main(args: list[str]) -> None:
             "reference_steps": report.comparison.reference, "layout_steps": report.comparison.layout,
             "max_delta": report.comparison.max_delta(), "tolerance": report.comparison.tolerance,
             "ranks": report.layout["ranks"],
-            "prediction": report.prediction.__dict__ if report.prediction is not None else None}, indent=1))
+            "prediction": report.prediction.__dict__ if report.prediction is not None else None,
+            "explain": report.explanation.to_json() if report.explanation is not None else None}, indent=1))
+    if options.plot:
+        write_plot(report.comparison, Path(options.plot), layout_name=report.layout["mesh"],
+                   reference_name=report.reference_name)
+        print(f"plot: {options.plot}")
     if not report.passed:
         raise SystemExit(1)

@@ -87,8 +87,9 @@ class MatrixRow:
 
 def run_matrix(world: int, *, accelerator: Accelerator = "cpu", layouts: Optional[list[str]] = None,
                steps: Optional[int] = None, tolerance: float = DEFAULT_TOLERANCE, gpu: str = "h100",
-               launch: Launch = "auto", workdir: Optional[Path] = None) -> list[MatrixRow]:
-    """`verify --against one` of every layout in `layouts` (default: all of `LAYOUTS`) at `world` ranks."""
+               launch: Launch = "auto", workdir: Optional[Path] = None, explain: Optional[bool] = None) -> list[MatrixRow]:
+    """`verify --against one` of every layout in `layouts` (default: all of `LAYOUTS`) at `world` ranks; `explain` as
+    `verify`'s (True: every layout's first step compared module by module, a finding fails the layout)."""
     sizes = SIZES[accelerator]
     steps = steps or sizes.steps
     unknown = [name for name in layouts or [] if name not in LAYOUTS]
@@ -118,7 +119,7 @@ def run_matrix(world: int, *, accelerator: Accelerator = "cpu", layouts: Optiona
                 checked = (None, "the layout is chosen when the ranks start")
             try:
                 report = verify(args, steps=steps, tolerance=tolerance, gpu=gpu, launch=launch, workdir=work / name,
-                                checked=checked, reference=references.get(layout.moe))
+                                checked=checked, reference=references.get(layout.moe), explain=explain)
             except VerifyError as error:  # the table keeps the error's first words; the run's log has the rest
                 rows.append(MatrixRow(name, world, f"error: {_shortened(str(error).split(' (its log: ')[0])}"))
                 continue
@@ -208,17 +209,23 @@ def matrix_main(args: list[str]) -> None:
     parser.add_argument("--gpu", default="h100", choices=sorted(GPU_SPECS), help="the GPU the planner prices (default h100)")
     parser.add_argument("--launch", default="auto", choices=["auto", "fork", "subprocess"])
     parser.add_argument("--out", default=None, help="write the Markdown table here (it is printed either way)")
+    parser.add_argument("--explain", action="store_true", default=None,
+                        help="compare every layout's first step module by module too (a finding fails the layout); "
+                             "failing layouts are explained either way")
     options = parser.parse_args(args)
     try:
         rows = run_matrix(options.world, accelerator=options.accelerator,
                           layouts=options.layouts.split(",") if options.layouts else None, steps=options.steps,
-                          tolerance=options.tolerance, gpu=options.gpu, launch=options.launch)
+                          tolerance=options.tolerance, gpu=options.gpu, launch=options.launch, explain=options.explain)
     except VerifyError as error:
         print(f"ultrascale verify-matrix: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     text = "\n".join(matrix_markdown(rows, accelerator=options.accelerator, tolerance=options.tolerance,
                                      steps=options.steps)) + "\n"
     print(text)
+    for row in rows:  # where a failing layout departs, below the table
+        if row.report is not None and row.report.explanation is not None and row.report.explanation.found:
+            print("\n".join([f"{row.layout}:", *row.report.explanation.lines(), ""]))
     if options.out:
         Path(options.out).write_text(text)
     if not all(row.ok for row in rows):

@@ -40,6 +40,9 @@ class RunSpec:
     """Start the ranks with the fork launcher (CPU: the run is a forked process, not a command to re-run)."""
     depth: Optional[int] = None
     """Keep only the model's first `depth` blocks (`ultrascale.verify.depth.reduce_depth`); None: all of them."""
+    trace: Optional[str] = None
+    """A folder: record the first step module by module there (`ultrascale.verify.trace.ModuleTrace`, for
+    `--explain`); None: no trace."""
 
     def save(self, path: Path) -> Path:
         path.write_text(json.dumps(dataclasses.asdict(self)))
@@ -135,6 +138,10 @@ class _RunCLI(UltraScaleCLI):
             callbacks.append(MemoryMonitor())
         dropped = [type(cb).__name__ for cb in config.get("callbacks") or [] if _dropped(cb)]
         callbacks.append(StepRecorder(spec.out, dropped))
+        if spec.trace is not None:  # after the recipe's callbacks: it sees the gradients they leave
+            from ultrascale.verify.trace import ModuleTrace
+
+            callbacks.append(ModuleTrace(spec.trace))
         forced: dict[str, Any] = dict(
             strategy=strategy, max_steps=spec.steps, max_epochs=-1, precision="32-true", logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,

@@ -1,0 +1,225 @@
+"""What `ultrascale verify --explain` records in each run: the first optimizer step, module by module.
+
+`ModuleTrace` is a callback both runs get. During the first step it keeps, for every module of the
+LightningModule, sums over the elements of its forward output and of its first input, over every call of this rank
+(each micro-batch; a recompute in backward, or torch's pipeline running a stage on placeholders first, is not a
+call): per feature (the last dim) the sum over all tokens, the sum of squares of all elements, and the token count.
+Added over the ranks, they give each feature's mean over all tokens of the global batch, and the root mean square,
+whatever splits the tokens:
+
+    mean_f = sum_r S_rf / sum_r N_r,   rms = sqrt(sum_r Q_r / (sum_r N_r · F))
+
+holds for data-parallel and context-parallel ranks (each its own tokens), sequence-parallel shards, replicated
+outputs (every tp rank counts the same tokens, so S and N both grow tp-fold), pipeline micro-batches and
+expert-parallel dispatch (each rank its tokens). A DTensor output is gathered whole first; a plain output that
+holds 1/tp of the features (a column-parallel projection) is kept per tp coordinate, and the comparison puts the
+coordinates' features side by side (`explain.py`), since only the reference knows the whole width.
+
+At `on_before_optimizer_step` of that step (the step's gradients reduced and normalised, before clipping) every
+parameter's gradient is gathered to a full tensor from whatever holds it (FSDP shards, ZeRO-1/2 slices through the
+strategy's engines, tensor-parallel and expert-parallel DTensors; each pipeline stage its own), one parameter at a
+time, and written by the lowest rank holding it. Rank 0 writes `trace.json`: the merged module sums, the forward
+order, each parameter's pipeline stage and the layout's sizes that a scaling error would show.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+_WRAPPERS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod)(?=\.|$)")
+
+
+def canonical_name(name: str) -> str:
+    """A module or parameter name without the wrappers a layout may add (activation checkpointing, compile)."""
+    previous = None
+    while previous != name:
+        previous, name = name, _WRAPPERS.sub(r"\1", name).replace("..", ".").strip(".")
+    return name
+
+
+def _first_tensor(value: Any) -> Optional[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        return next((t for t in (_first_tensor(v) for v in value) if t is not None), None)
+    if isinstance(value, dict):
+        return next((t for t in (_first_tensor(v) for v in value.values()) if t is not None), None)
+    logits = getattr(value, "logits", None)  # transformers' model outputs
+    return logits if isinstance(logits, torch.Tensor) else None
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (every rank of its mesh runs the same module, so the gather is matched); a plain
+    tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+_METADATA_INFERENCE = {"_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference"}
+"""torch.distributed.pipelining's functions that run a stage once on placeholder tensors before its first step
+(older torch: `_shape_inference`): not a call of the step."""
+
+
+def _in_pipeline_metadata_inference() -> bool:
+    frame = sys._getframe(2)
+    for _ in range(40):
+        if frame is None:
+            return False
+        if frame.f_code.co_name in _METADATA_INFERENCE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _sums(tensor: Optional[torch.Tensor]) -> Optional[tuple[torch.Tensor, float, float]]:
+    """(per-feature sums over the tokens (F,), sum of squares of all elements, tokens), fp64 on the host."""
+    if tensor is None or not tensor.is_floating_point() or tensor.dim() == 0:
+        return None
+    values = _whole(tensor.detach()).double()
+    features = values.reshape(-1, values.shape[-1])
+    return features.sum(0).cpu(), float(features.square().sum()), float(features.shape[0])
+
+
+def _add(previous: Optional[tuple[torch.Tensor, float, float]], new: Optional[tuple[torch.Tensor, float, float]]
+         ) -> Optional[tuple[torch.Tensor, float, float]]:
+    if previous is None or new is None or previous[0].shape != new[0].shape:
+        return new if previous is None else previous
+    return previous[0] + new[0], previous[1] + new[1], previous[2] + new[2]
+
+
+class ModuleTrace(Callback):
+    """Records the first optimizer step's module outputs and parameter gradients into `folder` (see the module)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+        self._sums: dict[str, list[Any]] = {}  # name -> [output's `_sums`, first input's `_sums`]
+        self._order: dict[str, int] = {}
+        self._handles: list[Any] = []
+        self._done = False
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from ultrascale.parallel.pipeline import PipelineGap
+
+        for name, module in pl_module.named_modules():
+            if name and not isinstance(module, PipelineGap):  # the parts another pipeline stage holds
+                self._handles.append(module.register_forward_hook(self._hook(canonical_name(name))))
+
+    def _hook(self, name: str) -> Any:
+        def record(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            if self._done or _in_backward() or _in_pipeline_metadata_inference():
+                return
+            out = _first_tensor(output)
+            if out is None:
+                return
+            sums = [_sums(out), _sums(_first_tensor(args))]
+            if sums[0] is None:
+                return
+            self._order.setdefault(name, len(self._order))
+            previous = self._sums.get(name)
+            self._sums[name] = sums if previous is None else [_add(a, b) for a, b in zip(previous, sums)]
+
+        return record
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._done:
+            return
+        self._done = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.folder.mkdir(parents=True, exist_ok=True)
+        strategy = trainer.strategy
+        rank, world = trainer.global_rank, trainer.world_size
+        stage, tp_rank = _mesh_coordinate(strategy, "pp"), _mesh_coordinate(strategy, "tp") or 0
+        grads = self._gradients(pl_module, strategy)
+        mine_summary = (self._sums, self._order, stage, sorted(grads), tp_rank)
+        gathered: list[Any] = [mine_summary]
+        if world > 1 and dist.is_initialized():
+            gathered = [None] * world
+            dist.all_gather_object(gathered, mine_summary)
+        first_holder: dict[str, int] = {}
+        for holder, (_, _, _, names, _) in enumerate(gathered):
+            for name in names:
+                first_holder.setdefault(name, holder)
+        mine = {name: grad.contiguous() for name, grad in grads.items() if first_holder[name] == rank}
+        if mine:
+            from safetensors.torch import save_file
+
+            save_file(mine, str(self.folder / f"grads-rank{rank}.safetensors"))
+        if rank == 0:
+            self._write_summary(gathered, first_holder, strategy, trainer)
+
+    def _gradients(self, pl_module: pl.LightningModule, strategy: Any) -> dict[str, torch.Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        grads: dict[str, torch.Tensor] = {}
+        for engine in getattr(strategy, "zero_engines", ()):
+            grads.update({canonical_name(n): g.detach().float().cpu() for n, g in engine.full_gradients().items()})
+        for name, param in pl_module.named_parameters():
+            name = canonical_name(name)
+            if name in grads or param.grad is None:
+                continue
+            grad = param.grad.detach()
+            grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).float().cpu()
+        return grads
+
+    def _write_summary(self, gathered: list[Any], first_holder: dict[str, int], strategy: Any,
+                       trainer: pl.Trainer) -> None:
+        merged: dict[str, dict[int, list[Any]]] = {}  # name -> tp coordinate -> [output sums, input sums]
+        order: dict[str, tuple[int, int]] = {}
+        stages_of: dict[str, set[Optional[int]]] = {}
+        for sums, local_order, stage, _, tp_rank in gathered:
+            for name, (out, inp) in sums.items():
+                by_tp = merged.setdefault(name, {})
+                previous = by_tp.get(tp_rank)
+                by_tp[tp_rank] = [out, inp] if previous is None else [_add(previous[0], out), _add(previous[1], inp)]
+                key = (stage or 0, local_order[name])
+                order[name] = min(order.get(name, key), key)
+                stages_of.setdefault(name, set()).add(stage)
+        # A module every pipeline stage calls (the model's root, which runs its own part on each) computes something
+        # else on each stage: not comparable with one device's.
+        comparable = [name for name in sorted(merged, key=lambda n: order[n]) if len(stages_of[name]) == 1]
+        modules = {name: {"output": _by_tp(merged[name], 0), "input": _by_tp(merged[name], 1)} for name in comparable}
+        dims = getattr(strategy, "parallel_dims", None)
+        layout = getattr(strategy, "pipeline_layout", None)
+        sizes = {"micro-batches": trainer.accumulate_grad_batches * (layout.microbatches if layout is not None else 1)}
+        if dims is not None:
+            sizes.update({"dp": dims.dp, "tp": dims.tp, "cp": dims.cp, "pp": dims.pp, "ep": dims.ep})
+        stages = {name: gathered[holder][2] for name, holder in first_holder.items()}
+        summary = {"modules": modules, "stages": stages, "sizes": sizes, "world": trainer.world_size}
+        (self.folder / "trace.json").write_text(json.dumps(summary))
+
+
+def _by_tp(by_tp: dict[int, list[Any]], which: int) -> Optional[list[dict[str, Any]]]:
+    """One entry per tp coordinate, in order: {"sum": per-feature sums, "squares": ..., "tokens": ...}."""
+    entries = []
+    for tp_rank in sorted(by_tp):
+        sums = by_tp[tp_rank][which]
+        if sums is None:
+            return None
+        entries.append({"sum": sums[0].tolist(), "squares": sums[1], "tokens": sums[2]})
+    return entries
+
+
+def _mesh_coordinate(strategy: Any, axis: str) -> Optional[int]:
+    dims = getattr(strategy, "parallel_dims", None)
+    if dims is None or getattr(dims, axis) <= 1:
+        return None
+    return strategy.parallel_mesh[axis].get_local_rank()
+
+
+__all__ = ["ModuleTrace", "canonical_name"]
