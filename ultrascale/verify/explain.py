@@ -194,7 +194,7 @@ def _load_gradients(folder: Path) -> dict[str, tuple[Path, str]]:
     from safetensors import safe_open
 
     where = {}
-    for path in sorted(folder.glob("grads-rank*.safetensors")):
+    for path in sorted(folder.glob("grads-rank*/*.safetensors"), key=lambda f: (f.parent.name, int(f.stem))):
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():
                 where.setdefault(key, (path, key))

@@ -145,37 +145,50 @@ class ModuleTrace(Callback):
         strategy = trainer.strategy
         rank, world = trainer.global_rank, trainer.world_size
         stage, tp_rank = _mesh_coordinate(strategy, "pp"), _mesh_coordinate(strategy, "tp") or 0
-        grads = self._gradients(pl_module, strategy)
-        mine_summary = (self._sums, self._order, stage, sorted(grads), tp_rank)
+        engines = tuple(getattr(strategy, "zero_engines", ()))
+        engine_names = {canonical_name(engine.names[id(p)]) for engine in engines for b in engine.buckets for p in b.params}
+        names = sorted(engine_names | {canonical_name(n) for n, p in pl_module.named_parameters() if p.grad is not None})
+        mine_summary = (self._sums, self._order, stage, names, tp_rank)
         gathered: list[Any] = [mine_summary]
         if world > 1 and dist.is_initialized():
             gathered = [None] * world
             dist.all_gather_object(gathered, mine_summary)
         first_holder: dict[str, int] = {}
-        for holder, (_, _, _, names, _) in enumerate(gathered):
-            for name in names:
+        for holder, (_, _, _, held, _) in enumerate(gathered):
+            for name in held:
                 first_holder.setdefault(name, holder)
-        mine = {name: grad.contiguous() for name, grad in grads.items() if first_holder[name] == rank}
-        if mine:
-            from safetensors.torch import save_file
-
-            save_file(mine, str(self.folder / f"grads-rank{rank}.safetensors"))
+        self._write_gradients(pl_module, engines, engine_names, {n for n, holder in first_holder.items() if holder == rank},
+                              self.folder / f"grads-rank{rank}")
         if rank == 0:
             self._write_summary(gathered, first_holder, strategy, trainer)
 
-    def _gradients(self, pl_module: pl.LightningModule, strategy: Any) -> dict[str, torch.Tensor]:
+    @staticmethod
+    def _write_gradients(pl_module: pl.LightningModule, engines: tuple[Any, ...], engine_names: set[str], mine: set[str],
+                         folder: Path) -> None:
+        """Every gradient gathered whole (a collective of the ranks sharing it: all of them gather, in the same
+        order), and written at once, one file each, by the rank that holds it first: one gathered tensor at a time
+        on the host (a ZeRO-1/2 engine hands its gradients over together)."""
+        from safetensors.torch import save_file
         from torch.distributed.tensor import DTensor
 
-        grads: dict[str, torch.Tensor] = {}
-        for engine in getattr(strategy, "zero_engines", ()):
-            grads.update({canonical_name(n): g.detach().float().cpu() for n, g in engine.full_gradients().items()})
+        folder.mkdir(parents=True, exist_ok=True)
+        written = 0
+
+        def write(name: str, grad: torch.Tensor) -> None:
+            nonlocal written
+            if name in mine:
+                save_file({name: grad.detach().float().cpu().contiguous()}, str(folder / f"{written}.safetensors"))
+                written += 1
+
+        for engine in engines:
+            for name, grad in engine.full_gradients().items():
+                write(canonical_name(name), grad)
         for name, param in pl_module.named_parameters():
             name = canonical_name(name)
-            if name in grads or param.grad is None:
+            if name in engine_names or param.grad is None:
                 continue
             grad = param.grad.detach()
-            grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).float().cpu()
-        return grads
+            write(name, grad.full_tensor() if isinstance(grad, DTensor) else grad)
 
     def _write_summary(self, gathered: list[Any], first_holder: dict[str, int], strategy: Any,
                        trainer: pl.Trainer) -> None:
