@@ -2,26 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ultrascale.estimate import ModelShape
 from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, Cluster
 from ultrascale.planner.cost import PlanRow, Workload
-from ultrascale.planner.layouts import runs_as
+from ultrascale.planner.layouts import Layout, runs_as
 
-__all__ = ["recipe_yaml"]
+__all__ = ["batch_knobs", "recipe_yaml", "strategy_knobs"]
 
 
-def recipe_yaml(row: PlanRow, model: str, shape: ModelShape, cluster: Cluster, work: Workload) -> str:
-    """A LightningCLI recipe running `row`'s layout (`ultrascale fit --config PATH` under torchrun / SLURM)."""
-    lay = runs_as(row.layout)  # ZeRO-0: unsharded HSDP
-    nodes = max(cluster.gpus // cluster.gpus_per_node, 1)
-    devices = min(cluster.gpus, cluster.gpus_per_node)
-    pipeline = lay.pp > 1
-    init = {
+def strategy_knobs(layout: Layout) -> dict[str, Any]:
+    """`UltraScaleStrategy`'s arguments for the planner's `layout` (degrees, ZeRO stage, pipeline schedule and its
+    micro-batches, CP method); the batch split is the Trainer's and the data's (`batch_knobs`)."""
+    lay = runs_as(layout)  # ZeRO-0: unsharded HSDP
+    init: dict[str, Any] = {
         "data_parallel_replicate": lay.dp_replicate, "data_parallel_shard": lay.dp_shard, "context_parallel": lay.cp,
         "tensor_parallel": lay.tp, "pipeline_parallel": lay.pp, "expert_parallel": lay.ep, "zero_stage": lay.zero_stage,
-        "meta_init": True,
     }
-    if pipeline:
+    if lay.pp > 1:
         init.update(pipeline_schedule=lay.schedule, pipeline_microbatches=lay.grad_accumulation)
         if lay.virtual_stages > 1:
             init["pipeline_virtual_stages"] = lay.virtual_stages
@@ -31,6 +30,25 @@ def recipe_yaml(row: PlanRow, model: str, shape: ModelShape, cluster: Cluster, w
         init["context_parallel_method"] = lay.cp_method
     if lay.accumulate_unsharded_grads:
         init["accumulate_unsharded_grads"] = True
+    return init
+
+
+def batch_knobs(layout: Layout) -> tuple[int, int]:
+    """(the data's `global_batch_size`, the Trainer's `accumulate_grad_batches`) that make `layout`'s split of the
+    batch: per Lightning step every data-parallel rank takes micro_batch sequences (under pipeline parallel, all of
+    its pipeline micro-batches at once)."""
+    lay = runs_as(layout)
+    if lay.pp > 1:
+        return lay.micro_batch * lay.grad_accumulation * lay.dp, 1
+    return lay.micro_batch * lay.dp, lay.grad_accumulation
+
+
+def recipe_yaml(row: PlanRow, model: str, shape: ModelShape, cluster: Cluster, work: Workload) -> str:
+    """A LightningCLI recipe running `row`'s layout (`ultrascale fit --config PATH` under torchrun / SLURM)."""
+    lay = runs_as(row.layout)  # ZeRO-0: unsharded HSDP
+    nodes = max(cluster.gpus // cluster.gpus_per_node, 1)
+    devices = min(cluster.gpus, cluster.gpus_per_node)
+    init = {**strategy_knobs(row.layout), "meta_init": True}
     if work.compiled:  # priced compiled (`plan --compile`): the recipe compiles each block
         init["compile"] = True
     strategy = "\n".join(f"      {key}: {value}" for key, value in init.items())
@@ -45,7 +63,7 @@ def recipe_yaml(row: PlanRow, model: str, shape: ModelShape, cluster: Cluster, w
     else:
         model_block = (f"  class_path: ultrascale.models.hf.HFCausalLM\n  init_args:\n    pretrained_path: {model}\n"
                        "    attn_implementation: sdpa\n")
-    local_batch = lay.micro_batch * (lay.grad_accumulation if pipeline else 1)
+    global_batch_size, accumulate = batch_knobs(row.layout)
     mem, t = row.memory, row.step_time
     compiled = f"; each block compiled (compute time priced / {COMPILE_SPEEDUP:.3f})" if work.compiled else ""
     if work.float8:
@@ -64,7 +82,7 @@ trainer:
   num_nodes: {nodes}
   precision: {work.precision}
   max_steps: 1000
-  accumulate_grad_batches: {1 if pipeline else lay.grad_accumulation}
+  accumulate_grad_batches: {accumulate}
   gradient_clip_val: 1.0
   log_every_n_steps: 10
   strategy:
@@ -82,5 +100,5 @@ trainer:
   init_args:
     data_path: stdlib
     seq_len: {work.seq_len}
-    global_batch_size: {local_batch * lay.dp}
+    global_batch_size: {global_batch_size}
 """
