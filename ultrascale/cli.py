@@ -93,6 +93,7 @@ OWN_SUBCOMMANDS: dict[str, str] = {
     "checkpoint": "verify checkpoints against their manifests: ultrascale checkpoint verify PATH...",
     "verify": "train a recipe a few steps under its layout and on one device, compare loss and gradient norm",
     "verify-matrix": "the same for every named layout at one world size: a Markdown table (parity, tokens/s, memory)",
+    "tune": "run the planner's best layouts for a recipe a few steps each: predicted and measured tokens/s, MFU, memory",
     "prepare-data": "tokenize a corpus once (text, JSONL, Parquet, a saved dataset) into a folder every rank "
                     "memory-maps: ultrascale prepare-data --tokenizer DIR --out DIR [--workers N] INPUT...",
 }
@@ -198,6 +199,10 @@ def _own_command(name: str) -> Callable[[list[str]], None]:
         from ultrascale.verify.matrix import matrix_main
 
         return matrix_main
+    if name == "tune":
+        from ultrascale.verify.tune import tune_main
+
+        return tune_main
     if name == "plan":
         return _plan_main
     return {"export-hf": export_hf_main, "prepare-data": prepare_data_main, "checkpoint": checkpoint_main}[name]

@@ -66,7 +66,7 @@ class RecipePlan:
         return bool(self.row.fits)
 
 
-def _parse_recipe(path: str, overrides: Sequence[str]) -> _RecipeCLI:
+def parse_recipe(path: str, overrides: Sequence[str]) -> _RecipeCLI:
     import logging
     import warnings
 
@@ -147,7 +147,7 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
     from ultrascale.models.llama import LlamaConfig
     from ultrascale.strategies.precision import SUPPORTED_PRECISION
 
-    cli = _parse_recipe(path, overrides)
+    cli = parse_recipe(path, overrides)
     trainer_args = cli.config_init["trainer"]
     module, datamodule = cli.model, cli.datamodule
     strategy = _recipe_strategy(trainer_args.get("strategy"))
@@ -304,4 +304,4 @@ def format_recipe_plan(plan: RecipePlan) -> list[str]:
     lines += [f"note       {note}" for note in plan.notes]
     return lines
 
-__all__ = ["RecipePlan", "check_recipe", "format_recipe_plan", "priced_cluster"]
+__all__ = ["RecipePlan", "check_recipe", "format_recipe_plan", "parse_recipe", "priced_cluster"]

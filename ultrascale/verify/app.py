@@ -197,14 +197,15 @@ def _config_and_overrides(cli_args: Sequence[str]) -> tuple[str, list[str]]:
     raise VerifyError("--config RECIPE is required: the recipe `ultrascale fit --config` would train")
 
 
-def check_layout(cli_args: Sequence[str], gpu: str) -> tuple[Optional[Any], Optional[str]]:
-    """The recipe checked as `ultrascale plan --recipe` checks it, in fp32: (the planner's `RecipePlan`, None), or
-    (None, why there is no prediction). A layout the rulebook refuses is a VerifyError, before any process starts."""
+def check_layout(cli_args: Sequence[str], gpu: str, precision: Optional[str] = "32-true") -> tuple[Optional[Any], Optional[str]]:
+    """The recipe checked as `ultrascale plan --recipe` checks it, in `precision` (None: the recipe's): (the planner's
+    `RecipePlan`, None), or (None, why there is no prediction). A layout the rulebook refuses is a VerifyError,
+    before any process starts."""
     from ultrascale.planner.recipe_check import check_recipe
 
     recipe, overrides = _config_and_overrides(cli_args)
     try:
-        return check_recipe(recipe, [*overrides, "--trainer.precision", "32-true"], gpu=gpu), None
+        return check_recipe(recipe, [*overrides, *(["--trainer.precision", precision] if precision else [])], gpu=gpu), None
     except (ValueError, NotImplementedError) as error:
         message = str(error)
         if message.split("(", 1)[0].split(":", 1)[0].strip() in _strategy_classes():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -40,6 +41,9 @@ class RunSpec:
     """Start the ranks with the fork launcher (CPU: the run is a forked process, not a command to re-run)."""
     depth: Optional[int] = None
     """Keep only the model's first `depth` blocks (`ultrascale.verify.depth.reduce_depth`); None: all of them."""
+    precision: Optional[str] = "32-true"
+    """The precision both runs train in (verify: fp32, so a layout must match to summation order); None: the
+    recipe's (`ultrascale tune`)."""
     trace: Optional[str] = None
     """A folder: record the first step module by module there (`ultrascale.verify.trace.ModuleTrace`, for
     `--explain`); None: no trace."""
@@ -58,7 +62,8 @@ def _number(value: Any) -> Optional[float]:
 
 
 class StepRecorder(Callback):
-    """The strategy's exact `train_loss` and global `grad_norm` of every optimizer step, and at the end each
+    """The strategy's exact `train_loss` and global `grad_norm` of every optimizer step (with the time it ended, on
+    rank 0's clock), and at the end each
     rank's `throughput/*` and `memory/*` figures (MFUMonitor, MemoryMonitor), gathered and written as JSON by
     global rank 0. Every value is global already (the strategy logs it from one all-reduce), so rank 0's are
     the run's."""
@@ -68,6 +73,7 @@ class StepRecorder(Callback):
         self.dropped = dropped or []
         self.steps: list[dict[str, Any]] = []
         self._last_step = 0
+        self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -76,7 +82,10 @@ class StepRecorder(Callback):
         self._last_step = trainer.global_step
         metrics = trainer.callback_metrics
         self.steps.append({"step": trainer.global_step, "loss": _number(metrics.get("train_loss")),
-                           "grad_norm": _number(metrics.get("grad_norm"))})
+                           "grad_norm": _number(metrics.get("grad_norm")), "time": time.perf_counter()})
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = time.perf_counter()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         figures = {name: float(value) for name, value in trainer.callback_metrics.items()
@@ -89,7 +98,7 @@ class StepRecorder(Callback):
         if trainer.global_rank != 0:
             return
         dims = getattr(trainer.strategy, "parallel_dims", None)
-        result = {"steps": self.steps, "ranks": ranks, "world": trainer.world_size,
+        result = {"steps": self.steps, "start_time": self._start, "ranks": ranks, "world": trainer.world_size,
                   "mesh": dims.describe() if dims is not None else type(trainer.strategy).__name__,
                   "accelerator": trainer.strategy.root_device.type, "dropped_callbacks": self.dropped}
         Path(self.path).write_text(json.dumps(result, indent=1))
@@ -143,10 +152,12 @@ class _RunCLI(UltraScaleCLI):
 
             callbacks.append(ModuleTrace(spec.trace))
         forced: dict[str, Any] = dict(
-            strategy=strategy, max_steps=spec.steps, max_epochs=-1, precision="32-true", logger=False,
+            strategy=strategy, max_steps=spec.steps, max_epochs=-1, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
             num_sanity_val_steps=0, val_check_interval=None, check_val_every_n_epoch=1, callbacks=callbacks,
         )
+        if spec.precision is not None:
+            forced["precision"] = spec.precision
         if spec.one_device:
             forced.update(devices=1, num_nodes=1)
         return super().instantiate_trainer(**{**kwargs, **forced})

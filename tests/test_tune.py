@@ -1,0 +1,57 @@
+"""`ultrascale tune`: the planner's best layouts for a recipe, each trained a few steps here and measured."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import torch
+import yaml
+
+from tests._cli import run_main
+from ultrascale.planner.recipe_check import check_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = str(ROOT / "recipes" / "tiny_cpu.yaml")
+SMALL = ["--data.init_args.max_tokens", "200000"]
+
+
+class OutOfMemoryUnderZero3(L.Callback):
+    """Test only: a candidate that runs out of memory (ZeRO-3 here), as a layout too big for the device would."""
+
+    def on_train_start(self, trainer, pl_module):
+        if getattr(trainer.strategy, "zero_stage", None) == 3:
+            raise torch.OutOfMemoryError("out of memory: tried to allocate 80.00 GiB (test)")
+
+
+def test_tune_runs_the_planners_layouts_and_emits_the_fastest(capsys, tmp_path):
+    emitted, table = tmp_path / "best.yaml", tmp_path / "tune.json"
+    code, out, err = run_main(capsys, "tune", "--config", RECIPE, *SMALL, "--top", "3", "--steps", "3", "--warmup", "1",
+                              "--emit-recipe", str(emitted), "--json", str(table),
+                              "--trainer.callbacks+=tests.test_tune.OutOfMemoryUnderZero3")
+    assert code == 0, out + err
+    result = json.loads(table.read_text())
+    candidates = result["candidates"]
+    assert [c["planner_rank"] for c in candidates] == [1, 2, 3]
+    failed = [c for c in candidates if c["error"]]
+    ran = [c for c in candidates if not c["error"]]
+    # The out-of-memory candidate is reported and skipped; the others are measured.
+    assert failed and all("zero_stage=3" in c["layout"] and "OutOfMemoryError" in c["error"] for c in failed), candidates
+    assert ran and all(c["measured_tokens_per_s"] > 0 and c["measured_peak_gib"] > 0 for c in ran), candidates
+    assert out.count("failed: ") == len(failed) and "plan measured" in out, out
+    assert err.count("tune [") == 3 and "3/3" in err, err  # one progress line per candidate
+    # The emitted recipe is the fastest measured layout, and a valid recipe for the same world.
+    fastest = max(ran, key=lambda c: c["measured_tokens_per_s"])
+    recipe = yaml.safe_load(emitted.read_text())
+    knobs = recipe["trainer"]["strategy"]["init_args"]
+    assert f"zero_stage={knobs['zero_stage']}" in fastest["layout"]
+    assert f"dp_replicate={knobs['data_parallel_replicate']}" in fastest["layout"]
+    plan = check_recipe(str(emitted), SMALL)
+    assert plan.world == 2 and plan.work.global_batch == 16  # the recipe's batch, split as the layout splits it
+    assert "fastest    " in out and f"recipe     {emitted}" in out
+
+
+def test_tune_refuses_bad_counts_before_any_run(capsys):
+    code, _, err = run_main(capsys, "tune", "--config", RECIPE, "--steps", "3", "--warmup", "3")
+    assert code == 2 and "need top >= 1 and 0 <= warmup < steps" in err, err
