@@ -38,12 +38,6 @@ def _hf_sequence_parallel() -> None:
     raise_first(model_problems(dims, LayoutKnobs(tp=2, dp_shard=1, sequence_parallel=True), facts))
 
 
-def _predict_under_pipeline() -> None:
-    strategy = ultrascale.UltraScaleStrategy(pipeline_parallel=2)
-    strategy._pipeline = object()  # what `setup` leaves once the stages are built
-    strategy.predict_step({})
-
-
 def _float8_with_tensor_parallel() -> None:
     from ultrascale.callbacks import Float8Training
 
@@ -130,7 +124,6 @@ def _fork_launcher_second_fit() -> None:
 PROBES: dict[str, Callable[[Path], None]] = {
     "expert_parallel_with_tensor_parallel": lambda _: ultrascale.UltraScaleStrategy(expert_parallel=2, tensor_parallel=2),
     "expert_parallel_with_zero12": lambda _: ultrascale.UltraScaleStrategy(expert_parallel=2, zero_stage=1),
-    "predict_under_pipeline": lambda _: _predict_under_pipeline(),
     "hf_sequence_parallel": lambda _: _hf_sequence_parallel(),
     "float8_with_tensor_parallel": lambda _: _float8_with_tensor_parallel(),
     "ring_with_ulysses": lambda _: ultrascale.UltraScaleStrategy.from_accelerate(

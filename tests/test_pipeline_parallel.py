@@ -249,6 +249,32 @@ def test_validation_matches_one_process(schedule):
     assert abs(got[0] - loss_sum / count) < 1e-5, (got, loss_sum / count)
 
 
+def _predict(rank, world_size, strategy_kwargs):
+    import lightning as L
+    import torch
+
+    strategy = ultrascale.UltraScaleStrategy(**strategy_kwargs)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    return torch.cat(trainer.predict(make_llama(), dataloaders=_val_loader()))
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_predict_returns_one_devices_logits_on_every_rank(schedule):
+    """`trainer.predict` at pp2: every rank returns the logits one device's forward gives (written out here with the
+    plain module), from the last stage's rank (pp rank 1 under 1F1B, pp rank 0 under the V placement)."""
+    import torch
+
+    module = make_llama()
+    module.configure_model()
+    with torch.no_grad():
+        expected = torch.cat([module(batch["input_ids"]) for batch in _val_loader()])
+    got = run_ranks(_predict, 2, {"pipeline_parallel": 2, "pipeline_schedule": schedule, "pipeline_microbatches": 4})
+    for logits in got:
+        assert logits.shape == expected.shape
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- Hugging Face checkpoints
 
 HF_VOCAB, HF_LAYERS = 128, 4

@@ -112,6 +112,14 @@ class CausalLMModule(lightning.LightningModule):
         self.log("val_loss", self.val_token_mean, prog_bar=True, on_step=False, on_epoch=True)
         return out
 
+    def predict_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The logits (B, T, V) of ``{"input_ids"[, "position_ids"]}``; under pipeline parallel the strategy runs the
+        batch through the pipeline and every rank returns them."""
+        strategy = attached_strategy(self)
+        if pipeline_active(strategy):
+            return strategy.pipeline_logits(batch)
+        return self(batch["input_ids"], batch.get("position_ids"))
+
     def _moe_routers(self) -> list:
         """The MoE routers, found once (the model is built by then): not a module walk per step."""
         if getattr(self, "_routers_found", None) is None:

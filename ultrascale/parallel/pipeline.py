@@ -466,8 +466,10 @@ class PipelineRunner:
         loss_sum, _ = self.loss(output, labels)
         return loss_sum * self.loss_scale
 
-    def _schedule(self, train: bool, key: tuple[Any, ...]) -> Any:
-        schedule = self._schedules.get((train, *key))
+    def _schedule(self, train: bool, key: tuple[Any, ...], with_loss: bool = True) -> Any:
+        """torch's schedule over this rank's stages for batches of `key` (cached); `with_loss=False`: no loss
+        function, the last stage's outputs are the result (forward only)."""
+        schedule = self._schedules.get((train, with_loss, *key))
         if schedule is not None:
             return schedule
         stages = [
@@ -480,12 +482,35 @@ class PipelineRunner:
         cls = get_schedule_class(self.layout.schedule)
         if not train and self.layout.schedule in V_SCHEDULES:
             cls = _ForwardOnlyV  # torch 2.13's `eval()` of the V schedules runs backward actions and fails
+        loss_fn = self._loss_fn if with_loss else None
         if issubclass(cls, PipelineScheduleSingle):
-            schedule = cls(stages[0], n_microbatches=m, loss_fn=self._loss_fn, scale_grads=False)
+            schedule = cls(stages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
         else:
-            schedule = cls(stages, n_microbatches=m, loss_fn=self._loss_fn, scale_grads=False)
-        self._schedules[(train, *key)] = schedule
+            schedule = cls(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+        self._schedules[(train, with_loss, *key)] = schedule
         return schedule
+
+    def logits(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The model's output for the local batch (forward only, every micro-batch), on every pipeline rank: the
+        rank holding the last stage sends it to the others (one broadcast over the pp group)."""
+        _split_count(input_ids.shape[0], self.layout.microbatches)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
+        schedule = self._schedule(False, tuple(input_ids.shape), with_loss=False)
+        with torch.no_grad():
+            output = schedule.eval(*((input_ids,) if self.has_first_stage else ()), position_ids=position_ids)
+        if dist.get_world_size(self.group) == 1:
+            return output
+        # The last stage's pp rank: the one whose stages include num_stages - 1.
+        last = next(r for r in range(dist.get_world_size(self.group))
+                    if self.layout.num_stages - 1 in self.layout.stage_ids(r))
+        source = dist.get_global_rank(self.group, last)
+        header: list[Any] = [(tuple(output.shape), output.dtype) if self.has_last_stage else None]
+        dist.broadcast_object_list(header, src=source, group=self.group)
+        shape, dtype = header[0]
+        out = output.contiguous() if self.has_last_stage else torch.empty(shape, dtype=dtype, device=self.device)
+        dist.broadcast(out, src=source, group=self.group)
+        return out
 
     def step(
         self,

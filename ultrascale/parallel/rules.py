@@ -85,7 +85,6 @@ class NotBuilt:
 NOT_BUILT: dict[str, NotBuilt] = {
     "expert_parallel_with_tensor_parallel": NotBuilt("expert parallel and tensor parallel together (each works alone)"),
     "expert_parallel_with_zero12": NotBuilt("ZeRO-1/2 with expert parallel (use ZeRO-3)"),
-    "predict_under_pipeline": NotBuilt("`predict` under pipeline parallel"),
     "hf_sequence_parallel": NotBuilt("sequence parallel on Hugging Face models (TP alone runs)"),
     "float8_with_tensor_parallel": NotBuilt("FP8 with tensor parallel (the float8 TP styles)"),
     "ring_with_ulysses": NotBuilt("ring and Ulysses together (accelerate's `cp_size` with `sp_size`)"),

@@ -20,7 +20,7 @@ from ultrascale.parallel.compile import BlockCompiler, CompileStats
 from ultrascale.parallel.context import ContextParallel
 from ultrascale.parallel.loss import NUM_TOKENS_KEY
 from ultrascale.parallel.pipeline import PipelineLayout, PipelineRunner
-from ultrascale.parallel.rules import batch_problems, not_built, raise_first
+from ultrascale.parallel.rules import batch_problems, raise_first
 from ultrascale.parallel.tensor import maybe_loss_parallel, synchronize_dropout_rng
 from ultrascale.parallel.zero import ZeroEngine, engine_for
 from ultrascale.strategies import model_setup
@@ -318,12 +318,16 @@ class StepHooks:
         with maybe_loss_parallel(self._loss_parallel_active):
             return self._call_step("test_step", *args, **kwargs)
 
+    def pipeline_logits(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The model's output for ``{"input_ids"[, "position_ids"]}`` under pipeline parallel (forward only, every
+        micro-batch), on every pipeline rank: what one device's forward returns (`CausalLMModule.predict_step`)."""
+        if self._pipeline is None:
+            raise RuntimeError(f"{type(self).__name__}.pipeline_logits: pipeline parallel is not active (pipeline_parallel=1)")
+        return self._pipeline.logits(batch["input_ids"], batch.get("position_ids"))
+
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            raise not_built("predict_under_pipeline",
-                            f"{type(self).__name__}: predict under pipeline parallel is not implemented (the logits exist "
-                            "on the last stage only); predict with pipeline_parallel=1 from the same checkpoint")
+        # Under pipeline parallel the module's step gets its output from `pipeline_logits` (CausalLMModule's does).
         return self._call_step("predict_step", *args, **kwargs)
 
     def _call_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
