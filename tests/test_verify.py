@@ -117,13 +117,18 @@ def test_hf_finetune_recipe_passes(capsys, tmp_path, monkeypatch, two_thread_reg
     source, data = _checkpoint_and_instructions(tmp_path)
     code, out, err = _verify(capsys, "--config", str(RECIPES / "hf_finetune.yaml"), "--model.pretrained_path", str(source),
                              "--data.data_path", str(data), "--data.init_args.prompt_template", "{prompt}",
-                             "--data.init_args.seq_len", "32", "--steps", "3", "--json", str(tmp_path / "verify.json"))
+                             "--data.init_args.seq_len", "32", "--steps", "3", "--json", str(tmp_path / "verify.json"),
+                             "--explain")
     assert code == 0, out + err
     assert "dp_shard=2" in out and "PASS" in out, out
     import json
 
     written = json.loads((tmp_path / "verify.json").read_text())
     assert written["passed"] and len(written["layout_steps"]) == 3 and written["max_delta"] <= 1e-4
+    # Module by module too: a Hugging Face model's outputs and gradients, nothing found.
+    explained = written["explain"]
+    assert explained["modules_compared"] > 10 and explained["parameters_compared"] > 5, explained
+    assert explained["first_module"] is None and explained["gradients"] == [], explained
 
 
 class UserLM(L.LightningModule):
