@@ -55,3 +55,21 @@ def test_tune_runs_the_planners_layouts_and_emits_the_fastest(capsys, tmp_path):
 def test_tune_refuses_bad_counts_before_any_run(capsys):
     code, _, err = run_main(capsys, "tune", "--config", RECIPE, "--steps", "3", "--warmup", "3")
     assert code == 2 and "need top >= 1 and 0 <= warmup < steps" in err, err
+
+
+def test_a_candidate_carries_its_recompute_mode_as_the_one_checkpointing_callback():
+    from ultrascale.planner.layouts import Layout
+    from ultrascale.verify.tune import candidate_config, resolved_config
+
+    config = resolved_config(str(ROOT / "recipes" / "tiny_cpu_callbacks.yaml"), SMALL)  # has its own checkpointing
+    plan = check_recipe(str(ROOT / "recipes" / "tiny_cpu_callbacks.yaml"), SMALL)
+
+    def checkpointing(layout):
+        callbacks = candidate_config(config, plan.strategy, layout)["trainer"]["callbacks"]
+        return [cb.get("init_args", {}).get("mode") for cb in callbacks if cb["class_path"].endswith("ActivationCheckpointing")]
+
+    assert checkpointing(Layout(dp_shard=2, micro_batch=8, recompute="selective")) == ["selective"]
+    assert checkpointing(Layout(dp_shard=2, micro_batch=8, recompute="full")) == ["full"]
+    assert checkpointing(Layout(dp_shard=2, micro_batch=8, recompute="none")) == []
+    knobs = candidate_config(config, plan.strategy, Layout(dp_shard=2, micro_batch=4, grad_accumulation=2))
+    assert knobs["trainer"]["accumulate_grad_batches"] == 2 and knobs["data"]["init_args"]["global_batch_size"] == 8

@@ -4,14 +4,15 @@
                     [--emit-recipe FILE] [--json FILE]
 
 Order of work: the recipe is checked and priced as `ultrascale plan --recipe` does (its world size, sequence
-length, global batch, precision, recompute and compile are the recipe's); the planner ranks every layout of that
-world (`planner.search`, with the recipe's recompute mode) and the `--top` fitting ones become candidate recipes:
-the resolved recipe with `UltraScaleStrategy`'s degrees, ZeRO stage and pipeline knobs, and the batch split, of
-each (`planner.recipe.strategy_knobs`, `batch_knobs`). Each trains `--steps` optimizer steps the way `verify` runs a
-layout (a process of its own, nothing written, the recipe's precision), one after another; a candidate that fails
-(out of memory, a refusal) is reported and skipped. Timing leaves out the first `--warmup` steps (compilation,
-allocator warm-up): tokens/s per device = tokens per step x timed steps / their wall time / world. The table puts
-the planner's prediction and the measurement side by side, with both rankings.
+length, global batch, precision and compile are the recipe's); the planner ranks every layout of that world
+(`planner.search`) and the `--top` fitting ones become candidate recipes: the resolved recipe with
+`UltraScaleStrategy`'s degrees, ZeRO stage and pipeline knobs, the batch split (`planner.recipe.strategy_knobs`,
+`batch_knobs`) and the recompute mode (an `ActivationCheckpointing` callback) of each. Each trains `--steps`
+optimizer steps the way `verify` runs a layout (a process of its own, nothing written, the recipe's precision),
+one after another; a candidate that fails (out of memory, a refusal) is reported and skipped. Timing leaves out
+the first `--warmup` steps (compilation, allocator warm-up): tokens/s per device = tokens per step x timed steps /
+their wall time / world. The table puts the planner's prediction and the measurement side by side, with both
+rankings.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ class Candidate:
         degrees = " x ".join(f"{axis}={getattr(lay, axis)}" for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
                              if getattr(lay, axis) > 1) or "one rank"
         extra = [f"zero{lay.zero_stage}", f"mb {lay.micro_batch}", f"acc {lay.grad_accumulation}"]
+        if lay.recompute != "none":
+            extra.append(f"recompute {lay.recompute}")
+        if lay.accumulate_unsharded_grads:
+            extra.append("unsharded grads")
         if lay.pp > 1:
             extra.append(str(lay.pipeline_schedule or "1F1B"))
         if lay.cp > 1:
@@ -80,7 +85,8 @@ def resolved_config(recipe: str, overrides: Sequence[str]) -> dict[str, Any]:
 
 def candidate_config(config: dict[str, Any], strategy: Any, layout: Any) -> dict[str, Any]:
     """`config` running `layout`: `UltraScaleStrategy` with its degrees (and the recipe strategy's `CARRIED_KNOBS`),
-    the data's global batch and the Trainer's accumulation of its batch split."""
+    the data's global batch and the Trainer's accumulation of its batch split, and its recompute mode as the one
+    `ActivationCheckpointing` callback (the recipe's own replaced; none for "none")."""
     from ultrascale.planner.recipe import batch_knobs, strategy_knobs
     from ultrascale.strategies import UltraScaleStrategy
 
@@ -91,18 +97,23 @@ def candidate_config(config: dict[str, Any], strategy: Any, layout: Any) -> dict
     out["trainer"]["strategy"] = {"class_path": "ultrascale.UltraScaleStrategy",
                                   "init_args": {**carried, **strategy_knobs(layout)}}
     out["trainer"]["accumulate_grad_batches"] = accumulate
+    callbacks = [cb for cb in out["trainer"].get("callbacks") or []
+                 if not str(cb.get("class_path", "") if isinstance(cb, dict) else cb).endswith("ActivationCheckpointing")]
+    if layout.recompute != "none":
+        callbacks.append({"class_path": "ultrascale.callbacks.ActivationCheckpointing",
+                          "init_args": {"mode": layout.recompute}})
+    out["trainer"]["callbacks"] = callbacks
     data = out.get("data") or {}
     (data.get("init_args", data))["global_batch_size"] = global_batch
     return out
 
 
 def plan_candidates(plan: Any, top: int) -> list[Candidate]:
-    """The planner's `top` fitting layouts for the recipe's model, data, world and recompute mode."""
+    """The planner's `top` fitting layouts for the recipe's model, data and world (any recompute mode)."""
     from ultrascale.hardware import GIB
     from ultrascale.planner.search import search
 
-    rows = search(plan.shape, plan.cluster, plan.work, {"recompute": plan.row.layout.recompute},
-                  max_micro_batch=max(plan.work.global_batch, 1))
+    rows = search(plan.shape, plan.cluster, plan.work, max_micro_batch=max(plan.work.global_batch, 1))
     fitting = [row for row in rows if row.fits and not row.problems][:top]
     return [Candidate(i + 1, row.layout, row.tokens_per_s_per_gpu, row.mfu, row.memory["total"] / GIB)
             for i, row in enumerate(fitting)]
