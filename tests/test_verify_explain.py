@@ -195,3 +195,52 @@ def test_the_plot_is_svg_and_is_asked_for_before_any_run(capsys, tmp_path):
 def test_a_ratio_is_named_by_the_layout_size_it_equals(ratio, expected):
     scaling, cause = _scaling(ratio, {"micro-batches": 4, "dp": 3, "tp": 2, "cp": 1, "pp": 1})
     assert scaling == expected and (cause is None) == (expected is None)
+
+
+# --------------------------------------------------------------------------- the comparison alone, on written traces
+
+
+def _trace(folder: Path, modules: dict, grads: dict, sizes: dict, stages: dict | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    (folder / "grads-rank0").mkdir(parents=True)
+    for index, (name, grad) in enumerate(grads.items()):
+        save_file({name: grad}, str(folder / "grads-rank0" / f"{index}.safetensors"))
+    (folder / "trace.json").write_text(json.dumps({"modules": modules, "stages": stages or {}, "sizes": sizes, "world": 1}))
+    return folder
+
+
+def _sums(values: torch.Tensor) -> dict:
+    features = values.double().reshape(-1, values.shape[-1])
+    return {"sum": features.sum(0).tolist(), "squares": float(features.square().sum()), "tokens": float(features.shape[0])}
+
+
+def test_feature_shards_are_put_side_by_side_and_a_stacked_experts_odd_one_is_named(tmp_path):
+    """A column-parallel output held as two tp coordinates' feature halves compares with the whole one; a token-split
+    output (two coordinates of the full width) sums; an expert whose gradient differs is named among its stack."""
+    from ultrascale.verify.explain import explain
+
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    experts = torch.randn(4, 3, 5)
+    broken = experts.clone()
+    broken[2] *= 3.0
+    reference = _trace(tmp_path / "ref", {
+        "proj": {"output": [_sums(x)], "input": [_sums(y)]},
+        "norm": {"output": [_sums(y)], "input": None},
+    }, {"experts.w": experts, "norm.weight": torch.ones(4)}, {"tp": 1})
+    layout = _trace(tmp_path / "lay", {
+        "proj": {"output": [_sums(x[:, :4]), _sums(x[:, 4:])], "input": [_sums(y[:3]), _sums(y[3:])]},
+        "norm": {"output": [_sums(y[:2]), _sums(y[2:])], "input": None},
+    }, {"experts.w": broken, "norm.weight": torch.ones(4)}, {"tp": 2})
+    found = explain(reference, layout, 1e-6)
+    assert found.first_module is None and found.modules_compared == 2
+    assert [d.name for d in found.gradients] == ["experts.w"]
+    assert "experts.w: experts [2] of 4 differ, the others match" in found.groups
+    # The same traces with one feature shard off: the module is named, its input still matching.
+    shifted = _trace(tmp_path / "shifted", {
+        "proj": {"output": [_sums(x[:, :4]), _sums(x[:, 4:] + 0.1)], "input": [_sums(y[:3]), _sums(y[3:])]},
+        "norm": {"output": [_sums(y)], "input": None},
+    }, {"experts.w": experts, "norm.weight": torch.ones(4)}, {"tp": 2})
+    first = explain(reference, shifted, 1e-6).first_module
+    assert first is not None and first.name == "proj" and not first.input_differs
