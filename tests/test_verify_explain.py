@@ -244,3 +244,11 @@ def test_feature_shards_are_put_side_by_side_and_a_stacked_experts_odd_one_is_na
     }, {"experts.w": experts, "norm.weight": torch.ones(4)}, {"tp": 2})
     first = explain(reference, shifted, 1e-6).first_module
     assert first is not None and first.name == "proj" and not first.input_differs
+
+
+def test_under_torchrun_explain_asks_for_a_shared_workdir_before_any_run(monkeypatch):
+    import ultrascale.verify.app as app
+
+    monkeypatch.setattr(app, "launched_by_torchrun", lambda: True)
+    with pytest.raises(app.VerifyError, match="--explain needs --workdir DIR on a filesystem every rank sees"):
+        app.verify(["--config", str(RECIPES / "tiny_cpu.yaml")], explain=True)

@@ -293,6 +293,9 @@ def verify(cli_args: Sequence[str], *, steps: int = DEFAULT_STEPS, against: str 
         reference_knobs(against, plan.world)
     depth, depth_note = reference_depth(plan, depth, against)
     torchrun = launched_by_torchrun()
+    if torchrun and explain is True and workdir is None:
+        raise VerifyError("under torchrun, --explain needs --workdir DIR on a filesystem every rank sees: each rank writes "
+                          "the gradients it holds there, and rank 0 reads them all")
     if torchrun and against != ONE:
         raise VerifyError("under torchrun, verify compares against one device only (--against one); run --against "
                           f"{against} without torchrun")
