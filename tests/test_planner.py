@@ -909,3 +909,33 @@ def test_published_runs_are_data_checked_against_their_schema(tmp_path):
     assert "run 0 (torchtitan" in message and "unknown field 'tokens_per_second_per_gpu'" in message, message
     assert "missing field 'tokens_per_s_per_gpu'" in message, message
     assert "run 1 (" in message and "gpus='8': expected int" in message and "layout fsdp=8" in message, message
+
+
+def test_plan_plot_draws_memory_and_the_played_pipeline(tmp_path, capsys):
+    """`plan --plot`: the memory bar with the row's components, and one lane per pipeline rank holding every action
+    of the played schedule (its last end is the played makespan); a PNG is refused before pricing."""
+    import xml.dom.minidom
+
+    from tests._cli import run_main
+    from ultrascale.parallel.pipeline import PipelineLayout
+    from ultrascale.planner.pipeline import makespan, timeline
+
+    plot = tmp_path / "plan.svg"
+    code, out, err = run_main(capsys, "plan", "--preset", "llama3_8b", "--gpus", "8", "--layout",
+                              "pp=2,dp_shard=4,schedule=1F1B", "--plot", str(plot))
+    assert code == 0 and f"plot       wrote {plot}" in out, out + err
+    svg = xml.dom.minidom.parse(str(plot))
+    titles = [t.firstChild.data for t in svg.getElementsByTagName("title")]
+    assert titles and all(t.startswith("stage ") for t in titles)
+    assert {t.split()[2] for t in titles} == {"F", "B"} and "rank 1" in plot.read_text()
+    text = plot.read_text()
+    assert "params " in text and "optimizer " in text and "activations " in text and "planned for" in text
+    code, _, err = run_main(capsys, "plan", "--preset", "llama3_8b", "--gpus", "8", "--plot", str(tmp_path / "p.png"))
+    assert code == 2 and "written as SVG" in err
+
+    layout = PipelineLayout(pp=2, schedule="1F1B", virtual_stages=1, microbatches=4, layers_per_stage=(2, 2))
+    actions = timeline("1F1B", layout, [1.0, 1.0], [2.0, 2.0], [1.0, 1.0])
+    assert sorted(actions) == [0, 1] and all(len(a) == 8 for a in actions.values())  # 4 F and 4 B per rank
+    ends = max(end for rank in actions.values() for *_, end in rank)
+    timed = {r: [(s, k, mb, e - b) for s, k, mb, b, e in acts] for r, acts in actions.items()}
+    assert ends == makespan(timed, 2) == 4 * 3.0 + 3.0  # the busiest rank's 4 x (F + B) plus one F + B of bubble

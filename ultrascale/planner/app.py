@@ -10,14 +10,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
+from ultrascale.estimate import ModelShape
 from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, GPU_SPECS, Cluster, GpuSpec
 from ultrascale.models.adapters import model_shape
 from ultrascale.parallel import rules
 from ultrascale.parallel.rules import PRECISIONS, LayoutKnobs
-from ultrascale.planner.cost import Workload
+from ultrascale.planner.cost import Workload, pipeline_timeline
 from ultrascale.planner.layouts import RECOMPUTE_MODES, model_facts_of, parse_layout
+from ultrascale.planner.plot import plot_path_problem, write_plan_plot
 from ultrascale.planner.recipe import recipe_yaml
 from ultrascale.planner.recipe_check import check_recipe, format_recipe_plan, priced_cluster
 from ultrascale.planner.report import compile_assumption, describe_search, explain, format_table, what_would_fit
@@ -100,6 +103,9 @@ def plan_main(args: list[str]) -> str:
     parser.add_argument("--top", type=_positive(int), default=10, help="rows of the ranked table (default 10)")
     parser.add_argument("--json", action="store_true", help="print the ranked rows as JSON (a list of objects)")
     parser.add_argument("--emit-recipe", default=None, metavar="PATH", help="write the best layout as a LightningCLI recipe")
+    parser.add_argument("--plot", default=None, metavar="FILE.svg",
+                        help="draw the chosen layout's memory per GPU by component and, with a pipeline, its schedule as "
+                             "a timeline per rank (SVG)")
     parser.add_argument("--measure", action="store_true",
                         help="also build the model under FakeTensorMode at the real world size and measure the best layout's peak memory")
     # Single-degree options of the first `plan` (kept: each fixes that value of the layout).
@@ -129,6 +135,9 @@ def plan_main(args: list[str]) -> str:
     parser.add_argument("--efficiency", type=_positive(float), default=None,
                         help=f"fraction of the peak the matmuls reach (default {Cluster.efficiency})")
     options, unknown = parser.parse_known_args(args)
+    problem = plot_path_problem(Path(options.plot)) if options.plot else None
+    if problem is not None:
+        parser.error(problem)
     if options.recipe:
         # The recipe fixes the layout, batch and precision: a flag that would contradict it is refused.
         # From the raw arguments, not the values: a flag given at its default value contradicts the recipe too.
@@ -226,10 +235,10 @@ def plan_main(args: list[str]) -> str:
                 f"predicted/measured {predicted / measured['peak_gib']:.2f}"
             )
     if best is not None and options.emit_recipe:
-        from pathlib import Path
-
         Path(options.emit_recipe).write_text(recipe_yaml(best, model_spec, shape, cluster, work))
         lines.append(f"recipe     wrote {options.emit_recipe}")
+    if best is not None and options.plot:
+        lines.append(_plot(Path(options.plot), best, shape, cluster, work))
     text = "\n".join(lines)
     if not options.json:
         print(text)
@@ -240,7 +249,13 @@ def plan_main(args: list[str]) -> str:
 
 # --------------------------------------------------------------------------- plan --recipe
 
-# The recipe knob behind each mesh axis: ParallelDims speaks in axes, a recipe in strategy arguments.
+def _plot(path: Path, row: Any, shape: ModelShape, cluster: Cluster, work: Workload) -> str:
+    """`--plot`: `row`'s memory and, under pipeline parallel, its played schedule, written to `path`."""
+    pipe, actions = pipeline_timeline(shape, row.layout, cluster, work, None if shape.builtin else shape.config)
+    write_plan_plot(path, row, cluster, pipe, actions)
+    return f"plot       wrote {path}"
+
+
 def plan_recipe_main(options: Any, overrides: list[str]) -> str:
     """`ultrascale plan --recipe PATH`: check a recipe and price its layout; exit 1 if it does not fit."""
     try:
@@ -254,6 +269,9 @@ def plan_recipe_main(options: Any, overrides: list[str]) -> str:
                            "checks": plan.checks, "notes": plan.notes}, indent=1)
     else:
         text = "\n".join(format_recipe_plan(plan))
+    if options.plot:
+        drawn = _plot(Path(options.plot), plan.row, plan.shape, plan.cluster, plan.work)
+        text += "" if options.json else "\n" + drawn
     print(text)
     if not plan.fits:
         raise SystemExit(1)

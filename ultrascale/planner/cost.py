@@ -12,9 +12,9 @@ from ultrascale.estimate import STATE_BYTES, ActivationModel, ModelShape
 from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, Cluster
 from ultrascale.parallel.pipeline import PipelineLayout, even_layers
 from ultrascale.planner.layouts import Layout, layout_problems, model_facts_of, runs_as
-from ultrascale.planner.pipeline import PipelinePlay, play
+from ultrascale.planner.pipeline import PipelinePlay, play, timeline
 
-__all__ = ["PlanRow", "Workload", "evaluate", "pipeline_of", "rank_parts", "stage_model_state"]
+__all__ = ["PlanRow", "Workload", "evaluate", "pipeline_of", "pipeline_timeline", "rank_parts", "stage_model_state"]
 
 
 @dataclass
@@ -209,6 +209,29 @@ def _ring(kind: str, nbytes: float, n: int, bandwidth: float) -> float:
     return factor * nbytes / bandwidth
 
 
+def _activations_and_stage_times(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workload, hf_config: Any
+                                 ) -> tuple[ActivationModel, PipelineLayout | None, tuple[list[float], list[float], list[float]]]:
+    """The activation model of `lay` (as ultrascale runs it), its pipeline and the stages' forward, backward and
+    weight-gradient seconds per micro-batch."""
+    acts = ActivationModel(shape, work.seq_len // lay.cp, lay.micro_batch, tp=lay.tp,
+                           sequence_parallel=lay.tp > 1 and model_facts_of(shape, hf_config).sequence_parallel,
+                           loss_parallel=lay.tp > 1 and lay.pp == 1,
+                           compute_bytes=work.compute_bytes, recompute=lay.recompute,
+                           attention_scores_saved=work.attention_scores_saved)
+    pipe = pipeline_of(shape, lay)
+    return acts, pipe, _stage_times(shape, lay, cluster, work, acts, pipe)
+
+
+def pipeline_timeline(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload, hf_config: Any = None
+                      ) -> tuple[PipelineLayout | None, dict[int, list[tuple[int, str, int, float, float]]]]:
+    """`layout`'s pipeline and each rank's actions as the planner plays them (`planner.pipeline.timeline`):
+    (stage, kind, micro-batch, start, end) in seconds; (None, {}) without a pipeline."""
+    _, pipe, times = _activations_and_stage_times(shape, runs_as(layout), cluster, work, hf_config)
+    if pipe is None:
+        return None, {}
+    return pipe, timeline(pipe.schedule, pipe, *times)
+
+
 def evaluate(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload, hf_config: Any = None,
              problems: list[str] | None = None) -> PlanRow:
     """Memory and time per GPU of one layout (also for a refused one: `problems` then says why). ZeRO-0 is priced
@@ -217,13 +240,7 @@ def evaluate(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload
     lay = runs_as(layout)
     if problems is None:
         problems = layout_problems(lay, shape, cluster, work.seq_len, work.global_batch, hf_config)
-    acts = ActivationModel(shape, work.seq_len // lay.cp, lay.micro_batch, tp=lay.tp,
-                           sequence_parallel=lay.tp > 1 and model_facts_of(shape, hf_config).sequence_parallel,
-                           loss_parallel=lay.tp > 1 and lay.pp == 1,
-                           compute_bytes=work.compute_bytes, recompute=lay.recompute,
-                           attention_scores_saved=work.attention_scores_saved)
-    pipe = pipeline_of(shape, lay)
-    times = _stage_times(shape, lay, cluster, work, acts, pipe)
+    acts, pipe, times = _activations_and_stage_times(shape, lay, cluster, work, hf_config)
     played = _played(pipe, times) if pipe is not None else None
     ranks = [(*part, played.peak_layers[r] if played else None) for r, part in enumerate(rank_parts(shape, pipe))]
     memory, state = max(((_peak_memory(shape, lay, work, acts, *rank), stage_model_state(shape, lay, work, *rank[:3]))

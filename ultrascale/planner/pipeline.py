@@ -18,12 +18,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import torch.nn as nn
 
 from ultrascale.parallel.pipeline import PipelineLayout
 
-__all__ = ["PipelinePlay", "balanced_layers", "compute_actions", "makespan", "play", "schedule_actions"]
+__all__ = ["PipelinePlay", "balanced_layers", "compute_actions", "makespan", "play", "schedule_actions", "timeline"]
 
 PLAYED_ROUNDS = 4
 """Micro-batches played per pipeline rank (m' = 4p, or m when smaller); later ones run in the steady state."""
@@ -94,11 +95,12 @@ def _one_f_one_b(rank: int, pp: int, m: int) -> tuple[Action, ...]:
     return tuple(actions)
 
 
-def makespan(orders: dict[int, Sequence[tuple[int, str, int, float]]], num_stages: int) -> float:
+def makespan(orders: dict[int, Sequence[tuple[int, str, int, float]]], num_stages: int,
+             record: Optional[dict[int, list[tuple[int, str, int, float, float]]]] = None) -> float:
     """Length of a step whose ranks run their (stage, kind, micro-batch, duration) actions in the given order,
     each rank on its own device, an action starting when its rank is free and its input exists: F(s, i) needs
     F(s-1, i); B or I (s, i) needs B or I (s+1, i). The rest (B after F, W after I) happens on the same rank,
-    earlier in its order."""
+    earlier in its order. `record`, if given, gets each rank's (stage, kind, micro-batch, start, end)."""
     ends: dict[tuple[str, int, int], float] = {}
     free = dict.fromkeys(orders, 0.0)
     next_action = dict.fromkeys(orders, 0)
@@ -117,8 +119,11 @@ def makespan(orders: dict[int, Sequence[tuple[int, str, int, float]]], num_stage
                     needs = None
                 if needs is not None and needs not in ends:
                     break
-                free[r] = max(free[r], ends.get(needs, 0.0)) + duration
+                start = max(free[r], ends.get(needs, 0.0))
+                free[r] = start + duration
                 ends[("B" if kind in "BI" else kind, stage, mb)] = free[r]
+                if record is not None:
+                    record.setdefault(r, []).append((stage, kind, mb, start, free[r]))
                 i += 1
                 progressed = True
             remaining -= i - next_action[r]
@@ -141,6 +146,27 @@ class PipelinePlay:
     micro-batches counts n·k)."""
 
 
+def _timed_orders(schedule: str, layout: PipelineLayout, forward: Sequence[float], backward: Sequence[float],
+                  weight: Sequence[float]) -> tuple[int, tuple[tuple[Action, ...], ...], dict[int, list[tuple[int, str, int, float]]]]:
+    """(micro-batches played, torch's action lists, each rank's actions with their durations) for `play`."""
+    m = layout.microbatches
+    played = m if schedule == "GPipe" else min(m, PLAYED_ROUNDS * layout.pp)
+    orders = schedule_actions(schedule, layout.pp, layout.virtual_stages, played)
+    durations = {"F": forward, "B": backward, "W": weight,
+                 "I": [b - w for b, w in zip(backward, weight)]}
+    timed = {r: [(s, kind, mb, durations[kind][s]) for s, kind, mb in actions] for r, actions in enumerate(orders)}
+    return played, orders, timed
+
+
+def timeline(schedule: str, layout: PipelineLayout, forward: Sequence[float], backward: Sequence[float],
+             weight: Sequence[float]) -> dict[int, list[tuple[int, str, int, float, float]]]:
+    """Each rank's actions as `play` plays them: (stage, kind, micro-batch, start, end), seconds (`plan --plot`)."""
+    _, _, timed = _timed_orders(schedule, layout, forward, backward, weight)
+    out: dict[int, list[tuple[int, str, int, float, float]]] = {}
+    makespan(timed, layout.num_stages, out)
+    return out
+
+
 def play(schedule: str, layout: PipelineLayout, forward: Sequence[float], backward: Sequence[float],
          weight: Sequence[float]) -> PipelinePlay:
     """The step of `layout` under torch's `schedule` with stage s taking forward[s] for F, backward[s] for B, and
@@ -149,12 +175,8 @@ def play(schedule: str, layout: PipelineLayout, forward: Sequence[float], backwa
     torch's lists are played for m' = min(m, 4p) micro-batches (rounded to what the schedule accepts); each
     micro-batch beyond them adds the busiest rank's F + B of one micro-batch, the steady state's rate. GPipe,
     whose holding grows with m, is played whole."""
-    pp, v, m = layout.pp, layout.virtual_stages, layout.microbatches
-    played = m if schedule == "GPipe" else min(m, PLAYED_ROUNDS * pp)
-    orders = schedule_actions(schedule, pp, v, played)
-    durations = {"F": forward, "B": backward, "W": weight,
-                 "I": [b - w for b, w in zip(backward, weight)]}
-    timed = {r: [(s, kind, mb, durations[kind][s]) for s, kind, mb in actions] for r, actions in enumerate(orders)}
+    pp, m = layout.pp, layout.microbatches
+    played, orders, timed = _timed_orders(schedule, layout, forward, backward, weight)
     per_microbatch = [sum(forward[s] + backward[s] for s in layout.stage_ids(r)) for r in range(pp)]
     step = makespan(timed, layout.num_stages) + (m - played) * max(per_microbatch)
     peaks = []

@@ -12,20 +12,11 @@ from html import escape
 from pathlib import Path
 from typing import Optional
 
+from ultrascale.planner.plot import plot_path_problem
 from ultrascale.verify.report import Comparison
 
 _WIDTH, _HEIGHT, _MARGIN = 300, 220, 44
 _COLOURS = {"loss": "#1f77b4", "grad_norm": "#d62728"}
-
-
-def plot_path_problem(path: Path) -> Optional[str]:
-    """Why the plot cannot be written to `path` (asked before any run), or None."""
-    if path.suffix.lower() != ".svg":
-        return (f"--plot {path}: the plot is written as SVG (name the file *.svg); PNG would need a plotting library "
-                "ultrascale does not depend on")
-    if not path.parent.exists():
-        return f"--plot {path}: the folder {path.parent} does not exist"
-    return None
 
 
 def _scale(values: list[float], low: Optional[float] = None) -> tuple[float, float]:
