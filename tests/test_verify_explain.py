@@ -138,7 +138,7 @@ def test_a_sequence_parallel_norm_without_its_all_reduce_is_named(capsys, tmp_pa
     assert code == 1, out
     assert found["first_module"] is None, out
     assert [d["name"] for d in found["gradients"]] == ["model.layers.0.attention_norm.weight"], out
-    assert "block layers.0: 1 of 9 parameters differ" in out and "blocks that match: layers.1" in out, out
+    assert "block model.layers.0: 1 of 9 parameters differ" in out and "blocks that match: model.layers.1" in out, out
 
 
 def test_a_context_parallel_rank_with_shifted_positions_is_named(capsys, tmp_path):
@@ -236,7 +236,7 @@ def test_feature_shards_are_put_side_by_side_and_a_stacked_experts_odd_one_is_na
     found = explain(reference, layout, 1e-6)
     assert found.first_module is None and found.modules_compared == 2
     assert [d.name for d in found.gradients] == ["experts.w"]
-    assert "experts.w: experts [2] of 4 differ, the others match" in found.groups
+    assert "experts.w: experts (its first dim) [2] of 4 differ, the others match" in found.groups
     # The same traces with one feature shard off: the module is named, its input still matching.
     shifted = _trace(tmp_path / "shifted", {
         "proj": {"output": [_sums(x[:, :4]), _sums(x[:, 4:] + 0.1)], "input": [_sums(y[:3]), _sums(y[3:])]},

@@ -245,7 +245,7 @@ class RouterLoad:
 
     def record(self, top_k_index: torch.Tensor, aux: Optional[torch.Tensor], n_tokens: int) -> None:
         """Add a training forward's routing (``top_k_index`` (N, k), dropped = E) to the step's counts."""
-        if not _counted_forward():
+        if not is_step_forward():
             return
         counts = count_per_expert(top_k_index.detach(), self.n_experts + 1)
         self.counts = counts[: self.n_experts] if self.counts is None else self.counts + counts[: self.n_experts]
@@ -264,7 +264,7 @@ _UNCOUNTED = [0]
 
 @contextmanager
 def routing_not_counted() -> Iterator[None]:
-    """Forwards inside do not count towards the step's expert load (a pipeline stage's shape inference)."""
+    """Forwards inside are not the step's (a pipeline stage's shape inference): `is_step_forward` says False."""
     _UNCOUNTED[0] += 1
     try:
         yield
@@ -272,8 +272,10 @@ def routing_not_counted() -> Iterator[None]:
         _UNCOUNTED[0] -= 1
 
 
-def _counted_forward() -> bool:
-    # A forward inside backward is activation checkpointing's recomputation: already counted.
+def is_step_forward() -> bool:
+    """Whether the forward running now is one of the step's: not inside `routing_not_counted` (a pipeline stage's
+    shape inference), not inside backward (activation checkpointing's recomputation: already run), grad enabled.
+    The MoE load counts only these; so does `ultrascale verify --explain`'s trace."""
     return not _UNCOUNTED[0] and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
 
 
@@ -436,6 +438,7 @@ __all__ = [
     "experts_forward",
     "local_tensor",
     "router_loads",
+    "is_step_forward",
     "routing_not_counted",
     "run_experts",
     "scale_balance_terms",

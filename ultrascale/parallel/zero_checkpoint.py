@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ultrascale.parallel.zero_layouts import _chunk_size, _clean_name, _saved_entries, _saved_groups, _saved_state_names
+from ultrascale.parallel.zero_layouts import _chunk_size, _saved_entries, _saved_groups, _saved_state_names, clean_name
 
 
 @dataclass(frozen=True)
@@ -300,10 +300,10 @@ class ZeroCheckpointing:
         state: dict[str, dict[str, Any]] = {}
         for bucket in self.buckets:
             for name, p in zip(bucket.names, bucket.params):
-                saved = saved_names.get(_clean_name(name))
+                saved = saved_names.get(clean_name(name))
                 if saved is None:
                     raise ValueError(
-                        f"the checkpoint holds no optimizer state for parameter {_clean_name(name)!r} "
+                        f"the checkpoint holds no optimizer state for parameter {clean_name(name)!r} "
                         f"(it has state for {len(saved_names)} parameters)"
                     )
                 entry: dict[str, Any] = {}
@@ -333,7 +333,7 @@ class ZeroCheckpointing:
                 f"the checkpoint's optimizer has {len(loaded['param_groups'])} param group(s), this one "
                 f"{len(self.group_buckets)}"
             )
-        weights = {_clean_name(k): v for k, v in (weights or {}).items()}
+        weights = {clean_name(k): v for k, v in (weights or {}).items()}
         by_name = self._params_by_name()
         state: dict[str, dict[str, Any]] = {}
         groups = []
@@ -342,15 +342,15 @@ class ZeroCheckpointing:
             for bucket in buckets:
                 for name in bucket.names:
                     entry = state[name] = {}
-                    for key, value in loaded["state"][_clean_name(name)].items():
+                    for key, value in loaded["state"][clean_name(name)].items():
                         if isinstance(value, torch.Tensor) and value.dim() > 0:
                             entry[key] = self._own_layout(by_name[name], value, bucket.master.dtype)
                         else:  # the step: one per parameter in ZeRO-3, one per group here
                             scalars.setdefault(key, value)
                     if self.has_master_copies:
-                        if _clean_name(name) not in weights:
-                            raise ValueError(f"the checkpoint holds no weights for {_clean_name(name)!r}")
-                        entry["master"] = self._own_layout(by_name[name], weights[_clean_name(name)], bucket.master.dtype)
+                        if clean_name(name) not in weights:
+                            raise ValueError(f"the checkpoint holds no weights for {clean_name(name)!r}")
+                        entry["master"] = self._own_layout(by_name[name], weights[clean_name(name)], bucket.master.dtype)
             hyper = {k: v for k, v in saved_group.items() if k != "params"}
             groups.append({"hyper": hyper, "scalars": scalars, "params": [n for b in buckets for n in b.names]})
         self.load_sharded_state_dict({"state": state, "param_groups": groups})

@@ -6,12 +6,13 @@ layout. The engine's own side of the conversions is `ultrascale.parallel.zero.Ze
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Optional
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-__all__ = ["flat_state_template", "param_shaped_from_flat", "relayout_like", "saved_optimizer_layout"]
+__all__ = ["clean_name", "flat_state_template", "param_shaped_from_flat", "relayout_like", "saved_optimizer_layout"]
 
 
 def _chunk_size(numel: int, world: int, rank: int) -> int:
@@ -19,15 +20,14 @@ def _chunk_size(numel: int, world: int, rank: int) -> int:
     return max(0, min(chunk, numel - rank * chunk))
 
 
-# Wrappers that add a segment to parameter names but not to state-dict keys (what FSDP's
-# get_optimizer_state_dict uses): activation checkpointing, torch.compile.
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+_WRAPPER_SEGMENTS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod)(?=\.|$)")
+"""Wrappers that add a segment to parameter and module names but not to state-dict keys (what FSDP's
+get_optimizer_state_dict uses): activation checkpointing, torch.compile."""
 
 
-def _clean_name(name: str) -> str:
-    for segment in _WRAPPER_SEGMENTS:
-        name = name.replace(segment, "")
-    return name
+def clean_name(name: str) -> str:
+    """A parameter or module name without the segments `_WRAPPER_SEGMENTS` adds: the same under every layout."""
+    return _WRAPPER_SEGMENTS.sub("", name).lstrip(".")
 
 
 def saved_optimizer_layout(metadata: Any, prefix: str) -> Optional[str]:
@@ -49,7 +49,7 @@ def _saved_state_names(metadata: Any, prefix: str) -> dict[str, str]:
     """Parameter names with state in the checkpoint (`<prefix>.state.<name>.<key>`): cleaned name -> saved name."""
     head = f"{prefix}.state."
     names = {key[len(head) :].rsplit(".", 1)[0] for key in metadata if key.startswith(head)}
-    return {_clean_name(name): name for name in names}
+    return {clean_name(name): name for name in names}
 
 
 def _saved_entries(metadata: Any, head: str) -> list[tuple[str, Any]]:
@@ -111,7 +111,7 @@ def flat_state_template(current: dict[str, Any], metadata: Any, prefix: str) -> 
     saved_names = _saved_state_names(metadata, prefix)
     state: dict[str, dict[str, Any]] = {}
     for fqn, entry in current["state"].items():
-        saved = saved_names.get(_clean_name(fqn))
+        saved = saved_names.get(clean_name(fqn))
         if saved is None:
             raise ValueError(
                 f"the checkpoint holds no optimizer state for parameter {fqn!r} (it has state for {len(saved_names)} parameters)"
@@ -151,12 +151,12 @@ def param_shaped_from_flat(loaded: dict[str, Any], current: dict[str, Any]) -> t
             f"the checkpoint's optimizer has {len(loaded['param_groups'])} param group(s), this one "
             f"{len(current['param_groups'])}"
         )
-    saved_names = {_clean_name(name): name for name in loaded["state"]}
+    saved_names = {clean_name(name): name for name in loaded["state"]}
     state: dict[str, dict[str, Any]] = {}
     masters: dict[str, torch.Tensor] = {}
     for saved_group, group in zip(loaded["param_groups"], current["param_groups"]):
         for fqn in group["params"]:
-            saved = loaded["state"][saved_names[_clean_name(fqn)]]
+            saved = loaded["state"][saved_names[clean_name(fqn)]]
             entry = current["state"].get(fqn, {})
             like = next(v for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
             new: dict[str, Any] = {}

@@ -101,7 +101,7 @@ def launched_by_torchrun() -> bool:
     return TorchElasticEnvironment.detect()
 
 
-def _auto_launch() -> Literal["fork", "subprocess"]:
+def auto_launch() -> Literal["fork", "subprocess"]:
     """Fork where no GPU is in sight (cheap, and the process has no CUDA state to inherit); on a GPU machine a
     subprocess, whose launcher starts the ranks as `ultrascale fit` does there."""
     import torch
@@ -152,7 +152,7 @@ def launch_run(spec: RunSpec, workdir: Path, name: str, launch: Launch = "auto",
     from ultrascale.launch import end_processes
 
     log = workdir / f"{name}.log"
-    mode = _auto_launch() if launch == "auto" else launch
+    mode = auto_launch() if launch == "auto" else launch
     if mode == "fork":
         proc = mp.get_context("fork").Process(target=_forked_entry, args=(spec, str(log), os.getpid()))
         proc.start()
@@ -186,7 +186,7 @@ def _strategy_classes() -> set[str]:
     return found
 
 
-def _config_and_overrides(cli_args: Sequence[str]) -> tuple[str, list[str]]:
+def config_and_overrides(cli_args: Sequence[str]) -> tuple[str, list[str]]:
     """The first `--config` and everything else, in order (check_recipe takes one recipe and overrides)."""
     args = list(cli_args)
     for i, arg in enumerate(args):
@@ -203,7 +203,7 @@ def check_layout(cli_args: Sequence[str], gpu: str, precision: Optional[str] = "
     before any process starts."""
     from ultrascale.planner.recipe_check import check_recipe
 
-    recipe, overrides = _config_and_overrides(cli_args)
+    recipe, overrides = config_and_overrides(cli_args)
     try:
         return check_recipe(recipe, [*overrides, *(["--trainer.precision", precision] if precision else [])], gpu=gpu), None
     except (ValueError, NotImplementedError) as error:
@@ -302,7 +302,7 @@ def verify(cli_args: Sequence[str], *, steps: int = DEFAULT_STEPS, against: str 
     with tempfile.TemporaryDirectory(prefix="ultrascale-verify-") as temp:
         work = Path(workdir or temp)
         work.mkdir(parents=True, exist_ok=True)
-        fork = (_auto_launch() if launch == "auto" else launch) == "fork" and not torchrun
+        fork = (auto_launch() if launch == "auto" else launch) == "fork" and not torchrun
         traced = explain is True
         layout_spec = RunSpec(cli_args, steps, str(work / "layout.json"), fork=fork, depth=depth,
                               trace=str(work / "layout-trace") if traced else None)

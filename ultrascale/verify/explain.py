@@ -10,7 +10,8 @@ Both runs' traces (`ultrascale.verify.trace.ModuleTrace`) are read here, one gra
   |g_layout - g_ref| > 10 x tolerance x max(|g_ref|, 1e-6 |G_ref|) (G: the whole model's gradient). Its norm ratio
   |g_layout| / |g_ref| and the cosine of the two say what kind of difference: a cosine of 1 with a ratio of a size
   of the layout (the micro-batches, dp, tp, cp, pp) is a scaling error, named with its likely cause;
-- **groups**: the differing parameters per block, per pipeline stage and, for stacked experts (E, ...), per expert.
+- **groups**: the differing parameters per block (the name up to its first module-list index), per pipeline stage
+  and, for stacked experts (a parameter of 3 or more dims, experts first), per expert.
 """
 
 from __future__ import annotations
@@ -235,11 +236,11 @@ def explain(reference_folder: Path, layout_folder: Path, tolerance: float) -> Ex
         scaling, cause = _scaling(ratio, sizes) if cosine > 0.9999 else (None, None)
         differences.append(GradientDifference(name, delta / ref_norm if ref_norm > 0 else math.inf, ratio, cosine,
                                               stages.get(name), scaling, cause))
-        if "expert" in name and ref.dim() >= 3:
+        if ref.dim() >= 3:  # stacked experts (E, ...): which of them
             per_expert = [(e, float((lay[e] - ref[e]).norm()) / max(float(ref[e].norm()), 1e-30)) for e in range(ref.shape[0])]
             off = [e for e, error in per_expert if error > gradient_tolerance]
             if off and len(off) < ref.shape[0]:
-                expert_lines.append(f"{name}: experts {off} of {ref.shape[0]} differ, the others match")
+                expert_lines.append(f"{name}: experts (its first dim) {off} of {ref.shape[0]} differ, the others match")
     differences.sort(key=lambda d: -d.relative)
     return Explanation(modules_compared, len(common), first, differences,
                        _groups(differences, common, stages) + expert_lines, only, tolerance)
@@ -248,7 +249,8 @@ def explain(reference_folder: Path, layout_folder: Path, tolerance: float) -> Ex
 def _groups(differences: list[GradientDifference], names: list[str], stages: dict[str, Any]) -> list[str]:
     """One line per block and per pipeline stage with a differing parameter: how many, and a common scaling."""
     lines = []
-    for label, key in (("block", lambda n: (m.group(0) if (m := re.search(r"layers\.\d+", n)) else None)),
+    # A block: the name up to its first index in a module list (`model.layers.3`, `transformer.h.3`).
+    for label, key in (("block", lambda n: (m.group(1) if (m := re.match(r"(.*?\.\d+)\.", n)) else None)),
                        ("stage", lambda n: stages.get(n))):
         totals: dict[Any, int] = {}
         for name in names:

@@ -2,10 +2,10 @@
 
 `ModuleTrace` is a callback both runs get. During the first step it keeps, for every module of the
 LightningModule, sums over the elements of its forward output and of its first input, over every call of this rank
-(each micro-batch; a recompute in backward, or torch's pipeline running a stage on placeholders first, is not a
-call): per feature (the last dim) the sum over all tokens, the sum of squares of all elements, and the token count.
-Added over the ranks, they give each feature's mean over all tokens of the global batch, and the root mean square,
-whatever splits the tokens:
+(each micro-batch: `parallel.expert.is_step_forward`, so neither a recompute in backward nor torch's pipeline
+running a stage on placeholders first): per feature (the last dim) the sum over all tokens, the sum of squares of
+all elements, and the token count. Added over the ranks, they give each feature's mean over all tokens of the
+global batch, and the root mean square, whatever splits the tokens:
 
     mean_f = sum_r S_rf / sum_r N_r,   rms = sqrt(sum_r Q_r / (sum_r N_r · F))
 
@@ -25,8 +25,6 @@ order, each parameter's pipeline stage and the layout's sizes that a scaling err
 from __future__ import annotations
 
 import json
-import re
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,15 +33,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-_WRAPPERS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod)(?=\.|$)")
-
-
-def canonical_name(name: str) -> str:
-    """A module or parameter name without the wrappers a layout may add (activation checkpointing, compile)."""
-    previous = None
-    while previous != name:
-        previous, name = name, _WRAPPERS.sub(r"\1", name).replace("..", ".").strip(".")
-    return name
+from ultrascale.parallel.expert import is_step_forward
+from ultrascale.parallel.zero_layouts import clean_name
 
 
 def _first_tensor(value: Any) -> Optional[torch.Tensor]:
@@ -63,26 +54,6 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-_METADATA_INFERENCE = {"_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference"}
-"""torch.distributed.pipelining's functions that run a stage once on placeholder tensors before its first step
-(older torch: `_shape_inference`): not a call of the step."""
-
-
-def _in_pipeline_metadata_inference() -> bool:
-    frame = sys._getframe(2)
-    for _ in range(40):
-        if frame is None:
-            return False
-        if frame.f_code.co_name in _METADATA_INFERENCE:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _sums(tensor: Optional[torch.Tensor]) -> Optional[tuple[torch.Tensor, float, float]]:
@@ -116,11 +87,11 @@ class ModuleTrace(Callback):
 
         for name, module in pl_module.named_modules():
             if name and not isinstance(module, PipelineGap):  # the parts another pipeline stage holds
-                self._handles.append(module.register_forward_hook(self._hook(canonical_name(name))))
+                self._handles.append(module.register_forward_hook(self._hook(clean_name(name))))
 
     def _hook(self, name: str) -> Any:
         def record(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            if self._done or _in_backward() or _in_pipeline_metadata_inference():
+            if self._done or not is_step_forward():
                 return
             out = _first_tensor(output)
             if out is None:
@@ -146,8 +117,8 @@ class ModuleTrace(Callback):
         rank, world = trainer.global_rank, trainer.world_size
         stage, tp_rank = _mesh_coordinate(strategy, "pp"), _mesh_coordinate(strategy, "tp") or 0
         engines = tuple(getattr(strategy, "zero_engines", ()))
-        engine_names = {canonical_name(engine.names[id(p)]) for engine in engines for b in engine.buckets for p in b.params}
-        names = sorted(engine_names | {canonical_name(n) for n, p in pl_module.named_parameters() if p.grad is not None})
+        engine_names = {clean_name(engine.names[id(p)]) for engine in engines for b in engine.buckets for p in b.params}
+        names = sorted(engine_names | {clean_name(n) for n, p in pl_module.named_parameters() if p.grad is not None})
         mine_summary = (self._sums, self._order, stage, names, tp_rank)
         gathered: list[Any] = [mine_summary]
         if world > 1 and dist.is_initialized():
@@ -182,9 +153,9 @@ class ModuleTrace(Callback):
 
         for engine in engines:
             for name, grad in engine.full_gradients().items():
-                write(canonical_name(name), grad)
+                write(clean_name(name), grad)
         for name, param in pl_module.named_parameters():
-            name = canonical_name(name)
+            name = clean_name(name)
             if name in engine_names or param.grad is None:
                 continue
             grad = param.grad.detach()
@@ -235,4 +206,4 @@ def _mesh_coordinate(strategy: Any, axis: str) -> Optional[int]:
     return strategy.parallel_mesh[axis].get_local_rank()
 
 
-__all__ = ["ModuleTrace", "canonical_name"]
+__all__ = ["ModuleTrace"]

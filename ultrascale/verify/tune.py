@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from ultrascale.verify.app import Launch, VerifyError, _config_and_overrides, launch_run
+from ultrascale.verify.app import Launch, VerifyError, config_and_overrides, launch_run
 from ultrascale.verify.report import RankFigures
 from ultrascale.verify.run import RunSpec
 
@@ -140,7 +140,7 @@ def tune(cli_args: Sequence[str], *, top: int = 4, steps: int = 8, warmup: int =
          launch: Launch = "auto", workdir: Optional[Path] = None, progress: Any = None) -> tuple[Any, list[Candidate]]:
     """Price, then run, the planner's `top` layouts for the recipe; returns (the recipe's `RecipePlan`, the
     candidates in the planner's order, measured)."""
-    from ultrascale.verify.app import _auto_launch, check_layout
+    from ultrascale.verify.app import auto_launch, check_layout
 
     if top < 1 or steps < 1 or not 0 <= warmup < steps:
         raise VerifyError(f"--top {top}, --steps {steps}, --warmup {warmup}: need top >= 1 and 0 <= warmup < steps")
@@ -150,9 +150,9 @@ def tune(cli_args: Sequence[str], *, top: int = 4, steps: int = 8, warmup: int =
     candidates = plan_candidates(plan, top)
     if not candidates:
         raise VerifyError(f"no layout of {plan.world} ranks fits the planner's memory for this recipe")
-    recipe, overrides = _config_and_overrides(cli_args)
+    recipe, overrides = config_and_overrides(cli_args)
     config = resolved_config(recipe, overrides)
-    fork = (_auto_launch() if launch == "auto" else launch) == "fork"
+    fork = (auto_launch() if launch == "auto" else launch) == "fork"
     with tempfile.TemporaryDirectory(prefix="ultrascale-tune-") as temp:
         work = Path(workdir or temp)
         work.mkdir(parents=True, exist_ok=True)
