@@ -45,6 +45,7 @@ SCHEMA: dict[str, tuple[tuple[type, ...], bool]] = {
     "flops_include_recompute": ((bool, type(None)), False),
     "flops_per_sequence": ((int, float), False),
     "recompute_assumed": ((list,), False),
+    "compile": ((bool, type(None)), False),
 }
 """Every field of a run: the types it may hold and whether it must be there (null where the source is silent)."""
 

@@ -29,6 +29,7 @@ from ultrascale.models.adapters import model_shape
 from ultrascale.models.llama import Llama, LlamaConfig
 from ultrascale.models.lm import LlamaLM
 from ultrascale.parallel.memory import model_state_bytes
+from ultrascale.planner.cost import matmul_gains
 
 GIB = 2**30
 
@@ -658,25 +659,34 @@ def test_accumulate_unsharded_grads_priced_and_searched():
 # --------------------------------------------------------------------------- torch.compile per block
 
 
-@pytest.mark.parametrize("layout", [dict(dp_shard=8, recompute="selective", micro_batch=2),
+@pytest.mark.parametrize("layout", [dict(dp_shard=8, recompute="none", micro_batch=2),
                                     dict(pp=2, dp_shard=2, tp=2, recompute="full", grad_accumulation=4),
                                     dict(dp_shard=4, cp=2, recompute="none")])
 def test_compiled_compute_is_eager_compute_over_the_published_speedup(layout):
+    """On the run the gain was published for (Llama 3.1 8B at 8,192 tokens) the planner's compiled compute is the
+    eager one over torchtitan's 5,762 -> 6,667; attention's kernel is not sped up, so at 131k tokens the gain shrinks."""
     from ultrascale.hardware import COMPILE_SPEEDUP
 
-    # torchtitan, Llama 3.1 8B on 8 H100 (FSDP, bf16): 5,762 -> 6,667 tokens/s per GPU compiled.
     assert COMPILE_SPEEDUP == pytest.approx(6667 / 5762)
     shape, cluster = model_shape("llama3_8b"), planner.Cluster(planner.GPU_SPECS["h100"], 8)
     lay = planner.Layout(**layout)
-    eager = planner.evaluate(shape, lay, cluster, planner.Workload(8192, lay.dp * lay.micro_batch * lay.grad_accumulation))
-    compiled = planner.evaluate(shape, lay, cluster, planner.Workload(8192, lay.dp * lay.micro_batch * lay.grad_accumulation,
-                                                                      compiled=True))
-    assert compiled.step_time["compute"] == pytest.approx(eager.step_time["compute"] / COMPILE_SPEEDUP, rel=1e-12)
-    assert compiled.step_time["bubble"] == pytest.approx(eager.step_time["bubble"] / COMPILE_SPEEDUP, rel=1e-12)
+
+    def both(seq_len):
+        batch = lay.dp * lay.micro_batch * lay.grad_accumulation
+        return (planner.evaluate(shape, lay, cluster, planner.Workload(seq_len, batch)),
+                planner.evaluate(shape, lay, cluster, planner.Workload(seq_len, batch, compiled=True)))
+
+    eager, compiled = both(8192)
+    # The head's 6·V·h is not recomputed under full recompute: there the share of attention differs by that much.
+    assert compiled.step_time["compute"] == pytest.approx(eager.step_time["compute"] / COMPILE_SPEEDUP,
+                                                          rel=1e-9 if lay.recompute == "none" else 3e-3)
+    assert compiled.step_time["bubble"] == pytest.approx(eager.step_time["bubble"] / COMPILE_SPEEDUP, rel=3e-3)
     # Communication is priced as eager: what the shorter compute no longer hides can only add to the exposed part.
     assert compiled.step_time["communication"] >= eager.step_time["communication"]
     assert compiled.memory == eager.memory  # torchtitan's compiled memory drop is not modelled
     assert compiled.tokens_per_s_per_gpu > eager.tokens_per_s_per_gpu
+    long_eager, long_compiled = both(131072)
+    assert 1 < long_eager.step_time["compute"] / long_compiled.step_time["compute"] < (COMPILE_SPEEDUP + 1) / 2
 
 
 def test_plan_compile_is_stated_in_the_header_and_emitted(tmp_path, capsys):
@@ -692,7 +702,7 @@ def test_plan_compile_is_stated_in_the_header_and_emitted(tmp_path, capsys):
     code, compiled = _plan(capsys, *args, "--compile", "--emit-recipe", str(recipe))
     assert code == 0
     header = next(line for line in compiled.out.splitlines() if line.startswith("cluster"))
-    assert f"compiled (torch.compile per block): compute time / {COMPILE_SPEEDUP:.3f}" in header
+    assert f"compiled (torch.compile per block): compute outside attention / {matmul_gains()[0]:.3f}" in header
     assert "torchtitan's Llama 3.1 8B on 8 H100" in header and "5,762 -> 6,667" in header
 
     def compute_s(text):
@@ -705,7 +715,6 @@ def test_plan_compile_is_stated_in_the_header_and_emitted(tmp_path, capsys):
 def test_recipe_with_compile_is_priced_compiled(capsys):
     from pathlib import Path
 
-    from ultrascale.hardware import COMPILE_SPEEDUP
     from ultrascale.planner.recipe_check import check_recipe, format_recipe_plan
 
     recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu_2d.yaml")
@@ -713,7 +722,8 @@ def test_recipe_with_compile_is_priced_compiled(capsys):
     compiled = check_recipe(recipe, ["--trainer.strategy.init_args.compile", "true"])
     assert compiled.strategy.compile and not eager.work.compiled and compiled.work.compiled
     assert compiled.row.layout == eager.row.layout and compiled.row.memory == eager.row.memory
-    assert compiled.row.step_time["compute"] == pytest.approx(eager.row.step_time["compute"] / COMPILE_SPEEDUP, rel=1e-12)
+    # A tiny model's attention is a larger share than the 8B run's: the gain lies between 1 and the non-attention one.
+    assert 1 < eager.row.step_time["compute"] / compiled.row.step_time["compute"] < matmul_gains()[0]
     assert "compiled (torch.compile per block)" in "\n".join(format_recipe_plan(compiled))
     assert "compiled" not in "\n".join(format_recipe_plan(eager))
     code, out = _plan(capsys, "--recipe", recipe, "--compile")  # the recipe decides: the flag is refused beside it
@@ -832,12 +842,13 @@ def test_plan_fp8_divides_compiled_compute_by_the_published_gain_and_emits_float
     code, fp8 = _plan(capsys, *args, "--fp8", "--emit-recipe", str(recipe))
     assert code == 0
     header = next(line for line in fp8.out.splitlines() if line.startswith("cluster"))
-    assert f"Float8 matmuls: / {FLOAT8_SPEEDUP:.3f} more" in header and "6,667 -> 8,532" in header
+    assert f"Float8 matmuls: / {matmul_gains()[1]:.3f} more" in header and "6,667 -> 8,532" in header
 
     def compute_s(text):
         return float(next(line for line in text.splitlines() if line.startswith("step")).split()[2])
 
-    assert compute_s(fp8.out) == pytest.approx(compute_s(eager.out) / COMPILE_SPEEDUP / FLOAT8_SPEEDUP, abs=2e-3)
+    # The published gains on their own run (8B, 8,192 tokens); the head, not recomputed, moves it by 0.2%.
+    assert compute_s(fp8.out) == pytest.approx(compute_s(eager.out) / COMPILE_SPEEDUP / FLOAT8_SPEEDUP, rel=3e-3)
     config = yaml.safe_load(recipe.read_text())
     assert config["trainer"]["strategy"]["init_args"]["compile"] is True
     assert any(cb["class_path"] == "ultrascale.callbacks.Float8Training" for cb in config["trainer"]["callbacks"])
@@ -939,3 +950,22 @@ def test_plan_plot_draws_memory_and_the_played_pipeline(tmp_path, capsys):
     ends = max(end for rank in actions.values() for *_, end in rank)
     timed = {r: [(s, k, mb, e - b) for s, k, mb, b, e in acts] for r, acts in actions.items()}
     assert ends == makespan(timed, 2) == 4 * 3.0 + 3.0  # the busiest rank's 4 x (F + B) plus one F + B of bubble
+
+
+def test_the_planner_is_priced_for_ultrascales_own_stack():
+    """`TORCH_NATIVE_EFFICIENCY` is the fit on torchtitan's published runs (the stack ultrascale runs), and with it
+    every torch-native run, eager, compiled and Float8, from 8 to 512 GPUs, is predicted within 1.25x. Megatron /
+    NeMo / llm-foundry runs are another stack: reported apart, not fitted (benchmarks/planner_validation.py)."""
+    from benchmarks.planner_validation import PUBLISHED, fit_torch_native, predict, stack_of
+    from ultrascale.hardware import TORCH_NATIVE_EFFICIENCY
+
+    for generation, value in TORCH_NATIVE_EFFICIENCY.items():
+        assert value == pytest.approx(fit_torch_native(generation, iterations=3), abs=1e-3), generation
+    torch_native = [run for run in PUBLISHED if stack_of(run) == "torch-native"]
+    kinds = {"fp8" if run["precision"] == "fp8" else "compiled" if run.get("compile") else "eager" for run in torch_native}
+    assert kinds == {"eager", "compiled", "fp8"} and {run["gpus"] for run in torch_native} >= {8, 128, 256, 512}
+    for run in torch_native:
+        ratio = predict(run)["row"].tokens_per_s_per_gpu / run["tokens_per_s_per_gpu"]
+        assert 1 / 1.25 <= ratio <= 1.25, (run["source"], run["layout"], run["precision"], ratio)
+    assert planner.Cluster(planner.GPU_SPECS["a100"], 8).efficiency == TORCH_NATIVE_EFFICIENCY["Ampere"]
+    assert planner.Cluster(planner.GPU_SPECS["h100"], 8, efficiency=0.5).efficiency == 0.5  # `--efficiency` still wins

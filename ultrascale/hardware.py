@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["COMPILE_SOURCE", "COMPILE_SPEEDUP", "Cluster", "FLOAT8_SOURCE", "FLOAT8_SPEEDUP", "GIB", "GPU_SPECS",
-           "GPU_TABLE", "GpuFigures", "GpuSpec", "PEAK_TFLOPS", "find_peak_tflops"]
+           "GPU_TABLE", "GpuFigures", "GpuSpec", "PEAK_TFLOPS", "TORCH_NATIVE_EFFICIENCY", "find_peak_tflops"]
 
 GIB = 2**30
 
@@ -39,6 +39,18 @@ FLOAT8_SOURCE = "torchtitan's Llama 3.1 8B on 8 H100, FSDP + compile: 6,667 -> 8
 """The published run `FLOAT8_SPEEDUP` comes from, as `ultrascale plan --fp8` prints it."""
 
 
+# The fraction of the dense bf16 peak that ultrascale's own stack reaches in the matmuls when nothing waits, per GPU
+#   generation: torch-native training (FSDP2, DTensor tensor parallel, torch.distributed.pipelining, torch.compile,
+#   torchao Float8), priced on torchtitan's published runs, which use that stack. `python
+#   benchmarks/planner_validation.py` fits each so that the geometric mean of published / predicted tokens/s over that
+#   generation's torchtitan runs is 1 (Hopper: 17 H100 runs of 2024-12, 8 to 512 GPUs, eager, compiled and Float8, and
+#   one H200 run; Ampere: 2 runs on 64 A100s); tests/test_planner.py checks these figures against that fit. Megatron,
+#   NeMo and llm-foundry runs are another stack and stay out of it (the validation reports their factor apart).
+#   torchtitan's H100s ran at a 500 W power limit (their peak is "between SXM and NVL"), so Hopper's figure is low for
+#   700 W parts; Blackwell has no torch-native published run yet and is priced with Hopper's.
+TORCH_NATIVE_EFFICIENCY: dict[str, float] = {"Hopper": 0.359, "Ampere": 0.617}
+
+
 @dataclass(frozen=True)
 class GpuSpec:
     """One GPU kind: dense bf16 peak, usable memory, and achievable NCCL bus bandwidths per GPU."""
@@ -54,6 +66,13 @@ class GpuSpec:
     """GB/s per GPU per direction that NCCL's ring reaches inside a node (NVLink/NVSwitch)."""
     inter_node_gbps: float
     """GB/s per GPU per direction between nodes (one NIC per GPU)."""
+    generation: str = "Hopper"
+    """Its architecture, the key of `TORCH_NATIVE_EFFICIENCY` (Hopper's where that has no figure for it)."""
+
+    @property
+    def efficiency(self) -> float:
+        """Fraction of `peak_tflops` ultrascale's matmuls reach: `TORCH_NATIVE_EFFICIENCY` of its generation."""
+        return TORCH_NATIVE_EFFICIENCY.get(self.generation, TORCH_NATIVE_EFFICIENCY["Hopper"])
 
 
 @dataclass(frozen=True)
@@ -72,6 +91,8 @@ class GpuFigures:
     inter_node_gbps: Optional[float] = None
     fp32_tflops: Optional[float] = None
     """Plain fp32 (CUDA cores, no TF32): what a `32-true` run computes in with TF32 off, torch's default."""
+    generation: str = "Hopper"
+    """The key of `TORCH_NATIVE_EFFICIENCY` the planner prices this GPU with."""
 
     @property
     def peaks(self) -> dict[str, float]:
@@ -85,7 +106,7 @@ class GpuFigures:
         memory, hbm, intra, inter = self.memory_gib, self.hbm_gbps, self.intra_node_gbps, self.inter_node_gbps
         if memory is None or hbm is None or intra is None or inter is None:
             raise ValueError(f"{name}: GPU_TABLE has only its peaks; the planner also needs its memory and bandwidths")
-        return GpuSpec(name, self.bf16_tflops, memory, hbm, intra, inter)
+        return GpuSpec(name, self.bf16_tflops, memory, hbm, intra, inter, self.generation)
 
 
 # Peaks: the vendors' spec sheets, whose headline bf16/fp8/tf32 figures are "with sparsity" = 2x these:
@@ -101,12 +122,12 @@ GPU_TABLE: dict[str, GpuFigures] = {
     #                        bf16     fp8    tf32 memory GiB  HBM GB/s  intra  inter
     "H100 SXM": GpuFigures(989.4, 1978.9, 494.7, 79.6, 3350.0, 360.0, 40.0, fp32_tflops=66.9),
     "H200": GpuFigures(989.4, 1978.9, 494.7, 140.4, 4800.0, 360.0, 40.0, fp32_tflops=66.9),
-    "A100": GpuFigures(312.0, None, 156.0, 80.0, 2039.0, 240.0, 20.0, fp32_tflops=19.5),
-    "B200": GpuFigures(2250.0, 4500.0, 1100.0, 179.1, 8000.0, 720.0, 40.0, fp32_tflops=75.0),
+    "A100": GpuFigures(312.0, None, 156.0, 80.0, 2039.0, 240.0, 20.0, fp32_tflops=19.5, generation="Ampere"),
+    "B200": GpuFigures(2250.0, 4500.0, 1100.0, 179.1, 8000.0, 720.0, 40.0, fp32_tflops=75.0, generation="Blackwell"),
     # Peaks only (for MFU): no measured memory total or NCCL bandwidth, so `ultrascale plan` has no --gpu for them.
     "H100 PCIe": GpuFigures(756.0, 1513.0, 378.0, fp32_tflops=51.2),
-    "L4": GpuFigures(121.0, 242.5, 60.0, fp32_tflops=30.3),
-    "MI300X": GpuFigures(1307.4, 2614.9, 653.7, fp32_tflops=163.4),
+    "L4": GpuFigures(121.0, 242.5, 60.0, fp32_tflops=30.3, generation="Ada"),
+    "MI300X": GpuFigures(1307.4, 2614.9, 653.7, fp32_tflops=163.4, generation="CDNA3"),
 }
 
 # `ultrascale plan --gpu` kinds: rows of the table under the names the plans print.
@@ -149,13 +170,17 @@ class Cluster:
     gpu: GpuSpec
     gpus: int
     gpus_per_node: int = 8
-    efficiency: float = 0.55
-    """Fraction of the peak that the model's matmuls reach when nothing waits (one number for all
-    layouts; `benchmarks/planner_validation.py` shows how it compares with published runs)."""
+    efficiency: Optional[float] = None
+    """Fraction of the peak that the model's matmuls reach when nothing waits, one number for all layouts (None: the
+    GPU's, `GpuSpec.efficiency`; `benchmarks/planner_validation.py` compares it with published runs)."""
     memory_headroom: float = 0.9
     """Fraction of `gpu.memory_gib` a layout may plan for: the rest is the CUDA context, NCCL and fragmentation."""
     latency_s: float = 10e-6
     """Fixed cost of one collective."""
+
+    def __post_init__(self) -> None:
+        if self.efficiency is None:
+            object.__setattr__(self, "efficiency", self.gpu.efficiency)
 
     @property
     def usable_bytes(self) -> float:

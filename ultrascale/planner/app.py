@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ultrascale.estimate import ModelShape
-from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, GPU_SPECS, Cluster, GpuSpec
+from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, GPU_SPECS, TORCH_NATIVE_EFFICIENCY, Cluster, GpuSpec
 from ultrascale.models.adapters import model_shape
 from ultrascale.parallel import rules
 from ultrascale.parallel.rules import PRECISIONS, LayoutKnobs
@@ -119,13 +119,13 @@ def plan_main(args: list[str]) -> str:
     parser.add_argument("--eager-attention", action="store_true",
                         help="attention keeps its s x s scores (no flash / fused kernel)")
     parser.add_argument("--compile", action="store_true",
-                        help=f"price every layout with each block compiled (the strategies' `compile=True`): compute "
-                             f"time / {COMPILE_SPEEDUP:.3f}, torchtitan's published speed-up; with --recipe, the "
-                             "strategy's `compile` decides")
+                        help=f"price every layout with each block compiled (the strategies' `compile=True`): the compute "
+                             f"outside attention faster by the gain that gives torchtitan's published {COMPILE_SPEEDUP:.3f} "
+                             "on its run; with --recipe, the strategy's `compile` decides")
     parser.add_argument("--fp8", action="store_true",
-                        help=f"price every layout with Float8 matmuls (the `Float8Training` callback), compiled: compute time "
-                             f"/ {COMPILE_SPEEDUP:.3f} / {FLOAT8_SPEEDUP:.3f}, torchtitan's published gains; with --recipe, "
-                             "its callbacks decide")
+                        help=f"price every layout with Float8 matmuls (the `Float8Training` callback), compiled: the compute "
+                             f"outside attention faster by the gains that give torchtitan's published {COMPILE_SPEEDUP:.3f} x "
+                             f"{FLOAT8_SPEEDUP:.3f} on its run; with --recipe, its callbacks decide")
     parser.add_argument("--device-memory-gib", type=_positive(float), default=None, help="memory of one GPU (default: the GPU's)")
     parser.add_argument("--peak-tflops", type=_positive(float), default=None, help="dense bf16 peak of one GPU (default: the GPU's)")
     parser.add_argument("--intra-node-gbps", type=_positive(float), default=None,
@@ -133,7 +133,9 @@ def plan_main(args: list[str]) -> str:
     parser.add_argument("--inter-node-gbps", type=_positive(float), default=None,
                         help="GB/s per GPU between nodes (default: one 400 Gb/s NIC per GPU)")
     parser.add_argument("--efficiency", type=_positive(float), default=None,
-                        help=f"fraction of the peak the matmuls reach (default {Cluster.efficiency})")
+                        help="fraction of the peak the matmuls reach (default: ultrascale's own, fitted per GPU generation "
+                             "on torchtitan's published runs: " + ", ".join(f"{generation} {value}" for generation, value
+                                                                           in TORCH_NATIVE_EFFICIENCY.items()) + ")")
     options, unknown = parser.parse_known_args(args)
     problem = plot_path_problem(Path(options.plot)) if options.plot else None
     if problem is not None:

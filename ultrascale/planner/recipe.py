@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from ultrascale.estimate import ModelShape
-from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, Cluster
-from ultrascale.planner.cost import PlanRow, Workload
+from ultrascale.hardware import GIB, Cluster
+from ultrascale.planner.cost import PlanRow, Workload, matmul_gains
 from ultrascale.planner.layouts import Layout, runs_as
 
 __all__ = ["batch_knobs", "recipe_yaml", "strategy_knobs"]
@@ -65,9 +65,10 @@ def recipe_yaml(row: PlanRow, model: str, shape: ModelShape, cluster: Cluster, w
                        "    attn_implementation: sdpa\n")
     global_batch_size, accumulate = batch_knobs(row.layout)
     mem, t = row.memory, row.step_time
-    compiled = f"; each block compiled (compute time priced / {COMPILE_SPEEDUP:.3f})" if work.compiled else ""
+    compile_gain, float8_gain = matmul_gains()
+    compiled = f"; each block compiled (compute outside attention priced / {compile_gain:.3f})" if work.compiled else ""
     if work.float8:
-        compiled += f", Float8 matmuls (/ {FLOAT8_SPEEDUP:.3f})"
+        compiled += f", Float8 matmuls (/ {float8_gain:.3f})"
     return f"""# Written by `ultrascale plan`: {shape.name} on {cluster.gpus} x {cluster.gpu.name} ({cluster.gpus_per_node} per node).
 # Layout: {lay.describe()}{compiled}
 # Predicted per GPU: {mem['total'] / GIB:.1f} GiB, step {t['total']:.2f} s, {row.tokens_per_s_per_gpu:,.0f} tokens/s, MFU {row.mfu:.1%}.
