@@ -5,8 +5,8 @@ source, under the quoted row; `planner_published.py` loads it against its schema
 run the planner costs *the published layout* (not its own choice) with `ultrascale.planner.evaluate`,
 at ultrascale's own achievable fraction of peak (`TORCH_NATIVE_EFFICIENCY`, which `fit_torch_native` fits on the
 torchtitan runs: the stack ultrascale runs), and the table gives predicted / published, per stack: the other stacks'
-runs (Megatron, NeMo, llm-foundry) are reported with their speed over ultrascale's pricing, never fitted in. Where a source leaves a field out, this script
-fills it and says so in the `assumed` column:
+runs (Megatron, NeMo, llm-foundry) are reported with their speed over ultrascale's pricing, never fitted in.
+Where a source leaves a field out, this script fills it and says so in the `assumed` column:
 
 - sequence length: 8192 (torchtitan's Llama 3 configs) where the table gives none;
 - ZeRO stage: 3 for FSDP (torchtitan, llm-foundry), 1 for Megatron/NeMo (the distributed

@@ -46,14 +46,17 @@ def _train_auto(rank, world_size, strategy, global_batch, n_layers):
             "mesh": trainer.strategy.parallel_dims.describe()}
 
 
-def _expected_layout(world: int, global_batch: int, fixed: dict, n_layers: int = 4) -> planner.Layout:
-    """The planner's best layout for the parity model on CPU ranks, asked directly."""
+def _expected_layout(world: int, global_batch: int, fixed: dict, n_layers: int = 4, calibration=None) -> planner.Layout:
+    """The planner's best layout for the parity model on CPU ranks, asked directly (with a calibration file)."""
     from ultrascale.estimate import ModelShape
     from ultrascale.strategies.auto_layout import AutoLayoutInputs, choose_layout, device_cluster
 
     config = make_llama(n_layers).config
+    cluster = device_cluster(torch.device("cpu"), world, world)
+    if calibration is not None:
+        cluster = planner.calibrated(cluster, planner.load_calibration(calibration, cluster.gpu.name))
     inputs = AutoLayoutInputs(ModelShape.from_llama_config(config), None, planner.Workload(SEQ, global_batch, "32-true"),
-                              device_cluster(torch.device("cpu"), world, world), 1)
+                              cluster, 1)
     return choose_layout(inputs, fixed).layout
 
 
@@ -79,6 +82,23 @@ def test_auto_layout_is_the_planners_and_exact(world, global_batch, strategy, fi
     losses = step_losses(results)
     assert all(math.isfinite(v) for v in losses)
     assert_parity(merge_stages(results), reference, losses)
+
+
+def test_auto_layout_follows_this_machines_calibration(tmp_path):
+    """A calibration (`ultrascale tune --calibrate`) that measured the planner's first choice's layout family at a
+    hundredth of its predicted speed moves the auto layout to another family; the run stays exact."""
+    plain = _expected_layout(2, BATCH, {})
+    path = tmp_path / "calibration.json"
+    planner.Calibration("CPU", {planner.layout_family(plain): 0.01, "all": 1.0}).save(path)
+    expected = _expected_layout(2, BATCH, {}, calibration=str(path))
+    assert planner.layout_family(expected) != planner.layout_family(plain)
+    strategy = ultrascale.UltraScaleStrategy(auto_layout=True, planner_calibration=str(path))
+    results = run_ranks(_train_auto, 2, strategy, BATCH, 4)
+    assert all(result["chosen"] == expected for result in results), (results[0]["chosen"], expected)
+    reference = reference_run(make_llama(4), masked_data(), global_batch=BATCH, steps=STEPS)
+    assert_parity(merge_stages(results), reference, step_losses(results))
+    with pytest.raises(ValueError, match="needs|pass `auto_layout=True`"):
+        ultrascale.UltraScaleStrategy(planner_calibration=str(path))
 
 
 def test_auto_layout_on_one_device_takes_the_batch_as_one_micro_batch():

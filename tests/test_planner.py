@@ -969,3 +969,37 @@ def test_the_planner_is_priced_for_ultrascales_own_stack():
         assert 1 / 1.25 <= ratio <= 1.25, (run["source"], run["layout"], run["precision"], ratio)
     assert planner.Cluster(planner.GPU_SPECS["a100"], 8).efficiency == TORCH_NATIVE_EFFICIENCY["Ampere"]
     assert planner.Cluster(planner.GPU_SPECS["h100"], 8, efficiency=0.5).efficiency == 0.5  # `--efficiency` still wins
+
+
+def test_a_calibration_divides_its_familys_predicted_times_and_reranks(tmp_path):
+    """`ultrascale.planner.calibration`: measured / predicted tokens/s per layout family (geometric means), saved and
+    loaded as `tune --calibrate` and `plan --calibration` do; a family it has no runs of takes the "all" ratio; a
+    file for another GPU's predictions, or not a calibration, is refused naming the file."""
+    from ultrascale.planner.calibration import Calibration, calibrated, layout_family, load_calibration
+
+    dp, tp, pp_tp = planner.Layout(dp_shard=8), planner.Layout(dp_shard=4, tp=2), planner.Layout(pp=2, tp=2, dp_shard=2)
+    assert [layout_family(lay) for lay in (dp, tp, pp_tp)] == ["dp", "tp", "pp+tp"]
+    fitted = Calibration.fit([(dp, 50.0, 100.0), (dp, 200.0, 100.0), (tp, 30.0, 100.0)], gpu="H100 SXM")
+    assert fitted.ratios["dp"] == pytest.approx(1.0) and fitted.ratios["tp"] == pytest.approx(0.3)
+    assert fitted.ratios["all"] == pytest.approx((0.5 * 2.0 * 0.3) ** (1 / 3))
+    path = tmp_path / "calibration.json"
+    fitted.save(path)
+    assert load_calibration(path, "H100 SXM") == fitted
+    with pytest.raises(ValueError, match="measured against predictions for H100 SXM; this plan prices A100"):
+        load_calibration(path, "A100 SXM 80GB")
+    (tmp_path / "bad.json").write_text('{"gpu": "H100 SXM", "ratios": {"tp": -1}}')
+    with pytest.raises(ValueError, match="bad.json: expected"):
+        load_calibration(tmp_path / "bad.json", "H100 SXM")
+
+    shape, work = model_shape("llama3_8b"), planner.Workload(8192, 16)
+    cluster = planner.Cluster(planner.GPU_SPECS["h100"], 8)
+    slow_tp = calibrated(cluster, Calibration("H100 SXM", {"tp": 0.25, "all": 1.0}))
+    for lay, ratio in ((tp, 0.25), (pp_tp, 1.0), (dp, 1.0)):  # pp+tp was not measured: "all"
+        plain, corrected = planner.evaluate(shape, lay, cluster, work), planner.evaluate(shape, lay, slow_tp, work)
+        assert corrected.tokens_per_s_per_gpu == pytest.approx(plain.tokens_per_s_per_gpu * ratio, rel=1e-12)
+        assert corrected.step_time["total"] == pytest.approx(plain.step_time["total"] / ratio, rel=1e-12)
+        assert corrected.memory == plain.memory
+    # The search ranks by the corrected figures: the uncalibrated best's family measured slow, another family wins.
+    best = planner.search(shape, cluster, work, {"recompute": "full"})[0]
+    slow_best = calibrated(cluster, Calibration("H100 SXM", {layout_family(best.layout): 1e-3, "all": 1.0}))
+    assert layout_family(planner.search(shape, slow_best, work, {"recompute": "full"})[0].layout) != layout_family(best.layout)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 import yaml
 
@@ -26,9 +28,9 @@ class OutOfMemoryUnderZero3(L.Callback):
 
 
 def test_tune_runs_the_planners_layouts_and_emits_the_fastest(capsys, tmp_path):
-    emitted, table = tmp_path / "best.yaml", tmp_path / "tune.json"
+    emitted, table, calibration = tmp_path / "best.yaml", tmp_path / "tune.json", tmp_path / "calibration.json"
     code, out, err = run_main(capsys, "tune", "--config", RECIPE, *SMALL, "--top", "3", "--steps", "3", "--warmup", "1",
-                              "--emit-recipe", str(emitted), "--json", str(table),
+                              "--emit-recipe", str(emitted), "--json", str(table), "--calibrate", str(calibration),
                               "--trainer.callbacks+=tests.test_tune.OutOfMemoryUnderZero3")
     assert code == 0, out + err
     result = json.loads(table.read_text())
@@ -50,6 +52,21 @@ def test_tune_runs_the_planners_layouts_and_emits_the_fastest(capsys, tmp_path):
     plan = check_recipe(str(emitted), SMALL)
     assert plan.world == 2 and plan.work.global_batch == 16  # the recipe's batch, split as the layout splits it
     assert "fastest    " in out and f"recipe     {emitted}" in out
+    # --calibrate: measured / predicted tokens/s, geometric means per layout family and over all runs ...
+    ratios = json.loads(calibration.read_text())["ratios"]
+    logs = [math.log(c["measured_tokens_per_s"] / c["predicted_tokens_per_s"]) for c in ran]
+    assert ratios["all"] == pytest.approx(math.exp(sum(logs) / len(logs)), rel=1e-9)
+    assert f"calibration {calibration}: measured / predicted tokens/s" in out
+    # ... which `plan --calibration` applies: the recipe's data-parallel layout at its family's ratio.
+    _, plain, _ = run_main(capsys, "plan", "--recipe", RECIPE, *SMALL, "--json")
+    code, calibrated, err = run_main(capsys, "plan", "--recipe", RECIPE, *SMALL, "--json", "--calibration", str(calibration))
+    assert code == 0, err
+    plain, calibrated = json.loads(plain), json.loads(calibrated)
+    assert calibrated["tokens_per_s_per_gpu"] == pytest.approx(plain["tokens_per_s_per_gpu"] * ratios.get("dp", ratios["all"]),
+                                                               rel=1e-3)
+    assert (calibrated["dp_shard"], calibrated["tp"], calibrated["pp"]) == (plain["dp_shard"], plain["tp"], plain["pp"])
+    code, _, err = run_main(capsys, "plan", "--recipe", RECIPE, *SMALL, "--gpu", "a100", "--calibration", str(calibration))
+    assert code == 2 and "measured against predictions for H100 SXM" in err, err
 
 
 def test_tune_refuses_bad_counts_before_any_run(capsys):

@@ -177,6 +177,9 @@ class Cluster:
     """Fraction of `gpu.memory_gib` a layout may plan for: the rest is the CUDA context, NCCL and fragmentation."""
     latency_s: float = 10e-6
     """Fixed cost of one collective."""
+    calibration: tuple[tuple[str, float], ...] = ()
+    """This machine's measured / predicted tokens/s per layout family (`ultrascale.planner.calibration`: `ultrascale
+    tune --calibrate`), which divide a layout's predicted times; empty: none."""
 
     def __post_init__(self) -> None:
         if self.efficiency is None:

@@ -31,6 +31,7 @@ from ultrascale.hardware import (
     GpuSpec,
     find_peak_tflops,
 )
+from ultrascale.planner.calibration import Calibration, calibrated, layout_family, load_calibration
 from ultrascale.planner.cost import (
     PlanRow,
     Workload,
@@ -45,9 +46,9 @@ from ultrascale.planner.report import describe_search, explain, format_table, wh
 from ultrascale.planner.search import candidate_layouts, rank_key, search, why_not
 
 __all__ = [
-    "Cluster", "GIB", "GPU_SPECS", "GPU_TABLE", "GpuFigures", "GpuSpec", "LAYOUT_KEYS", "Layout", "PEAK_TFLOPS", "PlanRow",
-    "RECOMPUTE_MODES", "Workload", "candidate_layouts", "describe_search", "evaluate", "explain", "find_peak_tflops",
-    "format_table", "layout_problems", "parse_layout", "pipeline_of", "rank_key", "rank_parts", "recipe_yaml", "search",
-    "stage_model_state", "what_would_fit",
-    "why_not",
+    "Calibration", "Cluster", "GIB", "GPU_SPECS", "GPU_TABLE", "GpuFigures", "GpuSpec", "LAYOUT_KEYS", "Layout",
+    "PEAK_TFLOPS", "PlanRow", "RECOMPUTE_MODES", "Workload", "calibrated", "candidate_layouts", "describe_search",
+    "evaluate", "explain", "find_peak_tflops", "format_table", "layout_family", "layout_problems", "load_calibration",
+    "parse_layout", "pipeline_of", "rank_key", "rank_parts", "recipe_yaml", "search", "stage_model_state",
+    "what_would_fit", "why_not",
 ]

@@ -132,6 +132,9 @@ def plan_main(args: list[str]) -> str:
                         help="GB/s per GPU inside a node (default: the GPU's NVLink figure)")
     parser.add_argument("--inter-node-gbps", type=_positive(float), default=None,
                         help="GB/s per GPU between nodes (default: one 400 Gb/s NIC per GPU)")
+    parser.add_argument("--calibration", default=None, metavar="FILE",
+                        help="this machine's measured / predicted tokens/s per layout family (`ultrascale tune --calibrate "
+                             "FILE`): each layout's predicted times are divided by its family's ratio")
     parser.add_argument("--efficiency", type=_positive(float), default=None,
                         help="fraction of the peak the matmuls reach (default: ultrascale's own, fitted per GPU generation "
                              "on torchtitan's published runs: " + ", ".join(f"{generation} {value}" for generation, value
@@ -173,7 +176,8 @@ def plan_main(args: list[str]) -> str:
             divides = rules.tp_divides_problem(dims.tp, model_facts_of(shape, hf_config).tp_sizes, shape.name)
             problems += [divides] if divides else []
         rules.raise_first(problems)
-    cluster = priced_cluster(_gpu_spec(options), options.gpus, options.gpus_per_node, options.efficiency)
+    cluster = priced_cluster(_gpu_spec(options), options.gpus, options.gpus_per_node, options.efficiency,
+                             options.calibration)
     spec = cluster.gpu
     if options.global_batch_tokens:
         global_batch = max(options.global_batch_tokens // options.seq_len, 1)
@@ -202,6 +206,9 @@ def plan_main(args: list[str]) -> str:
         f"batch      {global_batch} sequences x {options.seq_len} tokens = {work.tokens:,} tokens per step; {options.precision}",
         f"searched   {searched}",
     ]
+    if cluster.calibration:
+        lines.insert(2, f"calibrated {options.calibration}: predicted times / measured-to-predicted tokens/s per layout "
+                        f"family ({', '.join(f'{family} {ratio:.3g}' for family, ratio in cluster.calibration)})")
     best = fitting[0] if fitting else None
     if best is not None:
         lines += ["", format_table(fitting, options.top), "", "best       " + best.layout.describe()]
@@ -263,7 +270,7 @@ def plan_recipe_main(options: Any, overrides: list[str]) -> str:
     try:
         plan = check_recipe(options.recipe, overrides, gpus=options.gpus, gpu=options.gpu,
                             gpus_per_node=options.gpus_per_node, spec=_gpu_spec(options), efficiency=options.efficiency,
-                            eager_attention=options.eager_attention)
+                            eager_attention=options.eager_attention, calibration=options.calibration)
     except NotImplementedError as error:  # the strategy's "not implemented yet" combinations: invalid here
         raise ValueError(str(error)) from None
     if options.json:

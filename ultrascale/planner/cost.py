@@ -11,6 +11,7 @@ from typing import Any
 from ultrascale.estimate import STATE_BYTES, ActivationModel, ModelShape
 from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, Cluster
 from ultrascale.parallel.pipeline import PipelineLayout, even_layers
+from ultrascale.planner.calibration import family_ratio
 from ultrascale.planner.layouts import Layout, layout_problems, model_facts_of, runs_as
 from ultrascale.planner.pipeline import PipelinePlay, play, timeline
 
@@ -278,11 +279,16 @@ def evaluate(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload
     memory, state = max(((_peak_memory(shape, lay, work, acts, *rank), stage_model_state(shape, lay, work, *rank[:3]))
                          for rank in _undominated(ranks)), key=lambda pair: pair[0]["total"])
     step_time = _step_time(shape, lay, cluster, work, acts, pipe, times, played)
+    notes = []
+    if cluster.calibration:  # this machine's measured / predicted tokens/s for the layout's family
+        ratio, family = family_ratio(dict(cluster.calibration), lay)
+        step_time = {part: seconds / ratio for part, seconds in step_time.items()}
+        notes.append(f"calibrated: predicted times / {ratio:.3g} (measured / predicted tokens/s of the {family} layouts)")
     peak = cluster.gpu.peak_tflops * 1e12
     tokens_per_s_per_gpu = work.tokens / step_time["total"] / cluster.gpus
     mfu = shape.flops_per_token(work.seq_len) * work.tokens / (step_time["total"] * cluster.gpus * peak)
     fits = not problems and memory["total"] <= cluster.usable_bytes
-    return PlanRow(layout, fits, memory, step_time, tokens_per_s_per_gpu, mfu, problems, model_state=state)
+    return PlanRow(layout, fits, memory, step_time, tokens_per_s_per_gpu, mfu, problems, notes, model_state=state)
 
 
 def _undominated(ranks: list[tuple]) -> list[tuple]:

@@ -16,15 +16,19 @@ from ultrascale.hardware import FLOAT8_SPEEDUP, GPU_SPECS, Cluster, GpuSpec
 from ultrascale.models.adapters import model_shape
 from ultrascale.parallel.dims import ParallelDims, context_chunks
 from ultrascale.parallel.rules import batch_problems, choice_problems, raise_first
+from ultrascale.planner.calibration import calibrated, load_calibration
 from ultrascale.planner.cost import PlanRow, Workload, evaluate, matmul_gains
 from ultrascale.planner.layouts import Layout
 from ultrascale.planner.report import compile_assumption, explain
 from ultrascale.recipe_cli import UltraScaleCLI
 
 
-def priced_cluster(spec: GpuSpec, gpus: int, gpus_per_node: int, efficiency: Optional[float]) -> Cluster:
-    """The cluster a plan is priced for; `efficiency` (`--efficiency`) None keeps `Cluster`'s default."""
-    return Cluster(spec, gpus, gpus_per_node, **({"efficiency": efficiency} if efficiency else {}))
+def priced_cluster(spec: GpuSpec, gpus: int, gpus_per_node: int, efficiency: Optional[float],
+                   calibration: Optional[str] = None) -> Cluster:
+    """The cluster a plan is priced for; `efficiency` (`--efficiency`) None keeps the GPU's; `calibration`
+    (`--calibration FILE`, `planner_calibration=`) this machine's ratios per layout family (ValueError if unusable)."""
+    cluster = Cluster(spec, gpus, gpus_per_node, efficiency)
+    return calibrated(cluster, load_calibration(calibration, spec.name)) if calibration else cluster
 
 
 _AXIS_KNOBS = {"pp": "pipeline_parallel", "dp_replicate": "data_parallel_replicate", "dp_shard": "data_parallel_shard",
@@ -131,7 +135,7 @@ def _recompute_mode(callbacks: list[Any], notes: list[str]) -> str:
 
 def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int] = None, gpu: str = "h100",
                  gpus_per_node: Optional[int] = None, spec: Optional[GpuSpec] = None, efficiency: Optional[float] = None,
-                 eager_attention: bool = False) -> RecipePlan:
+                 eager_attention: bool = False, calibration: Optional[str] = None) -> RecipePlan:
     """Check a recipe for its cluster without running it: parse it as `ultrascale fit --config` would (the
     strategy's constructor validates its knobs), build the model's network on the meta device (no weight
     is allocated), resolve the strategy's degrees for `gpus` ranks (default: trainer.num_nodes x
@@ -265,7 +269,7 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
                     pipeline_layers=(pipeline.layers_per_stage if pipeline is not None and strategy.pipeline_layers is not None
                                      else None),
                     cp_method=strategy.context_parallel_method)
-    cluster = priced_cluster(spec or GPU_SPECS[gpu], world, per_node, efficiency)
+    cluster = priced_cluster(spec or GPU_SPECS[gpu], world, per_node, efficiency, calibration)
     # The strategy's `compile` knob: each block compiled, priced with the published speed-up (`COMPILE_SPEEDUP`).
     from ultrascale.callbacks import Float8Training
 
@@ -301,7 +305,7 @@ def format_recipe_plan(plan: RecipePlan) -> list[str]:
     lines += [f"checked    {check}" for check in plan.checks]
     lines += ["layout     " + lay.describe()]
     lines += explain(plan.row, cluster)
-    lines += [f"note       {note}" for note in plan.notes]
+    lines += [f"note       {note}" for note in [*plan.notes, *plan.row.notes]]
     return lines
 
 __all__ = ["RecipePlan", "check_recipe", "format_recipe_plan", "parse_recipe", "priced_cluster"]

@@ -85,7 +85,8 @@ def device_cluster(device: torch.device, world_size: int, ranks_per_node: int) -
 
 
 def auto_layout_inputs(module: Any, trainer: Any, device: torch.device, world_size: int, ranks_per_node: int,
-                       precision: str, compiled: bool = False) -> tuple[Optional[AutoLayoutInputs], str]:
+                       precision: str, compiled: bool = False,
+                       calibration: Optional[str] = None) -> tuple[Optional[AutoLayoutInputs], str]:
     """The search's inputs, or (None, why the planner cannot price this run)."""
     shape, hf_config, why = model_shape_of(module)
     if shape is None:
@@ -100,6 +101,8 @@ def auto_layout_inputs(module: Any, trainer: Any, device: torch.device, world_si
     work = planner.Workload(seq_len, global_batch * accumulate, precision if precision in PRECISIONS
                             else "bf16-mixed", compiled=compiled)
     cluster = device_cluster(device, world_size, ranks_per_node)
+    if calibration is not None:  # this machine's measured / predicted ratios, against the GPU they were measured for
+        cluster = planner.calibrated(cluster, planner.load_calibration(calibration, cluster.gpu.name))
     return AutoLayoutInputs(shape, hf_config, work, cluster, accumulate), ""
 
 
@@ -165,10 +168,10 @@ class AutoLayout:
 def apply_auto_layout(module: Any, trainer: Any, *, device: torch.device, world_size: int, ranks_per_node: int,
                       precision: str, degrees: dict[str, int], fixed: dict[str, Any], pipeline_schedule: str,
                       pipeline_virtual_stages: Optional[int], pipeline_microbatches: Optional[int],
-                      owner: str, compiled: bool = False) -> Optional[AutoLayout]:
+                      owner: str, compiled: bool = False, calibration: Optional[str] = None) -> Optional[AutoLayout]:
     """The planner's best layout (same inputs on every rank: same choice, no collective), logged on rank 0;
     None, after a warning, where the planner cannot price the run (the set `degrees` are then kept)."""
-    inputs, why = auto_layout_inputs(module, trainer, device, world_size, ranks_per_node, precision, compiled)
+    inputs, why = auto_layout_inputs(module, trainer, device, world_size, ranks_per_node, precision, compiled, calibration)
     if inputs is None:
         rank_zero_warn(f"{owner}(auto_layout=True): the planner cannot price this run ({why}); keeping the set "
                        f"degrees {degrees} (ZeRO-3 over the rest). Give the layout yourself to choose another.")

@@ -37,6 +37,7 @@ from ultrascale.parallel.tensor import has_tensor_parallel_dropout
 from ultrascale.parallel.tensor_styles import resolve_plan
 from ultrascale.parallel.transforms import ModelTransform
 from ultrascale.parallel.zero import ZeroEngine, engine_for
+from ultrascale.planner.calibration import load_calibration
 from ultrascale.strategies import collectives, model_setup, process_group
 from ultrascale.strategies._lightning_compat import StrategyInternals, attach_device_mesh, check_lightning_internals, optimizers_to_device
 from ultrascale.strategies.auto_layout import apply_auto_layout, fixed_knobs
@@ -148,6 +149,9 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
             planner knows (built-in Llama, Hugging Face Llama-family / MoE) and a data module with `seq_len` and
             `global_batch_size`; otherwise it says so and keeps the defaults (ZeRO-3 over every rank). `strategy="ultrascale_4d"`
             turns it on.
+        planner_calibration: a file `ultrascale tune --calibrate FILE` wrote on these machines: the auto layout divides each
+            layout's predicted times by its family's measured / predicted tokens/s (`ultrascale.planner.calibration`). Needs
+            `auto_layout`; checked when the strategy is made, and against the GPU when the processes start.
         compile: `torch.compile` each transformer block after TP, expert dispatch, context parallel, activation checkpointing
             and FP8, before FSDP / ZeRO (torchtitan's order; `ultrascale.parallel.compile`). The first step's compile time is
             logged and later recompilations as `compile/recompiles`.
@@ -190,6 +194,7 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         nonfinite: NonFinitePolicy = "stop",
         max_nonfinite_skips: int = 10,
         auto_layout: bool = False,
+        planner_calibration: Optional[str] = None,
         async_checkpoint: bool = False,
         checkpoint_verify: VerifyLevel = "checksum",
         tune_cpu_allocator: bool = False,
@@ -247,6 +252,12 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         self._parallel_mesh: Optional[ParallelMesh] = None
         self.num_nodes = 1
         self.auto_layout = auto_layout
+        if planner_calibration is not None:
+            if not auto_layout:
+                raise ValueError(f"{type(self).__name__}(`planner_calibration={planner_calibration!r}`) corrects the auto layout's "
+                                 "predictions: pass `auto_layout=True` (or strategy='ultrascale_4d'), or drop it")
+            load_calibration(planner_calibration)  # readable and well-formed, before any process starts
+        self.planner_calibration = planner_calibration
         # What the user set away from the defaults stays fixed in the auto search.
         self._auto_fixed = fixed_knobs(
             dp_replicate=(data_parallel_replicate, 1), dp_shard=(data_parallel_shard, -1), cp=(context_parallel, 1),
@@ -406,7 +417,8 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
             module, trainer_of(module), device=self.root_device, world_size=self.world_size, ranks_per_node=self.num_processes,
             precision=str(getattr(self.precision_plugin, "precision", "32-true")), degrees=self._degrees, fixed=self._auto_fixed,
             pipeline_schedule=self.pipeline_schedule, pipeline_virtual_stages=self.pipeline_virtual_stages,
-            pipeline_microbatches=self.pipeline_microbatches, owner=type(self).__name__, compiled=self.compile)
+            pipeline_microbatches=self.pipeline_microbatches, owner=type(self).__name__, compiled=self.compile,
+            calibration=self.planner_calibration)
         if chosen is None:
             self.chosen_layout = False
             return

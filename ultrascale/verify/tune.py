@@ -1,7 +1,7 @@
 """`ultrascale tune`: the planner's best layouts for a recipe, measured on this machine's devices.
 
     ultrascale tune --config RECIPE [LightningCLI overrides] [--top 4] [--steps 8] [--warmup 3]
-                    [--emit-recipe FILE] [--json FILE]
+                    [--emit-recipe FILE] [--json FILE] [--calibrate FILE]
 
 Order of work: the recipe is checked and priced as `ultrascale plan --recipe` does (its world size, sequence
 length, global batch, precision and compile are the recipe's); the planner ranks every layout of that world
@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
+from ultrascale.planner.calibration import Calibration
 from ultrascale.verify.app import Launch, VerifyError, config_and_overrides, launch_run
 from ultrascale.verify.report import RankFigures
 from ultrascale.verify.run import RunSpec
@@ -222,6 +223,9 @@ def tune_main(args: list[str]) -> None:
     parser.add_argument("--emit-recipe", default=None, metavar="FILE",
                         help="write the fastest measured layout as a recipe `ultrascale fit --config FILE` runs")
     parser.add_argument("--json", default=None, help="also write the table as JSON")
+    parser.add_argument("--calibrate", default=None, metavar="FILE",
+                        help="write this machine's measured / predicted tokens/s per layout family, which `ultrascale plan "
+                             "--calibration FILE` and the strategies' `planner_calibration` apply")
     options, cli_args = parser.parse_known_args(args)
 
     def progress(done: int, total: int, candidate: Candidate) -> None:
@@ -248,6 +252,11 @@ def tune_main(args: list[str]) -> None:
                   f"({best.measured_tokens_per_s:,.0f} tokens/s per device): {best.describe()}\n")
         Path(options.emit_recipe).write_text(header + yaml.safe_dump(best.recipe, sort_keys=False))
         print(f"recipe     {options.emit_recipe}")
+    if options.calibrate and measured:
+        calibration = Calibration.fit(((c.layout, c.measured_tokens_per_s or 0.0, c.predicted_tokens_per_s) for c in measured),
+                                      gpu=plan.cluster.gpu.name, machine=f"`ultrascale tune` of {plan.path}, {plan.world} ranks")
+        calibration.save(options.calibrate)
+        print(f"calibration {options.calibrate}: measured / predicted tokens/s {calibration.describe()}")
     if not measured:
         raise SystemExit(1)
 
