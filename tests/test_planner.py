@@ -1003,3 +1003,30 @@ def test_a_calibration_divides_its_familys_predicted_times_and_reranks(tmp_path)
     best = planner.search(shape, cluster, work, {"recompute": "full"})[0]
     slow_best = calibrated(cluster, Calibration("H100 SXM", {layout_family(best.layout): 1e-3, "all": 1.0}))
     assert layout_family(planner.search(shape, slow_best, work, {"recompute": "full"})[0].layout) != layout_family(best.layout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, gpus, batch, fixed, calibration", [
+    ("llama3_8b", 16, 64, {}, None),
+    ("llama3_70b", 32, 64, {"pp": 4}, None),
+    ("llama3_70b", 32, 64, {}, {"pp+tp": 0.5, "tp": 2.0, "all": 1.0}),
+], ids=["8b-16", "70b-32-pp4", "70b-32-calibrated"])
+def test_a_search_for_the_top_rows_prices_fewer_and_gives_the_same_rows(preset, gpus, batch, fixed, calibration):
+    """`search(top=K)` skips the candidates whose ceiling (tokens over `step_time_floor`) cannot reach the K-th best
+    fitting row: the same K rows, in the same order, as pricing every candidate. The floor is below every priced
+    step (what makes the skipping exact)."""
+    from ultrascale.planner.calibration import Calibration, calibrated
+    from ultrascale.planner.cost import step_time_floor
+
+    shape, work = model_shape(preset), planner.Workload(8192, batch)
+    cluster = planner.Cluster(planner.GPU_SPECS["h100"], gpus)
+    if calibration:
+        cluster = calibrated(cluster, Calibration("H100 SXM", calibration))
+    every = planner.search(shape, cluster, work, fixed)
+    for top in (1, 10):
+        pruned = planner.search(shape, cluster, work, fixed, top=top)
+        assert [row.to_json() for row in pruned[:top]] == [row.to_json() for row in every[:top]]
+        assert sum(row.fits for row in every) > top and len(pruned) < len(every)
+    for row in every:
+        for schedule in (False, True):
+            assert step_time_floor(shape, row.layout, cluster, work, schedule=schedule) <= row.step_time["total"] * (1 + 1e-12)

@@ -192,7 +192,7 @@ def plan_main(args: list[str]) -> str:
         print(text)
         return text
 
-    rows = search(shape, cluster, work, fixed, hf_config)
+    rows = search(shape, cluster, work, fixed, hf_config, top=options.top)
     fitting = [row for row in rows if row.fits]
     if options.json:
         print(json.dumps([row.to_json() for row in (fitting or rows)[: options.top]], indent=1))

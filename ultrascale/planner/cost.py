@@ -255,6 +255,25 @@ def _activations_and_stage_times(shape: ModelShape, lay: Layout, cluster: Cluste
     return acts, pipe, _stage_times(shape, lay, cluster, work, acts, pipe)
 
 
+def step_time_floor(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload, hf_config: Any = None,
+                    schedule: bool = False) -> float:
+    """A lower bound on `evaluate(...).step_time["total"]`, without the memory or the collectives.
+
+    The layout's compute spread evenly over its pipeline ranks, m·Σ_s(F_s + B_s)/pp: the busiest rank computes at
+    least that (`play`'s busiest is m·max over ranks of their stages' F + B; without a pipeline it is m·(F + B)).
+    With `schedule`, the played schedule's step instead (the busiest rank's compute and the bubble; `_played`,
+    cached per pipeline, as `evaluate` plays it). The step adds the exposed communication, never negative; a
+    calibration divides both alike."""
+    lay = runs_as(layout)
+    _, pipe, times = _activations_and_stage_times(shape, lay, cluster, work, hf_config)
+    forward, backward, _ = times
+    if pipe is not None and schedule:
+        floor = _played(pipe, times).step
+    else:
+        floor = lay.grad_accumulation * sum(f + b for f, b in zip(forward, backward)) / lay.pp
+    return floor / family_ratio(dict(cluster.calibration), lay)[0] if cluster.calibration else floor
+
+
 def pipeline_timeline(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload, hf_config: Any = None
                       ) -> tuple[PipelineLayout | None, dict[int, list[tuple[int, str, int, float, float]]]]:
     """`layout`'s pipeline and each rank's actions as the planner plays them (`planner.pipeline.timeline`):

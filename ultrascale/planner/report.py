@@ -88,14 +88,14 @@ def explain(row: PlanRow, cluster: Cluster) -> list[str]:
 def what_would_fit(shape: ModelShape, cluster: Cluster, work: Workload, fixed: dict[str, Any], hf_config: Any = None) -> list[str]:
     """When nothing fits: the best layout without the fixed values, else the fewest GPUs (or a larger GPU) that fit."""
     if fixed:
-        rows = [row for row in search(shape, cluster, work, None, hf_config) if row.fits]
+        rows = [row for row in search(shape, cluster, work, None, hf_config, top=1) if row.fits]
         if rows:
             return [f"would fit  without {', '.join(f'{k}={v}' for k, v in fixed.items())}: {rows[0].layout.describe()} "
                     f"({rows[0].memory['total'] / GIB:.1f} GiB, {rows[0].tokens_per_s_per_gpu:,.0f} tokens/s per GPU)"]
     for factor in (2, 4, 8, 16, 32):
-        bigger = Cluster(cluster.gpu, cluster.gpus * factor, cluster.gpus_per_node, cluster.efficiency, cluster.memory_headroom)
+        bigger = dataclasses.replace(cluster, gpus=cluster.gpus * factor)
         batch = max(work.global_batch, bigger.gpus) if work.global_batch % bigger.gpus else work.global_batch
-        rows = [row for row in search(shape, bigger, dataclasses.replace(work, global_batch=batch), None, hf_config)
+        rows = [row for row in search(shape, bigger, dataclasses.replace(work, global_batch=batch), None, hf_config, top=1)
                 if row.fits]
         if rows:
             return [f"would fit  on {bigger.gpus} GPUs: {rows[0].layout.describe()} ({rows[0].memory['total'] / GIB:.1f} GiB per GPU)"]

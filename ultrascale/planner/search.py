@@ -3,6 +3,7 @@ and why none with some fixed values is chosen (`why_not`)."""
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Iterable
 from typing import Any, Optional
@@ -11,7 +12,8 @@ from ultrascale.estimate import ModelShape
 from ultrascale.hardware import GIB, Cluster
 from ultrascale.parallel.pipeline import even_layers
 from ultrascale.parallel.rules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, batch_split_problem
-from ultrascale.planner.cost import PlanRow, Workload, evaluate
+from ultrascale.planner.calibration import layout_family
+from ultrascale.planner.cost import PlanRow, Workload, evaluate, step_time_floor
 from ultrascale.planner.layouts import RECOMPUTE_MODES, Layout, layout_problems, runs_as
 from ultrascale.planner.pipeline import balanced_layers
 
@@ -128,19 +130,52 @@ def _pipelines(shape: ModelShape, pp: int, fixed: dict[str, Any]) -> list[tuple[
 
 
 def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[dict[str, Any]] = None,
-           hf_config: Any = None, include_refused: bool = False, max_micro_batch: int = 8) -> list[PlanRow]:
+           hf_config: Any = None, include_refused: bool = False, max_micro_batch: int = 8,
+           top: Optional[int] = None) -> list[PlanRow]:
     """All candidate layouts (micro-batches up to `max_micro_batch` sequences), costed: fitting ones first by
-    predicted tokens/s per GPU (then less memory)."""
-    rows = []
-    for layout in candidate_layouts(shape, cluster, work, fixed, max_micro_batch):
+    predicted tokens/s per GPU (then less memory).
+
+    With `top`, only the rows that can be among the `top` best fitting ones are priced, and those are the same rows
+    in the same order as without it. Each candidate's ceiling (tokens over `step_time_floor`, its compute alone)
+    is cheap; candidates are priced from the highest ceiling down, and once `top` fitting rows are found, a candidate
+    whose ceiling is below the `top`-th best tokens/s (and every one after it) cannot enter them; a pipelined one the
+    rulebook accepts is also skipped when its schedule's bubble brings it below. Fewer than `top` fitting rows:
+    every candidate is priced, as without it."""
+    layouts = list(candidate_layouts(shape, cluster, work, fixed, max_micro_batch))
+    order = list(range(len(layouts)))
+    if top is not None and not include_refused:
+        floors: dict[tuple, float] = {}  # the floor depends only on what sets the compute
+        ceiling = []
+        for layout in layouts:
+            key = (layout.pp, layout.cp, layout.tp, layout.micro_batch, layout.grad_accumulation, layout.recompute,
+                   layout.virtual_stages, layout.pipeline_schedule, layout.pipeline_layers, layout_family(layout))
+            if key not in floors:
+                floors[key] = step_time_floor(shape, layout, cluster, work, hf_config)
+            ceiling.append(work.tokens / floors[key] / cluster.gpus)
+        order.sort(key=lambda i: -ceiling[i])
+    best: list[float] = []  # a min-heap of the `top` best fitting tokens/s so far
+    priced: list[tuple[PlanRow, int]] = []
+    pruning = top is not None and not include_refused
+    for index in order:
+        layout = layouts[index]
+        if pruning and len(best) >= top and ceiling[index] < best[0]:
+            break  # the ceilings only fall from here: nothing left can enter the top rows
         problems = None
         if not include_refused:  # judge first, price only what runs
             if layout_problems(layout, shape, cluster, work.seq_len, work.global_batch, hf_config):
                 continue
             problems = [] if runs_as(layout) == layout else None  # what `evaluate` would judge again
-        rows.append(evaluate(shape, layout, cluster, work, hf_config, problems=problems))
-    rows.sort(key=rank_key)
-    return rows
+        if pruning and len(best) >= top and layout.pp > 1:  # the bubble too: the schedule `evaluate` would play
+            if work.tokens / step_time_floor(shape, layout, cluster, work, hf_config, schedule=True) / cluster.gpus < best[0]:
+                continue
+        row = evaluate(shape, layout, cluster, work, hf_config, problems=problems)
+        priced.append((row, index))
+        if row.fits and not row.problems and top is not None:
+            heapq.heappush(best, row.tokens_per_s_per_gpu)
+            if len(best) > top:
+                heapq.heappop(best)
+    priced.sort(key=lambda pair: (rank_key(pair[0]), pair[1]))  # candidate order breaks ties, as a stable sort did
+    return [row for row, _ in priced]
 
 
 def rank_key(row: PlanRow) -> tuple:

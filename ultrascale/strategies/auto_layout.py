@@ -122,7 +122,7 @@ def choose_layout(inputs: AutoLayoutInputs, fixed: dict[str, Any]) -> planner.Pl
         # One Lightning batch is one micro-batch per data rank: whatever size the batch gives it, and only that one.
         data_parallel = {**fixed, "pp": 1, "grad_accumulation": fixed.get("grad_accumulation", accumulate)}
         runnable += planner.search(inputs.shape, inputs.cluster, inputs.work, data_parallel, inputs.hf_config,
-                                   max_micro_batch=inputs.work.global_batch)
+                                   max_micro_batch=inputs.work.global_batch, top=1)
     if accumulate == 1 and fixed.get("pp") != 1:
         rows = planner.search(inputs.shape, inputs.cluster, inputs.work, fixed, inputs.hf_config)
         runnable += [row for row in rows if row.layout.pp > 1]

@@ -114,7 +114,7 @@ def plan_candidates(plan: Any, top: int) -> list[Candidate]:
     from ultrascale.hardware import GIB
     from ultrascale.planner.search import search
 
-    rows = search(plan.shape, plan.cluster, plan.work, max_micro_batch=max(plan.work.global_batch, 1))
+    rows = search(plan.shape, plan.cluster, plan.work, max_micro_batch=max(plan.work.global_batch, 1), top=top)
     fitting = [row for row in rows if row.fits and not row.problems][:top]
     return [Candidate(i + 1, row.layout, row.tokens_per_s_per_gpu, row.mfu, row.memory["total"] / GIB)
             for i, row in enumerate(fitting)]
