@@ -15,7 +15,7 @@ from tests._cli import run_main
 from ultrascale.planner.recipe_check import check_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = str(ROOT / "recipes" / "tiny_cpu.yaml")
+RECIPE = str(ROOT / "recipes" / "tiny_cpu_2d.yaml")
 SMALL = ["--data.init_args.max_tokens", "200000"]
 
 
@@ -27,22 +27,33 @@ class OutOfMemoryUnderZero3(L.Callback):
             raise torch.OutOfMemoryError("out of memory: tried to allocate 80.00 GiB (test)")
 
 
+class WritesItsSteps(L.Callback):
+    """Test only: rank 0 leaves the optimizer steps it trained in `default_root_dir/steps.txt` (the forked ranks'
+    output does not reach the test's capture)."""
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            Path(trainer.default_root_dir, "steps.txt").write_text(str(trainer.global_step))
+
+
 def test_tune_runs_the_planners_layouts_and_emits_the_fastest(capsys, tmp_path):
+    """World 4, `recipes/tiny_cpu_2d.yaml`, the planner's 4 best layouts: the table, a layout failing on purpose
+    reported and skipped, the fastest emitted and trained by `ultrascale fit`, the calibration applied by `plan`."""
     emitted, table, calibration = tmp_path / "best.yaml", tmp_path / "tune.json", tmp_path / "calibration.json"
-    code, out, err = run_main(capsys, "tune", "--config", RECIPE, *SMALL, "--top", "3", "--steps", "3", "--warmup", "1",
+    code, out, err = run_main(capsys, "tune", "--config", RECIPE, *SMALL, "--top", "4", "--steps", "3", "--warmup", "1",
                               "--emit-recipe", str(emitted), "--json", str(table), "--calibrate", str(calibration),
                               "--trainer.callbacks+=tests.test_tune.OutOfMemoryUnderZero3")
     assert code == 0, out + err
     result = json.loads(table.read_text())
     candidates = result["candidates"]
-    assert [c["planner_rank"] for c in candidates] == [1, 2, 3]
+    assert [c["planner_rank"] for c in candidates] == [1, 2, 3, 4]
     failed = [c for c in candidates if c["error"]]
     ran = [c for c in candidates if not c["error"]]
     # The out-of-memory candidate is reported and skipped; the others are measured.
     assert failed and all("zero_stage=3" in c["layout"] and "OutOfMemoryError" in c["error"] for c in failed), candidates
     assert ran and all(c["measured_tokens_per_s"] > 0 and c["measured_peak_gib"] > 0 for c in ran), candidates
     assert out.count("failed: ") == len(failed) and "plan measured" in out, out
-    assert err.count("tune [") == 3 and "3/3" in err, err  # one progress line per candidate
+    assert err.count("tune [") == 4 and "4/4" in err, err  # one progress line per candidate
     # The emitted recipe is the fastest measured layout, and a valid recipe for the same world.
     fastest = max(ran, key=lambda c: c["measured_tokens_per_s"])
     recipe = yaml.safe_load(emitted.read_text())
@@ -50,7 +61,12 @@ def test_tune_runs_the_planners_layouts_and_emits_the_fastest(capsys, tmp_path):
     assert f"zero_stage={knobs['zero_stage']}" in fastest["layout"]
     assert f"dp_replicate={knobs['data_parallel_replicate']}" in fastest["layout"]
     plan = check_recipe(str(emitted), SMALL)
-    assert plan.world == 2 and plan.work.global_batch == 16  # the recipe's batch, split as the layout splits it
+    assert plan.world == 4 and plan.work.global_batch == 16  # the recipe's batch, split as the layout splits it
+    code, fit_out, fit_err = run_main(capsys, "fit", "--config", str(emitted), *SMALL, "--trainer.max_steps", "2",
+                                      "--trainer.strategy.init_args.launcher", "fork", "--trainer.logger", "false",
+                                      "--trainer.default_root_dir", str(tmp_path),
+                                      "--trainer.callbacks+=tests.test_tune.WritesItsSteps")
+    assert code == 0 and (tmp_path / "steps.txt").read_text() == "2", fit_out + fit_err
     assert "fastest    " in out and f"recipe     {emitted}" in out
     # --calibrate: measured / predicted tokens/s, geometric means per layout family and over all runs ...
     ratios = json.loads(calibration.read_text())["ratios"]

@@ -176,18 +176,19 @@ def table(plan: Any, candidates: list[Candidate], steps: int, warmup: int) -> li
     measured = sorted((c for c in candidates if c.measured_tokens_per_s), key=lambda c: -(c.measured_tokens_per_s or 0))
     measured_rank = {id(c): i + 1 for i, c in enumerate(measured)}
     gpu = plan.cluster.gpu.name
+    width = max([44, *(len(c.describe()) for c in candidates)])
     lines = [f"recipe     {plan.path}: {plan.world} ranks, {plan.work.tokens:,} tokens per step, {plan.work.precision}; "
              f"{steps} steps per layout, the first {warmup} not timed",
              f"planner    its {len(candidates)} best layouts for this recipe, priced on {gpu}",
              *[f"note       {note}" for note in plan.notes],
              "",
-             f"{'plan':>4} {'measured':>8}  {'layout':<44} {'tokens/s/dev':>12} {'predicted':>12} {'MFU':>7} "
+             f"{'plan':>4} {'measured':>8}  {'layout':<{width}} {'tokens/s/dev':>12} {'predicted':>12} {'MFU':>7} "
              f"{'predicted':>9} {'peak GiB':>9} {'predicted':>9}"]
     for c in candidates:
         if c.error is not None:
-            lines.append(f"{c.rank:>4} {'-':>8}  {c.describe():<44} failed: {c.error}")
+            lines.append(f"{c.rank:>4} {'-':>8}  {c.describe():<{width}} failed: {c.error}")
             continue
-        lines.append(f"{c.rank:>4} {measured_rank[id(c)]:>8}  {c.describe():<44} {c.measured_tokens_per_s:>12,.0f} "
+        lines.append(f"{c.rank:>4} {measured_rank[id(c)]:>8}  {c.describe():<{width}} {c.measured_tokens_per_s:>12,.0f} "
                      f"{c.predicted_tokens_per_s:>12,.0f} {_percent(c.measured_mfu):>7} {_percent(c.predicted_mfu):>9} "
                      f"{_gib(c.measured_peak_gib):>9} {_gib(c.predicted_memory_gib):>9}")
     if measured:
