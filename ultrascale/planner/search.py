@@ -143,12 +143,25 @@ def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[
     every candidate is priced, as without it."""
     layouts = list(candidate_layouts(shape, cluster, work, fixed, max_micro_batch))
     order = list(range(len(layouts)))
+    # The floors depend only on what sets the compute (the compute's sum over stages not on their split or schedule,
+    # the played step on both), and on the calibration's family: memos keyed so.
+    floors: dict[tuple, float] = {}
+    played_floors: dict[tuple, float] = {}
+
+    def compute_key(layout: Layout) -> tuple:
+        return (layout.pp, layout.cp, layout.tp, layout.micro_batch, layout.grad_accumulation, layout.recompute,
+                layout_family(layout) if cluster.calibration else None)
+
+    def ceiling_with_bubble(layout: Layout) -> float:
+        key = (*compute_key(layout), layout.virtual_stages, layout.pipeline_schedule, layout.pipeline_layers)
+        if key not in played_floors:
+            played_floors[key] = step_time_floor(shape, layout, cluster, work, hf_config, schedule=True)
+        return work.tokens / played_floors[key] / cluster.gpus
+
     if top is not None and not include_refused:
-        floors: dict[tuple, float] = {}  # the floor depends only on what sets the compute
         ceiling = []
         for layout in layouts:
-            key = (layout.pp, layout.cp, layout.tp, layout.micro_batch, layout.grad_accumulation, layout.recompute,
-                   layout.virtual_stages, layout.pipeline_schedule, layout.pipeline_layers, layout_family(layout))
+            key = compute_key(layout)
             if key not in floors:
                 floors[key] = step_time_floor(shape, layout, cluster, work, hf_config)
             ceiling.append(work.tokens / floors[key] / cluster.gpus)
@@ -165,9 +178,8 @@ def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[
             if layout_problems(layout, shape, cluster, work.seq_len, work.global_batch, hf_config):
                 continue
             problems = [] if runs_as(layout) == layout else None  # what `evaluate` would judge again
-        if pruning and len(best) >= top and layout.pp > 1:  # the bubble too: the schedule `evaluate` would play
-            if work.tokens / step_time_floor(shape, layout, cluster, work, hf_config, schedule=True) / cluster.gpus < best[0]:
-                continue
+        if pruning and len(best) >= top and layout.pp > 1 and ceiling_with_bubble(layout) < best[0]:
+            continue  # the bubble too: the schedule `evaluate` would play
         row = evaluate(shape, layout, cluster, work, hf_config, problems=problems)
         priced.append((row, index))
         if row.fits and not row.problems and top is not None:
