@@ -89,7 +89,7 @@ def test_auto_layout_follows_this_machines_calibration(tmp_path):
     hundredth of its predicted speed moves the auto layout to another family; the run stays exact."""
     plain = _expected_layout(2, BATCH, {})
     path = tmp_path / "calibration.json"
-    planner.Calibration("CPU", {planner.layout_family(plain): 0.01, "all": 1.0}).save(path)
+    planner.Calibration("CPU", {planner.layout_family(plain): 0.01, "all": 1.0}, devices="cpu").save(path)
     expected = _expected_layout(2, BATCH, {}, calibration=str(path))
     assert planner.layout_family(expected) != planner.layout_family(plain)
     strategy = ultrascale.UltraScaleStrategy(auto_layout=True, planner_calibration=str(path))

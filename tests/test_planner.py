@@ -987,6 +987,8 @@ def test_a_calibration_divides_its_familys_predicted_times_and_reranks(tmp_path)
     assert load_calibration(path, "H100 SXM") == fitted
     with pytest.raises(ValueError, match="measured against predictions for H100 SXM; this plan prices A100"):
         load_calibration(path, "A100 SXM 80GB")
+    with pytest.raises(ValueError, match="measured on GPUs; this plan is for CPU ranks"):
+        load_calibration(path, "H100 SXM", devices="cpu")
     (tmp_path / "bad.json").write_text('{"gpu": "H100 SXM", "ratios": {"tp": -1}}')
     with pytest.raises(ValueError, match="bad.json: expected"):
         load_calibration(tmp_path / "bad.json", "H100 SXM")

@@ -83,6 +83,9 @@ def test_tune_runs_the_planners_layouts_and_emits_the_fastest(capsys, tmp_path):
     assert (calibrated["dp_shard"], calibrated["tp"], calibrated["pp"]) == (plain["dp_shard"], plain["tp"], plain["pp"])
     code, _, err = run_main(capsys, "plan", "--recipe", RECIPE, *SMALL, "--gpu", "a100", "--calibration", str(calibration))
     assert code == 2 and "measured against predictions for H100 SXM" in err, err
+    # Measured on CPU ranks priced as H100s for scale: a plan for real H100s refuses it.
+    code, _, err = run_main(capsys, "plan", "--preset", "llama3_8b", "--gpus", "8", "--calibration", str(calibration))
+    assert code == 2 and "measured on CPU ranks priced as if on a GPU, for scale; this plan is for GPUs" in err, err
 
 
 def test_tune_refuses_bad_counts_before_any_run(capsys):

@@ -177,7 +177,7 @@ def plan_main(args: list[str]) -> str:
             problems += [divides] if divides else []
         rules.raise_first(problems)
     cluster = priced_cluster(_gpu_spec(options), options.gpus, options.gpus_per_node, options.efficiency,
-                             options.calibration)
+                             options.calibration, devices="cuda")
     spec = cluster.gpu
     if options.global_batch_tokens:
         global_batch = max(options.global_batch_tokens // options.seq_len, 1)

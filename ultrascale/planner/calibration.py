@@ -50,13 +50,17 @@ class Calibration:
     """Family -> ratio, with `ALL_FAMILIES`."""
     machine: str = ""
     """What was measured (devices and world size), for the record."""
+    devices: str = "cuda"
+    """"cuda", or "cpu": CPU ranks priced as if on `gpu` for scale (`plan --recipe` of a CPU recipe), which only a
+    CPU recipe's plan may apply."""
 
     def ratio(self, layout: Layout) -> tuple[float, str]:
         """(ratio, the family it comes from) for `layout`."""
         return family_ratio(self.ratios, layout)
 
     @classmethod
-    def fit(cls, runs: Iterable[tuple[Layout, float, float]], gpu: str, machine: str = "") -> "Calibration":
+    def fit(cls, runs: Iterable[tuple[Layout, float, float]], gpu: str, machine: str = "", devices: str = "cuda"
+            ) -> "Calibration":
         """From (layout, measured tokens/s, predicted tokens/s) of each successful run: geometric means per family."""
         logs: dict[str, list[float]] = {}
         for layout, measured, predicted in runs:
@@ -65,18 +69,21 @@ class Calibration:
                     logs.setdefault(family, []).append(math.log(measured / predicted))
         if not logs:
             raise ValueError("a calibration needs at least one run measured with a positive throughput")
-        return cls(gpu, {family: math.exp(sum(values) / len(values)) for family, values in sorted(logs.items())}, machine)
+        return cls(gpu, {family: math.exp(sum(values) / len(values)) for family, values in sorted(logs.items())}, machine,
+                   devices)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({"gpu": self.gpu, "machine": self.machine, "ratios": self.ratios}, indent=1))
+        Path(path).write_text(json.dumps({"gpu": self.gpu, "devices": self.devices, "machine": self.machine,
+                                          "ratios": self.ratios}, indent=1))
 
     def describe(self) -> str:
         return ", ".join(f"{family} x{ratio:.3g}" for family, ratio in self.ratios.items())
 
 
-def load_calibration(path: str | Path, gpu: str | None = None) -> Calibration:
-    """The calibration in `path` for predictions priced for `gpu` (a `GpuSpec.name`; None: any); ValueError naming the
-    file and what is wrong (unreadable, not a calibration, or measured against another GPU's predictions)."""
+def load_calibration(path: str | Path, gpu: str | None = None, devices: str | None = None) -> Calibration:
+    """The calibration in `path` for predictions priced for `gpu` (a `GpuSpec.name`) of runs on `devices` ("cuda",
+    "cpu"; None: any); ValueError naming the file and what is wrong (unreadable, not a calibration, measured against
+    another GPU's predictions, or on CPU ranks priced for scale while the plan is for GPUs, or the reverse)."""
     try:
         data: Any = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as error:
@@ -84,13 +91,20 @@ def load_calibration(path: str | Path, gpu: str | None = None) -> Calibration:
                          f"{path}`") from None
     ratios = data.get("ratios") if isinstance(data, dict) else None
     if (not isinstance(ratios, dict) or ALL_FAMILIES not in ratios or not isinstance(data.get("gpu"), str)
+            or data.get("devices", "cuda") not in ("cuda", "cpu")
             or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in ratios.values())):
         raise ValueError(f"calibration {path}: expected {{\"gpu\": NAME, \"ratios\": {{FAMILY: positive ratio, ..., "
                          f"\"{ALL_FAMILIES}\": ...}}}} as `ultrascale tune --calibrate` writes it")
     if gpu is not None and data["gpu"] != gpu:
         raise ValueError(f"calibration {path} was measured against predictions for {data['gpu']}; this plan prices "
                          f"{gpu} (tune with the same --gpu, or plan for {data['gpu']})")
-    return Calibration(data["gpu"], {str(k): float(v) for k, v in ratios.items()}, str(data.get("machine", "")))
+    measured_on = data.get("devices", "cuda")
+    if devices is not None and measured_on != devices:
+        where = {"cpu": "CPU ranks priced as if on a GPU, for scale", "cuda": "GPUs"}
+        raise ValueError(f"calibration {path} was measured on {where[measured_on]}; this plan is for {where[devices]}: "
+                         "a ratio only corrects the predictions it was measured against")
+    return Calibration(data["gpu"], {str(k): float(v) for k, v in ratios.items()}, str(data.get("machine", "")),
+                       measured_on)
 
 
 def calibrated(cluster: Cluster, calibration: Calibration | None) -> Cluster:

@@ -24,11 +24,11 @@ from ultrascale.recipe_cli import UltraScaleCLI
 
 
 def priced_cluster(spec: GpuSpec, gpus: int, gpus_per_node: int, efficiency: Optional[float],
-                   calibration: Optional[str] = None) -> Cluster:
+                   calibration: Optional[str] = None, devices: str = "cuda") -> Cluster:
     """The cluster a plan is priced for; `efficiency` (`--efficiency`) None keeps the GPU's; `calibration`
     (`--calibration FILE`, `planner_calibration=`) this machine's ratios per layout family (ValueError if unusable)."""
     cluster = Cluster(spec, gpus, gpus_per_node, efficiency)
-    return calibrated(cluster, load_calibration(calibration, spec.name)) if calibration else cluster
+    return calibrated(cluster, load_calibration(calibration, spec.name, devices)) if calibration else cluster
 
 
 _AXIS_KNOBS = {"pp": "pipeline_parallel", "dp_replicate": "data_parallel_replicate", "dp_shard": "data_parallel_shard",
@@ -64,6 +64,8 @@ class RecipePlan:
     """The planner's price of the recipe's layout."""
     checks: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    devices: str = "cuda"
+    """What the recipe runs on: "cuda", or "cpu" (priced as if on `cluster.gpu`, for scale)."""
 
     @property
     def fits(self) -> bool:
@@ -269,7 +271,8 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
                     pipeline_layers=(pipeline.layers_per_stage if pipeline is not None and strategy.pipeline_layers is not None
                                      else None),
                     cp_method=strategy.context_parallel_method)
-    cluster = priced_cluster(spec or GPU_SPECS[gpu], world, per_node, efficiency, calibration)
+    devices = "cpu" if str(trainer_args.get("accelerator")) == "cpu" else "cuda"
+    cluster = priced_cluster(spec or GPU_SPECS[gpu], world, per_node, efficiency, calibration, devices)
     # The strategy's `compile` knob: each block compiled, priced with the published speed-up (`COMPILE_SPEEDUP`).
     from ultrascale.callbacks import Float8Training
 
@@ -287,7 +290,7 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
         raise ValueError(f"{owner} layout {layout.describe()}: " + "; ".join(row.problems))
     if str(trainer_args.get("accelerator")) == "cpu":
         notes.append(f"a CPU recipe: priced as if on {cluster.gpu.name}, for scale")
-    return RecipePlan(str(path), module, strategy, dims, world, shape, cluster, work, row, checks, notes)
+    return RecipePlan(str(path), module, strategy, dims, world, shape, cluster, work, row, checks, notes, devices)
 
 
 def format_recipe_plan(plan: RecipePlan) -> list[str]:

@@ -102,7 +102,8 @@ def auto_layout_inputs(module: Any, trainer: Any, device: torch.device, world_si
                             else "bf16-mixed", compiled=compiled)
     cluster = device_cluster(device, world_size, ranks_per_node)
     if calibration is not None:  # this machine's measured / predicted ratios, against the GPU they were measured for
-        cluster = planner.calibrated(cluster, planner.load_calibration(calibration, cluster.gpu.name))
+        devices = "cpu" if device.type == "cpu" else "cuda"
+        cluster = planner.calibrated(cluster, planner.load_calibration(calibration, cluster.gpu.name, devices))
     return AutoLayoutInputs(shape, hf_config, work, cluster, accumulate), ""
 
 

@@ -255,7 +255,8 @@ def tune_main(args: list[str]) -> None:
         print(f"recipe     {options.emit_recipe}")
     if options.calibrate and measured:
         calibration = Calibration.fit(((c.layout, c.measured_tokens_per_s or 0.0, c.predicted_tokens_per_s) for c in measured),
-                                      gpu=plan.cluster.gpu.name, machine=f"`ultrascale tune` of {plan.path}, {plan.world} ranks")
+                                      gpu=plan.cluster.gpu.name, machine=f"`ultrascale tune` of {plan.path}, {plan.world} ranks",
+                                      devices=plan.devices)
         calibration.save(options.calibrate)
         print(f"calibration {options.calibrate}: measured / predicted tokens/s {calibration.describe()}")
     if not measured:
