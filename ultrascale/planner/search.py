@@ -158,8 +158,9 @@ def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[
             played_floors[key] = step_time_floor(shape, layout, cluster, work, hf_config, schedule=True)
         return work.tokens / played_floors[key] / cluster.gpus
 
-    if top is not None and not include_refused:
-        ceiling = []
+    pruning = top is not None and not include_refused
+    ceiling: list[float] = []
+    if pruning:
         for layout in layouts:
             key = compute_key(layout)
             if key not in floors:
@@ -168,7 +169,6 @@ def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[
         order.sort(key=lambda i: -ceiling[i])
     best: list[float] = []  # a min-heap of the `top` best fitting tokens/s so far
     priced: list[tuple[PlanRow, int]] = []
-    pruning = top is not None and not include_refused
     for index in order:
         layout = layouts[index]
         if pruning and len(best) >= top and ceiling[index] < best[0]:
@@ -182,7 +182,7 @@ def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[
             continue  # the bubble too: the schedule `evaluate` would play
         row = evaluate(shape, layout, cluster, work, hf_config, problems=problems)
         priced.append((row, index))
-        if row.fits and not row.problems and top is not None:
+        if pruning and row.fits:
             heapq.heappush(best, row.tokens_per_s_per_gpu)
             if len(best) > top:
                 heapq.heappop(best)
