@@ -228,7 +228,7 @@ def merge_stages(results: list[dict[str, Any]], strip: str = "") -> dict[str, di
     return merged
 
 
-def assert_parity(result: dict[str, Any], reference: dict[str, Any], losses: list[float], param_atol: float = 3e-5) -> None:
+def assert_parity(result: dict[str, Any], reference: dict[str, Any], losses: list[float], param_atol: float = 5e-5) -> None:
     """fp32 parity: first-step loss and every gradient, weights after step 1, the whole loss curve."""
     from torch.testing import assert_close
 
@@ -240,9 +240,10 @@ def assert_parity(result: dict[str, Any], reference: dict[str, Any], losses: lis
     for name, param in reference["params"].items():
         # Adam's first update is lr * g / (|g| + eps), whose slope lr/eps at g ~ 0 amplifies the
         # reduction-order noise of tiny gradients; the parity modules use eps = 1e-6 (lr/eps = 3e3),
-        # so 3e-5 is 1% of one update (lr = 3e-3) while a wrong gradient moves a weight by ~lr.
-        # 1e-5 was measured too tight: one element of 1024 off by 1.4e-5 when the reference summed
-        # on one thread, within it on two (the order of a sum, nothing else, moved it).
+        # so 5e-5 is 1.7% of one update (lr = 3e-3) while a wrong gradient moves a weight by ~lr.
+        # Measured too tight: 1e-5 (one element of 1024 off by 1.4e-5 when the reference summed on one
+        # thread, within it on two) and 3e-5 (one of 2048 off by 3.03e-5 under CP with packed documents
+        # on an AVX-512 CPU, whose kernels sum in another order than AVX2's).
         assert_close(result["params"][name], param, rtol=1e-5, atol=param_atol, msg=lambda m: f"param {name}: {m}")
     assert_close(torch.tensor(losses), torch.tensor(reference["losses"]), rtol=0, atol=1e-4)
 
