@@ -1,9 +1,11 @@
-"""The `ultrascale` command runs the tiny CPU recipe end to end (2 ranks via the subprocess launcher),
-writes a sharded checkpoint, resumes from it and validates it.
+"""The `ultrascale` command runs the tiny CPU recipe end to end (2 ranks via the subprocess launcher), writes a
+sharded checkpoint; the command resumes from it and validates it.
 
-The other recipes' runs fork their ranks (`FORK`): the same strategy and recipe without each rank re-importing
-torch, Lightning and transformers (a world-4 fit: 36 s with the subprocess launcher, 14 s forked, on 2 cores).
-The subprocess launcher a user's command gets is the tiny recipe's, the quick start's and tests/test_verify.py's."""
+The other recipes' runs are the same command called in this process (`ultrascale_here`), forking their ranks
+(`FORK`): the same strategy and recipe without the command and each rank re-importing torch, Lightning and
+transformers (a world-4 fit: 36 s as a command with the subprocess launcher, 14 s as a command with forked ranks,
+7 s in this process, on 2 cores). The subprocess launcher a user's command gets is the tiny recipe's, the quick
+start's and tests/test_verify.py's, and the registered `ultrascale_pp`'s below."""
 
 import shutil
 import subprocess
@@ -28,8 +30,21 @@ def ultrascale(*args: str, cwd: Path) -> str:
     return output
 
 
+def ultrascale_here(capfd, monkeypatch, cwd: Path, *args: str) -> str:
+    """`ultrascale ARGS...` in this process (`ultrascale.cli.main`), run from `cwd`; what it and its forked ranks print
+    (capfd: the ranks write to the inherited descriptors)."""
+    from tests._cli import run_main
+
+    monkeypatch.chdir(cwd)
+    code, out, err = run_main(capfd, *args)
+    assert code == 0, (out + err)[-4000:]
+    return out + err
+
+
 @pytest.mark.slow
-def test_tiny_recipe_fit_resume_validate(tmp_path):
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_tiny_recipe_fit_resume_validate(capfd, monkeypatch, tmp_path):
+    """The fit as a command (the subprocess launcher); the resume and the validation in this process, forked."""
     out = ultrascale("fit", "--config", str(RECIPE), *FAST, cwd=tmp_path)
     assert "ultrascale mesh: pp=1 x dp_replicate=1 x dp_shard=2 x cp=1 x tp=1 (world 2)" in out
     assert "`Trainer.fit` stopped: `max_steps=6` reached." in out
@@ -38,18 +53,21 @@ def test_tiny_recipe_fit_resume_validate(tmp_path):
     last = run / "checkpoints" / "last.ckpt"
     assert (last / ".metadata").is_file() and (last / "meta.pt").is_file()
 
-    out = ultrascale("fit", "--config", str(RECIPE), *FAST, "--trainer.max_steps", "8", "--ckpt_path", str(last), cwd=tmp_path)
+    out = ultrascale_here(capfd, monkeypatch, tmp_path, "fit", "--config", str(RECIPE), *FAST, "--trainer.max_steps", "8",
+                          "--ckpt_path", str(last), *TINY_FORKED)
     assert "`Trainer.fit` stopped: `max_steps=8` reached." in out
     assert "Restored all states from the checkpoint" in out
 
-    out = ultrascale("validate", "--config", str(RECIPE), *FAST, "--ckpt_path", str(last), cwd=tmp_path)
+    out = ultrascale_here(capfd, monkeypatch, tmp_path, "validate", "--config", str(RECIPE), *FAST, "--ckpt_path", str(last),
+                          *TINY_FORKED)
     assert "val_loss" in out
 
 
 @pytest.mark.slow
-def test_2d_recipe(tmp_path):
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_2d_recipe(capfd, monkeypatch, tmp_path):
     recipe = RECIPE.parent / "tiny_cpu_2d.yaml"
-    out = ultrascale("fit", "--config", str(recipe), *FAST, *FORK, cwd=tmp_path)
+    out = ultrascale_here(capfd, monkeypatch, tmp_path, "fit", "--config", str(recipe), *FAST, *FORK)
     assert "ultrascale mesh: pp=1 x dp_replicate=1 x dp_shard=2 x cp=1 x tp=2 (world 4)" in out
     assert "tensor parallel 2 on ultrascale.Llama: sequence_parallel=True, loss_parallel=True" in out
     assert "`Trainer.fit` stopped: `max_steps=6` reached." in out
@@ -60,20 +78,23 @@ def test_2d_recipe(tmp_path):
 
 
 @pytest.mark.slow
-def test_context_parallel_recipe(tmp_path):
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_context_parallel_recipe(capfd, monkeypatch, tmp_path):
     recipe = RECIPE.parent / "tiny_cpu_cp.yaml"
-    out = ultrascale("fit", "--config", str(recipe), *FAST, *FORK, cwd=tmp_path)
+    out = ultrascale_here(capfd, monkeypatch, tmp_path, "fit", "--config", str(recipe), *FAST, *FORK)
     assert "ultrascale mesh: pp=1 x dp_replicate=1 x dp_shard=2 x cp=2 x tp=1 (world 4)" in out
     assert "`Trainer.fit` stopped: `max_steps=6` reached." in out
-    out = ultrascale("fit", "--config", str(recipe), *FAST, "--trainer.strategy.init_args.context_parallel_method", "allgather",
-                     "--trainer.max_steps", "2", *FORK, cwd=tmp_path)
+    out = ultrascale_here(capfd, monkeypatch, tmp_path, "fit", "--config", str(recipe), *FAST,
+                          "--trainer.strategy.init_args.context_parallel_method", "allgather", "--trainer.max_steps", "2",
+                          *FORK)
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in out
 
 
 @pytest.mark.slow
-def test_pp_recipe_fit_validate_and_registered_name(tmp_path):
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_pp_recipe_fit_validate_and_registered_name(capfd, monkeypatch, tmp_path):
     recipe = RECIPE.parent / "tiny_cpu_pp.yaml"
-    out = ultrascale("fit", "--config", str(recipe), *FAST, *FORK, cwd=tmp_path)
+    out = ultrascale_here(capfd, monkeypatch, tmp_path, "fit", "--config", str(recipe), *FAST, *FORK)
     assert "ultrascale mesh: pp=2 x dp_replicate=1 x dp_shard=2 x cp=1 x tp=1 (world 4)" in out
     assert "pipeline parallel: 1F1B, 2 ranks x 1 stage(s), 4 micro-batches, layers per stage [1, 1]" in out
     assert "`Trainer.fit` stopped: `max_steps=6` reached." in out
@@ -100,7 +121,8 @@ def test_plan_refuses_non_positive_sizes(capsys, flag, value):
 
 
 @pytest.mark.slow
-def test_ckpt_path_last_finds_a_checkpoint_whose_publishing_was_interrupted(tmp_path):
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_ckpt_path_last_finds_a_checkpoint_whose_publishing_was_interrupted(capfd, monkeypatch, tmp_path):
     """Only the complete `.old` copy of last.ckpt is left (a save killed between the two renames, where
     the filesystem cannot swap atomically): `--ckpt_path last` resumes from it instead of step 0."""
     checkpoints = tmp_path / "ckpts"
@@ -109,26 +131,29 @@ def test_ckpt_path_last_finds_a_checkpoint_whose_publishing_was_interrupted(tmp_
         "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n      init_args:\n"
         f"        dirpath: {checkpoints}\n        save_last: true\n        every_n_train_steps: 6\n"
     )
-    ultrascale("fit", "--config", str(RECIPE), "--config", str(extra), *FAST, *TINY_FORKED, cwd=tmp_path)
+    ultrascale_here(capfd, monkeypatch, tmp_path, "fit", "--config", str(RECIPE), "--config", str(extra), *FAST,
+                    *TINY_FORKED)
     (checkpoints / "last.ckpt").rename(checkpoints / ".last.ckpt.old-0123456789ab")
-    out = ultrascale("fit", "--config", str(RECIPE), "--config", str(extra), *FAST, "--trainer.max_steps", "8",
-                     "--ckpt_path", "last", *TINY_FORKED, cwd=tmp_path)
+    out = ultrascale_here(capfd, monkeypatch, tmp_path, "fit", "--config", str(RECIPE), "--config", str(extra), *FAST,
+                          "--trainer.max_steps", "8", "--ckpt_path", "last", *TINY_FORKED)
     assert "restored" in out and "Restored all states from the checkpoint" in out
     assert "`Trainer.fit` stopped: `max_steps=8` reached." in out
     assert (checkpoints / "last.ckpt" / "meta.pt").is_file()
 
 
 @pytest.mark.slow
-def test_moe_recipe_fit_and_resume_at_ep1(tmp_path):
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_moe_recipe_fit_and_resume_at_ep1(capfd, monkeypatch, tmp_path):
     recipe = RECIPE.parent / "tiny_cpu_moe.yaml"
-    out = ultrascale("fit", "--config", str(recipe), *FAST, "--trainer.log_every_n_steps", "1", *FORK, cwd=tmp_path)
+    out = ultrascale_here(capfd, monkeypatch, tmp_path, "fit", "--config", str(recipe), *FAST, "--trainer.log_every_n_steps",
+                          "1", *FORK)
     assert "ultrascale mesh: pp=1 x dp_replicate=1 x dp_shard=2 x cp=1 x tp=1, ep=2 within dp_shard x cp (world 2)" in out
     assert "`Trainer.fit` stopped: `max_steps=6` reached." in out
     events = list((tmp_path / "runs").rglob("events.out.tfevents.*"))
     assert events and any(b"moe/balance" in e.read_bytes() for e in events)
     last = tmp_path / "runs" / "ultrascale" / "version_0" / "checkpoints" / "last.ckpt"
-    out = ultrascale("fit", "--config", str(recipe), *FAST, "--trainer.strategy", "ultrascale_ep", "--trainer.devices", "1",
-                     "--trainer.max_steps", "8", "--ckpt_path", str(last), cwd=tmp_path)
+    out = ultrascale_here(capfd, monkeypatch, tmp_path, "fit", "--config", str(recipe), *FAST, "--trainer.strategy",
+                          "ultrascale_ep", "--trainer.devices", "1", "--trainer.max_steps", "8", "--ckpt_path", str(last))
     assert "ultrascale mesh: pp=1 x dp_replicate=1 x dp_shard=1 x cp=1 x tp=1 (world 1)" in out  # "auto": ep = devices
     assert "Restored all states from the checkpoint" in out
     assert "`Trainer.fit` stopped: `max_steps=8` reached." in out
