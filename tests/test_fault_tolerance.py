@@ -212,12 +212,34 @@ def torchrun_fit(folder: Path, kill: dict | list[dict] | None = None, async_chec
     return output, curves
 
 
+def _fit_as_a_torchrun_rank(rank, world_size, config):
+    """What each rank of `torchrun_fit` runs (`ultrascale fit --config CONFIG --ckpt_path auto`), in a rank forked with
+    torchrun's variables: the same maths without torchrun and the ranks re-importing everything. What it logs."""
+    import logging
+
+    from ultrascale.cli import main
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    logging.getLogger("lightning.pytorch").addHandler(Keep())
+    main(["fit", "--config", str(config), "--ckpt_path", "auto"])
+    return "\n".join(said)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    output, curves = torchrun_fit(tmp_path_factory.mktemp("uninterrupted"), max_restarts=0)
-    assert "no complete checkpoint in" in output and "starting from step 0" in output
-    assert sorted(curves[0]) == list(range(1, TOTAL_STEPS + 1))
-    return curves[0]
+    """The curve the killed runs must reproduce bitwise (the same layout and maths, one attempt)."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    output = run_ranks(_fit_as_a_torchrun_rank, 2, _config(folder, None))[0]
+    assert "no complete checkpoint in" in output and "starting from step 0" in output, output
+    curve = {int(k): v for k, v in json.loads((folder / "losses-rank0-attempt0.json").read_text()).items()}
+    assert curve == {int(k): v for k, v in json.loads((folder / "losses-rank1-attempt0.json").read_text()).items()}
+    assert sorted(curve) == list(range(1, TOTAL_STEPS + 1))
+    return curve
 
 
 @pytest.mark.slow
