@@ -1015,10 +1015,10 @@ def test_a_calibration_divides_its_familys_predicted_times_and_reranks(tmp_path)
 ], ids=["8b-16", "70b-32-pp4", "70b-32-calibrated"])
 def test_a_search_for_the_top_rows_prices_fewer_and_gives_the_same_rows(preset, gpus, batch, fixed, calibration):
     """`search(top=K)` skips the candidates whose ceiling (tokens over `step_time_floor`) cannot reach the K-th best
-    fitting row: the same K rows, in the same order, as pricing every candidate. The floor is below every priced
-    step (what makes the skipping exact)."""
+    fitting row, or whose model state alone cannot fit: the same K rows, in the same order, as pricing every
+    candidate. The floors are below every priced step and memory (what makes the skipping exact)."""
     from ultrascale.planner.calibration import Calibration, calibrated
-    from ultrascale.planner.cost import step_time_floor
+    from ultrascale.planner.cost import memory_floor, step_time_floor
 
     shape, work = model_shape(preset), planner.Workload(8192, batch)
     cluster = planner.Cluster(planner.GPU_SPECS["h100"], gpus)
@@ -1032,3 +1032,4 @@ def test_a_search_for_the_top_rows_prices_fewer_and_gives_the_same_rows(preset, 
     for row in every:
         for schedule in (False, True):
             assert step_time_floor(shape, row.layout, cluster, work, schedule=schedule) <= row.step_time["total"] * (1 + 1e-12)
+        assert memory_floor(shape, row.layout, work) <= row.memory["total"] * (1 + 1e-12)

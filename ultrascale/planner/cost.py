@@ -274,6 +274,16 @@ def step_time_floor(shape: ModelShape, layout: Layout, cluster: Cluster, work: W
     return floor / family_ratio(dict(cluster.calibration), lay)[0] if cluster.calibration else floor
 
 
+def memory_floor(shape: ModelShape, layout: Layout, work: Workload) -> float:
+    """A lower bound on `evaluate(...).memory["total"]`, without activations or the schedule: the first pipeline
+    rank's weights, gradients and optimizer state. `_peak_memory`'s total is weights + buffers + a moment that holds
+    at least the gradients and the optimizer state (the step's, or the forward's whose activations and accumulating
+    gradients outweigh them), and the row's memory is its largest rank's."""
+    lay = runs_as(layout)
+    layers, first, last = rank_parts(shape, pipeline_of(shape, lay))[0]
+    return sum(stage_model_state(shape, lay, work, layers, first, last).values())
+
+
 def pipeline_timeline(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload, hf_config: Any = None
                       ) -> tuple[PipelineLayout | None, dict[int, list[tuple[int, str, int, float, float]]]]:
     """`layout`'s pipeline and each rank's actions as the planner plays them (`planner.pipeline.timeline`):

@@ -13,7 +13,7 @@ from ultrascale.hardware import GIB, Cluster
 from ultrascale.parallel.pipeline import even_layers
 from ultrascale.parallel.rules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, batch_split_problem
 from ultrascale.planner.calibration import layout_family
-from ultrascale.planner.cost import PlanRow, Workload, evaluate, step_time_floor
+from ultrascale.planner.cost import PlanRow, Workload, evaluate, memory_floor, step_time_floor
 from ultrascale.planner.layouts import RECOMPUTE_MODES, Layout, layout_problems, runs_as
 from ultrascale.planner.pipeline import balanced_layers
 
@@ -42,6 +42,7 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, work: Workload, fixed
     zeros = [fixed["zero_stage"]] if "zero_stage" in fixed else [1, 2, 3]
     recomputes = [fixed["recompute"]] if "recompute" in fixed else list(RECOMPUTE_MODES)
     eps = [fixed["ep"]] if "ep" in fixed else ([d for d in _divisors(shape.n_experts) if d <= n] if shape.n_experts else [1])
+    pipelines = {pp: _pipelines(shape, pp, fixed) for pp in pps}  # the same few per pp, asked for by every other split
     for pp, tp, cp in itertools.product(pps, tps, cps):
         if n % (pp * tp * cp):
             if fixed.keys() & {"pp", "tp", "cp"}:  # otherwise only the enumeration's own products
@@ -76,7 +77,7 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, work: Workload, fixed
                              else [False, True] if zero == 3 and pp == 1 and acc > 1 else [False])
                 methods = [fixed["cp_method"]] if "cp_method" in fixed else (["ring", "alltoall"] if cp > 1 else ["ring"])
                 for (schedule, v, layers), whole, method in itertools.product(
-                        _pipelines(shape, pp, fixed), unsharded, methods):
+                        pipelines[pp], unsharded, methods):
                     yield Layout(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, ep=ep, zero_stage=zero,
                                  micro_batch=mbs, grad_accumulation=acc, recompute=recompute, virtual_stages=v,
                                  accumulate_unsharded_grads=whole, cp_method=method, pipeline_schedule=schedule,
@@ -139,7 +140,8 @@ def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[
     in the same order as without it. Each candidate's ceiling (tokens over `step_time_floor`, its compute alone)
     is cheap; candidates are priced from the highest ceiling down, and once `top` fitting rows are found, a candidate
     whose ceiling is below the `top`-th best tokens/s (and every one after it) cannot enter them; a pipelined one the
-    rulebook accepts is also skipped when its schedule's bubble brings it below. Fewer than `top` fitting rows:
+    rulebook accepts is also skipped when its schedule's bubble brings it below, and any one whose model state alone
+    (`memory_floor`) exceeds the GPU's memory, before the rulebook judges it. Fewer than `top` fitting rows:
     every candidate is priced, as without it."""
     layouts = list(candidate_layouts(shape, cluster, work, fixed, max_micro_batch))
     order = list(range(len(layouts)))
@@ -173,6 +175,8 @@ def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[
         layout = layouts[index]
         if pruning and len(best) >= top and ceiling[index] < best[0]:
             break  # the ceilings only fall from here: nothing left can enter the top rows
+        if pruning and len(best) >= top and memory_floor(shape, layout, work) > cluster.usable_bytes:
+            continue  # cannot fit, so cannot rank above the `top` fitting rows found
         problems = None
         if not include_refused:  # judge first, price only what runs
             if layout_problems(layout, shape, cluster, work.seq_len, work.global_batch, hf_config):
