@@ -1012,13 +1012,14 @@ def test_a_calibration_divides_its_familys_predicted_times_and_reranks(tmp_path)
     ("llama3_8b", 16, 64, {}, None),
     ("llama3_70b", 32, 64, {"pp": 4}, None),
     ("llama3_70b", 32, 64, {}, {"pp+tp": 0.5, "tp": 2.0, "all": 1.0}),
-], ids=["8b-16", "70b-32-pp4", "70b-32-calibrated"])
+    ("mixtral_8x7b", 16, 32, {}, None),
+], ids=["8b-16", "70b-32-pp4", "70b-32-calibrated", "mixtral-16"])
 def test_a_search_for_the_top_rows_prices_fewer_and_gives_the_same_rows(preset, gpus, batch, fixed, calibration):
-    """`search(top=K)` skips the candidates whose ceiling (tokens over `step_time_floor`) cannot reach the K-th best
-    fitting row, or whose model state alone cannot fit: the same K rows, in the same order, as pricing every
-    candidate. The floors are below every priced step and memory (what makes the skipping exact)."""
+    """`search(top=K)` skips the candidates whose ceiling (tokens over `step_time_floor` + `communication_floor`)
+    cannot reach the K-th best fitting row, or whose model state alone cannot fit: the same K rows, in the same
+    order, as pricing every candidate. The floors are below every priced step and memory (what makes the skipping exact)."""
     from ultrascale.planner.calibration import Calibration, calibrated
-    from ultrascale.planner.cost import memory_floor, step_time_floor
+    from ultrascale.planner.cost import communication_floor, memory_floor, step_time_floor
 
     shape, work = model_shape(preset), planner.Workload(8192, batch)
     cluster = planner.Cluster(planner.GPU_SPECS["h100"], gpus)
@@ -1031,5 +1032,6 @@ def test_a_search_for_the_top_rows_prices_fewer_and_gives_the_same_rows(preset, 
         assert sum(row.fits for row in every) > top and len(pruned) < len(every)
     for row in every:
         for schedule in (False, True):
-            assert step_time_floor(shape, row.layout, cluster, work, schedule=schedule) <= row.step_time["total"] * (1 + 1e-12)
+            floor = step_time_floor(shape, row.layout, cluster, work, schedule=schedule)
+            assert floor + communication_floor(shape, row.layout, cluster, work) <= row.step_time["total"] * (1 + 1e-12)
         assert memory_floor(shape, row.layout, work) <= row.memory["total"] * (1 + 1e-12)

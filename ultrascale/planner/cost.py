@@ -246,13 +246,17 @@ def _activations_and_stage_times(shape: ModelShape, lay: Layout, cluster: Cluste
                                  ) -> tuple[ActivationModel, PipelineLayout | None, tuple[list[float], list[float], list[float]]]:
     """The activation model of `lay` (as ultrascale runs it), its pipeline and the stages' forward, backward and
     weight-gradient seconds per micro-batch."""
-    acts = ActivationModel(shape, work.seq_len // lay.cp, lay.micro_batch, tp=lay.tp,
+    acts = _activations(shape, lay, work, hf_config)
+    pipe = pipeline_of(shape, lay)
+    return acts, pipe, _stage_times(shape, lay, cluster, work, acts, pipe)
+
+
+def _activations(shape: ModelShape, lay: Layout, work: Workload, hf_config: Any) -> ActivationModel:
+    return ActivationModel(shape, work.seq_len // lay.cp, lay.micro_batch, tp=lay.tp,
                            sequence_parallel=lay.tp > 1 and model_facts_of(shape, hf_config).sequence_parallel,
                            loss_parallel=lay.tp > 1 and lay.pp == 1,
                            compute_bytes=work.compute_bytes, recompute=lay.recompute,
                            attention_scores_saved=work.attention_scores_saved)
-    pipe = pipeline_of(shape, lay)
-    return acts, pipe, _stage_times(shape, lay, cluster, work, acts, pipe)
 
 
 def step_time_floor(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload, hf_config: Any = None,
@@ -272,6 +276,15 @@ def step_time_floor(shape: ModelShape, layout: Layout, cluster: Cluster, work: W
     else:
         floor = lay.grad_accumulation * sum(f + b for f, b in zip(forward, backward)) / lay.pp
     return floor / family_ratio(dict(cluster.calibration), lay)[0] if cluster.calibration else floor
+
+
+def communication_floor(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload, hf_config: Any = None) -> float:
+    """A lower bound on `evaluate(...).step_time["communication"]`: all of it but what the compute fails to hide (that
+    part needs the compute and is never negative), calibrated as the step is. `step_time_floor` + this is below the
+    step: the step is compute (+ bubble) + this + that part."""
+    lay = runs_as(layout)
+    exposed, _ = _communication(shape, lay, cluster, work, _activations(shape, lay, work, hf_config), pipeline_of(shape, lay))
+    return exposed / family_ratio(dict(cluster.calibration), lay)[0] if cluster.calibration else exposed
 
 
 def memory_floor(shape: ModelShape, layout: Layout, work: Workload) -> float:
@@ -426,13 +439,22 @@ def _step_time(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workload,
     (`FLOAT8_SPEEDUP`) divide the compute alone; the collectives are priced as eager, though less of them hides
     behind the shorter compute (below). Memory is not changed by either (torchtitan's compiled and Float8 runs
     used less: 82.4 -> 77.0 -> 76.8 GiB)."""
-    c, m = work.compute_bytes, lay.grad_accumulation
-    rate = cluster.gpu.peak_tflops * 1e12 * cluster.efficiency
     if played is None:
         forward, backward, _ = times
-        compute, bubble = m * (forward[0] + backward[0]), 0.0
+        compute, bubble = lay.grad_accumulation * (forward[0] + backward[0]), 0.0
     else:
         compute, bubble = played.busiest, played.step - played.busiest
+    exposed, hidden_comm = _communication(shape, lay, cluster, work, acts, pipe)
+    # What the compute cannot hide (FSDP prefetch ahead of a short layer, a slow ring) is exposed.
+    exposed += max(hidden_comm - compute, 0.0)
+    return {"compute": compute, "communication": exposed, "bubble": bubble, "total": compute + exposed + bubble}
+
+
+def _communication(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workload, acts: ActivationModel,
+                   pipe: PipelineLayout | None) -> tuple[float, float]:
+    """Seconds per optimizer step of the first pipeline rank's collectives: (exposed, meant to hide behind the compute)."""
+    c, m = work.compute_bytes, lay.grad_accumulation
+    rate = cluster.gpu.peak_tflops * 1e12 * cluster.efficiency
     layers, first, last = rank_parts(shape, pipe)[0]  # the first rank: embedding, the most layers of the even split
     n_shard = lay.dp_shard * lay.cp
     n_expert_shard = max(n_shard // lay.ep, 1)
@@ -497,7 +519,5 @@ def _step_time(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workload,
     if pipe is not None:  # boundary sends: on the critical path while the pipeline fills and drains, every stage
         boundary = tokens_mb * shape.hidden * c / (lay.tp if acts.sequence_parallel else 1)
         exposed += 2 * (pipe.num_stages - 1) * (_ring("p2p", boundary, 2, bw_pp) + lat)
-    # What the compute cannot hide (FSDP prefetch ahead of a short layer, a slow ring) is exposed.
-    exposed += max(hidden_comm - compute, 0.0)
-    return {"compute": compute, "communication": exposed, "bubble": bubble, "total": compute + exposed + bubble}
+    return exposed, hidden_comm
 

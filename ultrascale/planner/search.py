@@ -13,7 +13,7 @@ from ultrascale.hardware import GIB, Cluster
 from ultrascale.parallel.pipeline import even_layers
 from ultrascale.parallel.rules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, batch_split_problem
 from ultrascale.planner.calibration import layout_family
-from ultrascale.planner.cost import PlanRow, Workload, evaluate, memory_floor, step_time_floor
+from ultrascale.planner.cost import PlanRow, Workload, communication_floor, evaluate, memory_floor, step_time_floor
 from ultrascale.planner.layouts import RECOMPUTE_MODES, Layout, layout_problems, runs_as
 from ultrascale.planner.pipeline import balanced_layers
 
@@ -137,28 +137,37 @@ def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[
     predicted tokens/s per GPU (then less memory).
 
     With `top`, only the rows that can be among the `top` best fitting ones are priced, and those are the same rows
-    in the same order as without it. Each candidate's ceiling (tokens over `step_time_floor`, its compute alone)
-    is cheap; candidates are priced from the highest ceiling down, and once `top` fitting rows are found, a candidate
-    whose ceiling is below the `top`-th best tokens/s (and every one after it) cannot enter them; a pipelined one the
-    rulebook accepts is also skipped when its schedule's bubble brings it below, and any one whose model state alone
-    (`memory_floor`) exceeds the GPU's memory, before the rulebook judges it. Fewer than `top` fitting rows:
-    every candidate is priced, as without it."""
+    in the same order as without it. Each candidate's ceiling is cheap: tokens over `step_time_floor` (its compute
+    alone) plus `communication_floor` (the collectives nothing hides). Candidates are priced from the highest
+    ceiling down, and once `top` fitting rows are found, a candidate whose ceiling is below the `top`-th best
+    tokens/s (and every one after it) cannot enter them; a pipelined one the rulebook accepts is also skipped when
+    its schedule's bubble brings it below, and any one whose model state alone (`memory_floor`) exceeds the GPU's
+    memory, before the rulebook judges it. Fewer than `top` fitting rows: every candidate is priced, as without it."""
     layouts = list(candidate_layouts(shape, cluster, work, fixed, max_micro_batch))
     order = list(range(len(layouts)))
     # The floors depend only on what sets the compute (the compute's sum over stages not on their split or schedule,
     # the played step on both), and on the calibration's family: memos keyed so.
     floors: dict[tuple, float] = {}
     played_floors: dict[tuple, float] = {}
+    communication: dict[tuple, float] = {}
 
     def compute_key(layout: Layout) -> tuple:
         return (layout.pp, layout.cp, layout.tp, layout.micro_batch, layout.grad_accumulation, layout.recompute,
                 layout_family(layout) if cluster.calibration else None)
 
+    def communication_of(layout: Layout) -> float:
+        key = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.ep, layout.zero_stage,
+               layout.micro_batch, layout.grad_accumulation, layout.virtual_stages, layout.pipeline_schedule,
+               layout.pipeline_layers, layout.accumulate_unsharded_grads, layout.cp_method)  # all but recompute
+        if key not in communication:
+            communication[key] = communication_floor(shape, layout, cluster, work, hf_config)
+        return communication[key]
+
     def ceiling_with_bubble(layout: Layout) -> float:
         key = (*compute_key(layout), layout.virtual_stages, layout.pipeline_schedule, layout.pipeline_layers)
         if key not in played_floors:
             played_floors[key] = step_time_floor(shape, layout, cluster, work, hf_config, schedule=True)
-        return work.tokens / played_floors[key] / cluster.gpus
+        return work.tokens / (played_floors[key] + communication_of(layout)) / cluster.gpus
 
     pruning = top is not None and not include_refused
     ceiling: list[float] = []
@@ -167,7 +176,7 @@ def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[
             key = compute_key(layout)
             if key not in floors:
                 floors[key] = step_time_floor(shape, layout, cluster, work, hf_config)
-            ceiling.append(work.tokens / floors[key] / cluster.gpus)
+            ceiling.append(work.tokens / (floors[key] + communication_of(layout)) / cluster.gpus)
         order.sort(key=lambda i: -ceiling[i])
     best: list[float] = []  # a min-heap of the `top` best fitting tokens/s so far
     priced: list[tuple[PlanRow, int]] = []
