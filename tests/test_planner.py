@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import lightning as L
 import pytest
@@ -221,6 +222,34 @@ def test_torch_schedules_played_on_equal_stages_give_the_textbook_bubble(schedul
         assert held == [8] * 4
     if schedule == "1F1B":
         assert held == [4, 3, 2, 1]  # rank r: p - r micro-batches
+
+
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+def test_the_planners_action_lists_are_torchs_own(schedule):
+    """`schedule_actions` builds torch's schedule without the lowering to communication actions its constructor runs
+    (the planner never reads them): the compute order is the one torch's own class builds, and what torch refuses
+    is refused alike."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    from ultrascale.parallel.pipeline import PipelineLayout
+    from ultrascale.parallel.rules import V_SCHEDULES
+    from ultrascale.planner.pipeline import _PlaceholderStage, compute_actions, schedule_actions
+
+    for pp, v, m in [(2, 2, 4), (4, 2, 8), (4, 3, 12), (8, 2, 16), (4, 2, 6)]:
+        if schedule in V_SCHEDULES and v != 2:
+            continue  # a V holds exactly two stages per rank
+        layout = PipelineLayout(pp=pp, schedule=schedule, virtual_stages=v, microbatches=m, layers_per_stage=(1,) * (pp * v))
+        stages = [_PlaceholderStage(s, layout.num_stages, pp) for s in layout.stage_ids(0)]
+        cls = get_schedule_class(schedule)
+        try:
+            built = cls(stages[0] if issubclass(cls, PipelineScheduleSingle) else stages, n_microbatches=m,
+                        loss_fn=lambda output, target: output)
+        except ValueError as refused:
+            with pytest.raises(ValueError, match=re.escape(str(refused))):
+                schedule_actions.__wrapped__(schedule, pp, v, m)
+            continue
+        torch_orders = compute_actions(built.pipeline_order)
+        assert schedule_actions.__wrapped__(schedule, pp, v, m) == tuple(tuple(torch_orders[r]) for r in range(pp))
 
 
 @pytest.mark.parametrize("schedule, p, v", [("1F1B", 4, 1), ("Interleaved1F1B", 4, 4), ("ZBVZeroBubble", 4, 2),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch.nn as nn
 
@@ -73,13 +73,30 @@ def schedule_actions(schedule: str, pp: int, virtual_stages: int, microbatches: 
                             layers_per_stage=(1,) * (pp * virtual_stages))
     num_stages = layout.num_stages
     stages = [_PlaceholderStage(s, num_stages, pp) for s in layout.stage_ids(0)]
-    cls = get_schedule_class(schedule)
+    cls = _without_lowering(get_schedule_class(schedule))
     def loss(output, target):
         return output
     built = (cls(stages[0], n_microbatches=microbatches, loss_fn=loss) if issubclass(cls, PipelineScheduleSingle)
              else cls(stages, n_microbatches=microbatches, loss_fn=loss))
     orders = compute_actions(built.pipeline_order)
     return tuple(tuple(orders[rank]) for rank in range(pp))
+
+
+@functools.lru_cache(maxsize=None)
+def _without_lowering(cls: type) -> type:
+    """`cls` whose constructor stops at the compute order: the runtime schedules' constructors then lower it to
+    communication actions (`_prepare_schedule_with_comms`: unshard / reshard, gradient reductions, sends and
+    receives), which the planner never reads and which is most of the construction (64 ranks: 0.1 s a schedule). The
+    order is still validated as the lowering validates it, stage mapping included."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineScheduleRuntime
+
+    if not issubclass(cls, _PipelineScheduleRuntime):
+        return cls
+
+    def validate_only(self: Any, actions: dict, format: str = "compute_only") -> None:
+        PipelineScheduleMulti._validate_and_set_stage_mapping(self, actions)
+
+    return type(cls.__name__, (cls,), {"_prepare_schedule_with_comms": validate_only})
 
 
 def _one_f_one_b(rank: int, pp: int, m: int) -> tuple[Action, ...]:
