@@ -124,6 +124,11 @@ def pipeline_of(shape: ModelShape, lay: Layout) -> PipelineLayout | None:
     when it fits the stages, else the strategy's even split)."""
     if lay.pp == 1:
         return None
+    return _memoised(shape, "pipeline", (lay.pp, lay.schedule, lay.virtual_stages, lay.grad_accumulation, lay.pipeline_layers),
+                     lambda: _pipeline_of(shape, lay))
+
+
+def _pipeline_of(shape: ModelShape, lay: Layout) -> PipelineLayout:
     stages = lay.pp * lay.virtual_stages
     layers = lay.pipeline_layers
     if layers is None or len(layers) != stages or sum(layers) != shape.n_layers:
@@ -252,11 +257,12 @@ def _activations_and_stage_times(shape: ModelShape, lay: Layout, cluster: Cluste
 
 
 def _activations(shape: ModelShape, lay: Layout, work: Workload, hf_config: Any) -> ActivationModel:
-    return ActivationModel(shape, work.seq_len // lay.cp, lay.micro_batch, tp=lay.tp,
-                           sequence_parallel=lay.tp > 1 and model_facts_of(shape, hf_config).sequence_parallel,
-                           loss_parallel=lay.tp > 1 and lay.pp == 1,
-                           compute_bytes=work.compute_bytes, recompute=lay.recompute,
-                           attention_scores_saved=work.attention_scores_saved)
+    sequence_parallel = lay.tp > 1 and model_facts_of(shape, hf_config).sequence_parallel
+    key = (work.seq_len // lay.cp, lay.micro_batch, lay.tp, sequence_parallel, lay.tp > 1 and lay.pp == 1,
+           work.compute_bytes, lay.recompute, work.attention_scores_saved)
+    return _memoised(shape, "activations", key, lambda: ActivationModel(
+        shape, key[0], lay.micro_batch, tp=lay.tp, sequence_parallel=sequence_parallel, loss_parallel=key[4],
+        compute_bytes=work.compute_bytes, recompute=lay.recompute, attention_scores_saved=work.attention_scores_saved))
 
 
 def step_time_floor(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload, hf_config: Any = None,
