@@ -36,6 +36,7 @@ class WritesItsSteps(L.Callback):
             Path(trainer.default_root_dir, "steps.txt").write_text(str(trainer.global_step))
 
 
+@pytest.mark.slow
 def test_tune_runs_the_planners_layouts_and_emits_the_fastest(capsys, tmp_path):
     """World 4, `recipes/tiny_cpu_2d.yaml`, the planner's 4 best layouts: the table, a layout failing on purpose
     reported and skipped, the fastest emitted and trained by `ultrascale fit`, the calibration applied by `plan`."""
@@ -109,3 +110,37 @@ def test_a_candidate_carries_its_recompute_mode_as_the_one_checkpointing_callbac
     assert checkpointing(Layout(dp_shard=2, micro_batch=8, recompute="none")) == []
     knobs = candidate_config(config, plan.strategy, Layout(dp_shard=2, micro_batch=4, grad_accumulation=2))
     assert knobs["trainer"]["accumulate_grad_batches"] == 2 and knobs["data"]["init_args"]["global_batch_size"] == 8
+
+
+@pytest.mark.slow
+def test_tune_compile_both_runs_each_layout_eager_and_compiled(capsys, tmp_path):
+    """`--compile both`: the planner's best layout run twice, eager and with each block compiled (the recipe's
+    backend: aot_eager here, torch.compile's capture without generated kernels), each priced as it runs and ranked
+    together."""
+    work, table = tmp_path / "work", tmp_path / "tune.json"
+    code, out, err = run_main(capsys, "tune", "--config", RECIPE, *SMALL, "--top", "1", "--steps", "3", "--warmup", "1",
+                              "--compile", "both", "--json", str(table), "--workdir", str(work),
+                              "--trainer.strategy.init_args.compile", "true",
+                              "--trainer.strategy.init_args.compile_backend", "aot_eager")
+    assert code == 0, out + err
+    candidates = json.loads(table.read_text())["candidates"]
+    assert sorted(c["compiled"] for c in candidates) == [False, True] and len({c["layout"] for c in candidates}) == 1
+    assert all(c["error"] is None and c["measured_tokens_per_s"] > 0 for c in candidates), candidates
+    compiled, eager = sorted(candidates, key=lambda c: not c["compiled"])
+    assert compiled["planner_rank"] == 1 and compiled["predicted_tokens_per_s"] > eager["predicted_tokens_per_s"]
+    for c in candidates:  # each ran the recipe it was priced for
+        knobs = yaml.safe_load((work / f"candidate{c['planner_rank']}.yaml").read_text())["trainer"]["strategy"]["init_args"]
+        assert knobs["compile"] is c["compiled"] and knobs.get("compile_backend") == ("aot_eager" if c["compiled"] else None)
+    assert out.count(", compiled ") == 1 and err.count("tune [") == 2, out + err
+
+
+def test_tune_compile_both_refuses_a_float8_recipe():
+    from ultrascale.planner.recipe_check import check_recipe as check
+    from ultrascale.verify.app import VerifyError
+    from ultrascale.verify.tune import plan_candidates
+
+    plan = check(RECIPE, [*SMALL, "--trainer.strategy.init_args.compile", "true",
+                          "--trainer.callbacks+=ultrascale.callbacks.Float8Training"])
+    assert plan.work.float8
+    with pytest.raises(VerifyError, match="--compile both: the recipe trains Float8 matmuls"):
+        plan_candidates(plan, 1, compile_both=True)

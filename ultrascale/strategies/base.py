@@ -267,7 +267,7 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
             pipeline_layers=(tuple(pipeline_layers) if pipeline_layers is not None else None, None),
         )
         self._auto_transforms: list[ModelTransform] = []
-        self.compile = compile
+        self.compile, self.compile_backend = compile, compile_backend
         self._compiler = block_compiler(compile, compile_backend, type(self).__name__, pipeline=(pipeline_parallel, pipeline_schedule))
         self.chosen_layout: Optional[Any] = None
         """Under `auto_layout`, the planner's row that was applied (`ultrascale.planner.PlanRow`)."""

@@ -1,7 +1,7 @@
 """`ultrascale tune`: the planner's best layouts for a recipe, measured on this machine's devices.
 
     ultrascale tune --config RECIPE [LightningCLI overrides] [--top 4] [--steps 8] [--warmup 3]
-                    [--emit-recipe FILE] [--json FILE] [--calibrate FILE]
+                    [--compile {recipe,both}] [--emit-recipe FILE] [--json FILE] [--calibrate FILE]
 
 Order of work: the recipe is checked and priced as `ultrascale plan --recipe` does (its world size, sequence
 length, global batch, precision and compile are the recipe's); the planner ranks every layout of that world
@@ -12,7 +12,8 @@ optimizer steps the way `verify` runs a layout (a process of its own, nothing wr
 one after another; a candidate that fails (out of memory, a refusal) is reported and skipped. Timing leaves out
 the first `--warmup` steps (compilation, allocator warm-up): tokens/s per device = tokens per step x timed steps /
 their wall time / world. The table puts the planner's prediction and the measurement side by side, with both
-rankings.
+rankings. `--compile both` runs each of the `--top` layouts twice, eager and with each block compiled (the
+strategies' `compile`), each priced as it runs: compile's gain measured here beside the one the planner assumes.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class Candidate:
     measured_peak_gib: Optional[float] = None
     error: Optional[str] = None
     recipe: Optional[dict[str, Any]] = None
+    compiled: bool = False
+    """Each block under torch.compile (the strategies' `compile=True`), as priced and as run."""
 
     def describe(self) -> str:
         lay = self.layout
@@ -67,11 +70,14 @@ class Candidate:
             extra.append(str(lay.pipeline_schedule or "1F1B"))
         if lay.cp > 1:
             extra.append(lay.cp_method)
+        if self.compiled:
+            extra.append("compiled")
         return f"{degrees}, {', '.join(extra)}"
 
     def to_json(self) -> dict[str, Any]:
-        return {"planner_rank": self.rank, "layout": self.layout.describe(), "predicted_tokens_per_s": self.predicted_tokens_per_s,
-                "predicted_mfu": self.predicted_mfu, "predicted_memory_gib": self.predicted_memory_gib,
+        return {"planner_rank": self.rank, "layout": self.layout.describe(), "compiled": self.compiled,
+                "predicted_tokens_per_s": self.predicted_tokens_per_s, "predicted_mfu": self.predicted_mfu,
+                "predicted_memory_gib": self.predicted_memory_gib,
                 "measured_tokens_per_s": self.measured_tokens_per_s, "measured_mfu": self.measured_mfu,
                 "measured_peak_gib": self.measured_peak_gib, "error": self.error}
 
@@ -84,8 +90,9 @@ def resolved_config(recipe: str, overrides: Sequence[str]) -> dict[str, Any]:
     return yaml.safe_load(cli.parser.dump(cli.config, skip_none=True))
 
 
-def candidate_config(config: dict[str, Any], strategy: Any, layout: Any) -> dict[str, Any]:
-    """`config` running `layout`: `UltraScaleStrategy` with its degrees (and the recipe strategy's `CARRIED_KNOBS`),
+def candidate_config(config: dict[str, Any], strategy: Any, layout: Any, compiled: Optional[bool] = None) -> dict[str, Any]:
+    """`config` running `layout`: `UltraScaleStrategy` with its degrees (and the recipe strategy's `CARRIED_KNOBS`;
+    `compile` as `compiled` says when given),
     the data's global batch and the Trainer's accumulation of its batch split, and its recompute mode as the one
     `ActivationCheckpointing` callback (the recipe's own replaced; none for "none")."""
     from ultrascale.planner.recipe import batch_knobs, strategy_knobs
@@ -93,6 +100,10 @@ def candidate_config(config: dict[str, Any], strategy: Any, layout: Any) -> dict
 
     accepted = inspect.signature(UltraScaleStrategy.__init__).parameters
     carried = {knob: getattr(strategy, knob) for knob in CARRIED_KNOBS if knob in accepted and hasattr(strategy, knob)}
+    if compiled is not None:
+        carried["compile"] = compiled
+        if not compiled:
+            carried.pop("compile_backend", None)  # the strategy takes a backend only with compile=True
     global_batch, accumulate = batch_knobs(layout)
     out = json.loads(json.dumps(config))  # a deep copy of plain data
     out["trainer"]["strategy"] = {"class_path": "ultrascale.UltraScaleStrategy",
@@ -109,15 +120,28 @@ def candidate_config(config: dict[str, Any], strategy: Any, layout: Any) -> dict
     return out
 
 
-def plan_candidates(plan: Any, top: int) -> list[Candidate]:
-    """The planner's `top` fitting layouts for the recipe's model, data and world (any recompute mode)."""
+def plan_candidates(plan: Any, top: int, compile_both: bool = False) -> list[Candidate]:
+    """The planner's `top` fitting layouts for the recipe's model, data and world (any recompute mode), priced with
+    the recipe's compile; with `compile_both`, each eager and compiled, priced so, ranked together by prediction."""
+    import dataclasses
+
     from ultrascale.hardware import GIB
+    from ultrascale.planner.cost import evaluate
     from ultrascale.planner.search import search
 
     rows = search(plan.shape, plan.cluster, plan.work, max_micro_batch=max(plan.work.global_batch, 1), top=top)
     fitting = [row for row in rows if row.fits and not row.problems][:top]
-    return [Candidate(i + 1, row.layout, row.tokens_per_s_per_gpu, row.mfu, row.memory["total"] / GIB)
-            for i, row in enumerate(fitting)]
+    if not compile_both:
+        return [Candidate(i + 1, row.layout, row.tokens_per_s_per_gpu, row.mfu, row.memory["total"] / GIB,
+                          compiled=plan.work.compiled) for i, row in enumerate(fitting)]
+    if plan.work.float8:
+        raise VerifyError("--compile both: the recipe trains Float8 matmuls, which ultrascale prices and runs compiled "
+                          "only; drop its Float8Training callback to compare eager and compiled")
+    priced = [(evaluate(plan.shape, row.layout, plan.cluster, dataclasses.replace(plan.work, compiled=compiled)), compiled)
+              for row in fitting for compiled in (False, True)]
+    priced.sort(key=lambda pair: -pair[0].tokens_per_s_per_gpu)  # stable: eager before compiled on a tie
+    return [Candidate(i + 1, row.layout, row.tokens_per_s_per_gpu, row.mfu, row.memory["total"] / GIB, compiled=compiled)
+            for i, (row, compiled) in enumerate(priced)]
 
 
 def measure(candidate: Candidate, result: dict[str, Any], tokens_per_step: int, warmup: int) -> None:
@@ -138,9 +162,10 @@ def measure(candidate: Candidate, result: dict[str, Any], tokens_per_step: int, 
 
 
 def tune(cli_args: Sequence[str], *, top: int = 4, steps: int = 8, warmup: int = 3, gpu: str = "h100",
-         launch: Launch = "auto", workdir: Optional[Path] = None, progress: Any = None) -> tuple[Any, list[Candidate]]:
-    """Price, then run, the planner's `top` layouts for the recipe; returns (the recipe's `RecipePlan`, the
-    candidates in the planner's order, measured)."""
+         launch: Launch = "auto", workdir: Optional[Path] = None, progress: Any = None,
+         compile_both: bool = False) -> tuple[Any, list[Candidate]]:
+    """Price, then run, the planner's `top` layouts for the recipe (each eager and compiled with `compile_both`);
+    returns (the recipe's `RecipePlan`, the candidates in the planner's order, measured)."""
     from ultrascale.verify.app import auto_launch, check_layout
 
     if top < 1 or steps < 1 or not 0 <= warmup < steps:
@@ -148,7 +173,7 @@ def tune(cli_args: Sequence[str], *, top: int = 4, steps: int = 8, warmup: int =
     plan, why_not = check_layout(list(cli_args), gpu, precision=None)
     if plan is None:
         raise VerifyError(f"the planner cannot price this recipe, so it has no layouts to propose: {why_not}")
-    candidates = plan_candidates(plan, top)
+    candidates = plan_candidates(plan, top, compile_both)
     if not candidates:
         raise VerifyError(f"no layout of {plan.world} ranks fits the planner's memory for this recipe")
     recipe, overrides = config_and_overrides(cli_args)
@@ -158,7 +183,7 @@ def tune(cli_args: Sequence[str], *, top: int = 4, steps: int = 8, warmup: int =
         work = Path(workdir or temp)
         work.mkdir(parents=True, exist_ok=True)
         for index, candidate in enumerate(candidates):
-            candidate.recipe = candidate_config(config, plan.strategy, candidate.layout)
+            candidate.recipe = candidate_config(config, plan.strategy, candidate.layout, candidate.compiled)
             path = work / f"candidate{candidate.rank}.yaml"
             path.write_text(yaml.safe_dump(candidate.recipe, sort_keys=False))
             spec = RunSpec(["--config", str(path)], steps, str(work / f"candidate{candidate.rank}.json"), fork=fork,
@@ -179,7 +204,8 @@ def table(plan: Any, candidates: list[Candidate], steps: int, warmup: int) -> li
     width = max([44, *(len(c.describe()) for c in candidates)])
     lines = [f"recipe     {plan.path}: {plan.world} ranks, {plan.work.tokens:,} tokens per step, {plan.work.precision}; "
              f"{steps} steps per layout, the first {warmup} not timed",
-             f"planner    its {len(candidates)} best layouts for this recipe, priced on {gpu}",
+             f"planner    its {len({c.layout for c in candidates})} best layouts for this recipe, priced on {gpu}"
+             + (", each eager and compiled" if len({c.compiled for c in candidates}) > 1 else ""),
              *[f"note       {note}" for note in plan.notes],
              "",
              f"{'plan':>4} {'measured':>8}  {'layout':<{width}} {'tokens/s/dev':>12} {'predicted':>12} {'MFU':>7} "
@@ -218,6 +244,9 @@ def tune_main(args: list[str]) -> None:
     parser.add_argument("--top", type=int, default=4, help="how many of the planner's layouts to run (default 4)")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per layout (default 8)")
     parser.add_argument("--warmup", type=int, default=3, help="first steps not timed (default 3)")
+    parser.add_argument("--compile", default="recipe", choices=["recipe", "both"],
+                        help="recipe: every layout compiled as the recipe's strategy says; both: each layout run eager "
+                             "and with each block compiled, each priced so (default recipe)")
     parser.add_argument("--gpu", default="h100", choices=sorted(GPU_SPECS), help="the GPU the planner prices (default h100)")
     parser.add_argument("--launch", default="auto", choices=["auto", "fork", "subprocess"])
     parser.add_argument("--workdir", default=None, help="keep the candidates' recipes, logs and results here")
@@ -237,7 +266,7 @@ def tune_main(args: list[str]) -> None:
     try:
         plan, candidates = tune(cli_args, top=options.top, steps=options.steps, warmup=options.warmup, gpu=options.gpu,
                                 launch=options.launch, workdir=Path(options.workdir) if options.workdir else None,
-                                progress=progress)
+                                progress=progress, compile_both=options.compile == "both")
     except (VerifyError, ValueError, NotImplementedError) as error:
         print(f"ultrascale tune: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
