@@ -184,54 +184,56 @@ def _checkpoint_and_instructions(tmp_path: Path) -> tuple[Path, Path]:
     return source, data
 
 
-def test_finetune_recipe_end_to_end(tmp_path):
+# The recipes' commands run in the test's process (`ultrascale.cli.main`) with their ranks forked: the same strategy
+# as the recipe's registered name (`ultrascale_zero3`), without the command and each rank importing everything again.
+FORKED_ZERO3 = ["--trainer.strategy", "ultrascale.ZeRO3Strategy", "--trainer.strategy.init_args.launcher", "fork"]
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_finetune_recipe_end_to_end(tmp_path, capfd, monkeypatch):
     """The fine-tuning commands of README and docs/huggingface.md: `ultrascale fit --config recipes/hf_finetune.yaml ...`
     then `export-hf` of the run directory."""
-    import subprocess
-    import sys
+    from tests._cli import run_main
 
     source, data = _checkpoint_and_instructions(tmp_path)
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "hf_finetune.yaml"
-    command = [sys.executable, "-m", "ultrascale.cli"]
-    fit = subprocess.run(
-        [*command, "fit", "--config", str(recipe), "--model.pretrained_path", str(source), "--data.data_path", str(data),
-         "--data.init_args.prompt_template", "{prompt}", "--data.init_args.seq_len", "32",
-         # An epoch of this small file is fewer batches than the validation interval (which failed in
-         # Lightning's epoch-based counting): the recipe counts it in steps across epochs.
-         "--trainer.max_steps", "24", "--trainer.val_check_interval", "20", "--trainer.callbacks.init_args.every_n_train_steps", "12"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240,
-    )
-    assert fit.returncode == 0, (fit.stdout + fit.stderr)[-3000:]
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(
+        capfd, "fit", "--config", str(recipe), "--model.pretrained_path", str(source), "--data.data_path", str(data),
+        "--data.init_args.prompt_template", "{prompt}", "--data.init_args.seq_len", "32",
+        # An epoch of this small file is fewer batches than the validation interval (which failed in
+        # Lightning's epoch-based counting): the recipe counts it in steps across epochs.
+        "--trainer.max_steps", "24", "--trainer.val_check_interval", "20", "--trainer.callbacks.init_args.every_n_train_steps", "12",
+        *FORKED_ZERO3)
+    assert code == 0, (out + err)[-3000:]
     events = b"".join(f.read_bytes() for f in (tmp_path / "runs" / "hf_finetune" / "version_0").glob("events.out.tfevents*"))
     assert b"val_loss" in events and b"throughput/tokens_per_sec" in events  # validated at step 20; tokens/s logged
     # The run directory is enough: export-hf finds its newest complete checkpoint.
-    export = subprocess.run([*command, "export-hf", "--checkpoint", "runs/hf_finetune", "--out", str(tmp_path / "out")],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=240)
-    assert export.returncode == 0, (export.stdout + export.stderr)[-3000:]
-    assert "last.ckpt" in export.stdout
+    code, out, err = run_main(capfd, "export-hf", "--checkpoint", "runs/hf_finetune", "--out", str(tmp_path / "out"))
+    assert code == 0, (out + err)[-3000:]
+    assert "last.ckpt" in out
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
     original = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True)
     assert not torch.equal(reloaded.model.layers[0].mlp.up_proj.weight, original.model.layers[0].mlp.up_proj.weight)
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out", local_files_only=True)("t3")["input_ids"] == [3]
 
 
-def test_lora_recipe_end_to_end(tmp_path):
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_lora_recipe_end_to_end(tmp_path, capfd, monkeypatch):
     """`ultrascale fit --config recipes/hf_lora.yaml ...`: LoRA adapters trained over a frozen base loaded shard by
     shard; the adapter folder reloads with peft and the merged folder without it, giving the same logits."""
-    import subprocess
-    import sys
-
     import peft
+
+    from tests._cli import run_main
 
     source, data = _checkpoint_and_instructions(tmp_path)
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "hf_lora.yaml"
-    fit = subprocess.run(
-        [sys.executable, "-m", "ultrascale.cli", "fit", "--config", str(recipe), "--model.pretrained_path", str(source),
-         "--data.data_path", str(data), "--data.init_args.prompt_template", "{prompt}", "--data.init_args.seq_len", "32",
-         "--trainer.max_steps", "6", "--trainer.val_check_interval", "6", "--trainer.callbacks.init_args.every_n_train_steps", "6"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240,
-    )
-    assert fit.returncode == 0, (fit.stdout + fit.stderr)[-3000:]
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(
+        capfd, "fit", "--config", str(recipe), "--model.pretrained_path", str(source), "--data.data_path", str(data),
+        "--data.init_args.prompt_template", "{prompt}", "--data.init_args.seq_len", "32", "--trainer.max_steps", "6",
+        "--trainer.val_check_interval", "6", "--trainer.callbacks.init_args.every_n_train_steps", "6", *FORKED_ZERO3)
+    assert code == 0, (out + err)[-3000:]
     adapter, merged = tmp_path / "runs" / "hf_lora" / "adapter", tmp_path / "runs" / "hf_lora" / "merged"
     probe = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     base = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True)
