@@ -13,15 +13,23 @@ def run_main(capsys: Any, *args: str) -> tuple[int, str, str]:
     from ultrascale.cli import main
 
     capsys.readouterr()
-    # Lightning's log handlers keep the stream they were made with (another test's captured stderr, closed since).
-    for logger in list(logging.Logger.manager.loggerDict.values()):
+    # Lightning's log handlers keep the stream they were made with: another test's captured stderr, closed since or
+    # still open (a suspended capture the fixture does not read). For the call they write to this test's stderr, which
+    # forked ranks inherit (`capfd` reads what they write).
+    rebound = []
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
         for handler in getattr(logger, "handlers", []):
-            if isinstance(handler, logging.StreamHandler) and getattr(handler.stream, "closed", False):
+            if type(handler) is logging.StreamHandler and handler.stream is not sys.stderr:
+                rebound.append((handler, handler.stream))
                 handler.stream = sys.stderr
     try:
         main(list(args))
         code = 0
     except SystemExit as exit_:
         code = exit_.code
+    finally:
+        for handler, stream in rebound:
+            if not getattr(stream, "closed", False):
+                handler.stream = stream
     captured = capsys.readouterr()
     return code, captured.out, captured.err

@@ -152,8 +152,10 @@ def test_moe_recipe_fit_and_resume_at_ep1(capfd, monkeypatch, tmp_path):
     events = list((tmp_path / "runs").rglob("events.out.tfevents.*"))
     assert events and any(b"moe/balance" in e.read_bytes() for e in events)
     last = tmp_path / "runs" / "ultrascale" / "version_0" / "checkpoints" / "last.ckpt"
-    out = ultrascale_here(capfd, monkeypatch, tmp_path, "fit", "--config", str(recipe), *FAST, "--trainer.strategy",
-                          "ultrascale_ep", "--trainer.devices", "1", "--trainer.max_steps", "8", "--ckpt_path", str(last))
+    # One device runs in the calling process: a command of its own, so that its one-rank process group stays out of
+    # this worker, whose later tests fork ranks (tests/test_process_state.py).
+    out = ultrascale("fit", "--config", str(recipe), *FAST, "--trainer.strategy", "ultrascale_ep", "--trainer.devices", "1",
+                     "--trainer.max_steps", "8", "--ckpt_path", str(last), cwd=tmp_path)
     assert "ultrascale mesh: pp=1 x dp_replicate=1 x dp_shard=1 x cp=1 x tp=1 (world 1)" in out  # "auto": ep = devices
     assert "Restored all states from the checkpoint" in out
     assert "`Trainer.fit` stopped: `max_steps=8` reached." in out
