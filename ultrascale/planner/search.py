@@ -12,7 +12,6 @@ from ultrascale.estimate import ModelShape
 from ultrascale.hardware import GIB, Cluster
 from ultrascale.parallel.pipeline import even_layers
 from ultrascale.parallel.rules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, batch_split_problem
-from ultrascale.planner.calibration import layout_family
 from ultrascale.planner.cost import PlanRow, Workload, communication_floor, evaluate, memory_floor, step_time_floor
 from ultrascale.planner.layouts import RECOMPUTE_MODES, Layout, layout_problems, runs_as
 from ultrascale.planner.pipeline import balanced_layers
@@ -28,6 +27,16 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, work: Workload, fixed
                       max_micro_batch: int = 8, left_out: Optional[dict[str, int]] = None) -> Iterable[Layout]:
     """Every factorisation of the GPUs and batch, restricted to the `fixed` values. `left_out`, if given, counts
     why a degree split was not a candidate (the reason -> how many times)."""
+    for fields in _candidate_fields(shape, cluster, work, fixed, max_micro_batch, left_out):
+        yield Layout(*fields)
+
+
+# A candidate's fields in `Layout`'s order (a search makes a `Layout` only for the candidates it reaches).
+_PP, _DP_REPLICATE, _DP_SHARD, _CP, _TP, _EP, _ZERO, _MICRO_BATCH, _ACCUMULATION, _RECOMPUTE = range(10)
+
+
+def _candidate_fields(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[dict[str, Any]],
+                      max_micro_batch: int, left_out: Optional[dict[str, int]] = None) -> Iterable[tuple]:
     fixed = dict(fixed or {})
     left_out = {} if left_out is None else left_out
 
@@ -78,10 +87,7 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, work: Workload, fixed
                 methods = [fixed["cp_method"]] if "cp_method" in fixed else (["ring", "alltoall"] if cp > 1 else ["ring"])
                 for (schedule, v, layers), whole, method in itertools.product(
                         pipelines[pp], unsharded, methods):
-                    yield Layout(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, ep=ep, zero_stage=zero,
-                                 micro_batch=mbs, grad_accumulation=acc, recompute=recompute, virtual_stages=v,
-                                 accumulate_unsharded_grads=whole, cp_method=method, pipeline_schedule=schedule,
-                                 pipeline_layers=layers)
+                    yield (pp, dpr, dps, cp, tp, ep, zero, mbs, acc, recompute, v, schedule, layers, whole, method)
 
 
 SEARCHED_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
@@ -143,47 +149,46 @@ def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[
     tokens/s (and every one after it) cannot enter them; a pipelined one the rulebook accepts is also skipped when
     its schedule's bubble brings it below, and any one whose model state alone (`memory_floor`) exceeds the GPU's
     memory, before the rulebook judges it. Fewer than `top` fitting rows: every candidate is priced, as without it."""
-    layouts = list(candidate_layouts(shape, cluster, work, fixed, max_micro_batch))
-    order = list(range(len(layouts)))
+    candidates = list(_candidate_fields(shape, cluster, work, fixed, max_micro_batch))
+    order = list(range(len(candidates)))
     # The floors depend only on what sets the compute (the compute's sum over stages not on their split or schedule,
-    # the played step on both), and on the calibration's family: memos keyed so.
+    # the played step on both; with a calibration, also the degrees that make the layout's family) and, for the
+    # communication, on everything but the recompute mode: memos keyed so.
     floors: dict[tuple, float] = {}
     played_floors: dict[tuple, float] = {}
     communication: dict[tuple, float] = {}
 
-    def compute_key(layout: Layout) -> tuple:
-        return (layout.pp, layout.cp, layout.tp, layout.micro_batch, layout.grad_accumulation, layout.recompute,
-                layout_family(layout) if cluster.calibration else None)
+    def compute_key(fields: tuple) -> tuple:
+        key = (fields[_PP], fields[_CP], fields[_TP], fields[_MICRO_BATCH], fields[_ACCUMULATION], fields[_RECOMPUTE])
+        return key + (fields[_DP_REPLICATE], fields[_DP_SHARD], fields[_EP]) if cluster.calibration else key
 
-    def communication_of(layout: Layout) -> float:
-        key = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.ep, layout.zero_stage,
-               layout.micro_batch, layout.grad_accumulation, layout.virtual_stages, layout.pipeline_schedule,
-               layout.pipeline_layers, layout.accumulate_unsharded_grads, layout.cp_method)  # all but recompute
+    def communication_of(fields: tuple) -> float:
+        key = fields[:_RECOMPUTE] + fields[_RECOMPUTE + 1:]
         if key not in communication:
-            communication[key] = communication_floor(shape, layout, cluster, work, hf_config)
+            communication[key] = communication_floor(shape, Layout(*fields), cluster, work, hf_config)
         return communication[key]
 
-    def ceiling_with_bubble(layout: Layout) -> float:
-        key = (*compute_key(layout), layout.virtual_stages, layout.pipeline_schedule, layout.pipeline_layers)
+    def ceiling_with_bubble(layout: Layout, fields: tuple) -> float:
+        key = (*compute_key(fields), *fields[_RECOMPUTE + 1:_RECOMPUTE + 4])  # virtual stages, schedule, layers
         if key not in played_floors:
             played_floors[key] = step_time_floor(shape, layout, cluster, work, hf_config, schedule=True)
-        return work.tokens / (played_floors[key] + communication_of(layout)) / cluster.gpus
+        return work.tokens / (played_floors[key] + communication_of(fields)) / cluster.gpus
 
     pruning = top is not None and not include_refused
     ceiling: list[float] = []
     if pruning:
-        for layout in layouts:
-            key = compute_key(layout)
+        for fields in candidates:
+            key = compute_key(fields)
             if key not in floors:
-                floors[key] = step_time_floor(shape, layout, cluster, work, hf_config)
-            ceiling.append(work.tokens / (floors[key] + communication_of(layout)) / cluster.gpus)
+                floors[key] = step_time_floor(shape, Layout(*fields), cluster, work, hf_config)
+            ceiling.append(work.tokens / (floors[key] + communication_of(fields)) / cluster.gpus)
         order.sort(key=lambda i: -ceiling[i])
     best: list[float] = []  # a min-heap of the `top` best fitting tokens/s so far
     priced: list[tuple[PlanRow, int]] = []
     for index in order:
-        layout = layouts[index]
         if pruning and len(best) >= top and ceiling[index] < best[0]:
             break  # the ceilings only fall from here: nothing left can enter the top rows
+        layout = Layout(*candidates[index])
         if pruning and len(best) >= top and memory_floor(shape, layout, work) > cluster.usable_bytes:
             continue  # cannot fit, so cannot rank above the `top` fitting rows found
         problems = None
@@ -191,7 +196,7 @@ def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[
             if layout_problems(layout, shape, cluster, work.seq_len, work.global_batch, hf_config):
                 continue
             problems = [] if runs_as(layout) == layout else None  # what `evaluate` would judge again
-        if pruning and len(best) >= top and layout.pp > 1 and ceiling_with_bubble(layout) < best[0]:
+        if pruning and len(best) >= top and layout.pp > 1 and ceiling_with_bubble(layout, candidates[index]) < best[0]:
             continue  # the bubble too: the schedule `evaluate` would play
         row = evaluate(shape, layout, cluster, work, hf_config, problems=problems)
         priced.append((row, index))
