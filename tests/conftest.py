@@ -28,6 +28,21 @@ def _launch_environment_restored():
     torch.set_num_threads(threads)  # Lightning's launchers set it in this process too (one device: no child)
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """A test that leaves a process group in this worker (a one-device fit in the test's process creates a one-rank
+    group and keeps it) breaks every later test whose ranks fork from the worker: they inherit an initialized default
+    group of the wrong world. It is destroyed here, and the test that left it fails, naming it."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        dist.destroy_process_group()
+        pytest.fail(f"this test left a process group (world {world}) in the pytest worker; run a one-device fit in a "
+                    "subprocess or fork its ranks")
+
+
 @pytest.fixture
 def two_thread_region_ran():
     """This process has run a parallel region with two threads, as a user's process has before it forks ranks (and
