@@ -1064,3 +1064,21 @@ def test_a_search_for_the_top_rows_prices_fewer_and_gives_the_same_rows(preset, 
             floor = step_time_floor(shape, row.layout, cluster, work, schedule=schedule)
             assert floor + communication_floor(shape, row.layout, cluster, work) <= row.step_time["total"] * (1 + 1e-12)
         assert memory_floor(shape, row.layout, work) <= row.memory["total"] * (1 + 1e-12)
+
+
+def test_the_searchs_candidate_tuples_are_layouts_field_by_field():
+    """`search` enumerates candidates as tuples in `Layout`'s field order and makes a `Layout(*fields)` only for
+    those it reaches: every field of every candidate gets a value of its own kind (a reordered field would not)."""
+    from ultrascale.parallel.rules import CONTEXT_PARALLEL_METHODS, RECOMPUTE_MODES, SCHEDULES
+
+    shape = model_shape("mixtral_8x7b")
+    cluster, work = planner.Cluster(planner.GPU_SPECS["h100"], 16), planner.Workload(8192, 32)
+    seen = set()
+    for lay in planner.candidate_layouts(shape, cluster, work):
+        assert lay.world == 16 and lay.micro_batch * lay.grad_accumulation * lay.dp == 32
+        assert lay.zero_stage in (1, 2, 3) and lay.recompute in RECOMPUTE_MODES and lay.cp_method in CONTEXT_PARALLEL_METHODS
+        assert shape.n_experts % lay.ep == 0 and isinstance(lay.accumulate_unsharded_grads, bool)
+        assert (lay.pipeline_schedule is None) == (lay.pp == 1) and lay.pipeline_schedule in (None, *SCHEDULES)
+        assert lay.pipeline_layers is None or sum(lay.pipeline_layers) == shape.n_layers
+        seen |= {(lay.pp > 1, lay.cp > 1, lay.ep > 1, lay.recompute, lay.accumulate_unsharded_grads)}
+    assert len(seen) > 20  # pipelines, context and expert splits, every recompute mode, both accumulations
