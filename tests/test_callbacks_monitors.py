@@ -162,7 +162,7 @@ def test_mfu_on_cuda_synchronises_only_at_logged_optimizer_steps(monkeypatch):
     syncs, logged = [], []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
     fake = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), world_size=1, global_step=0,
-                           log_every_n_steps=2, should_stop=False)
+                           log_every_n_steps=2, should_stop=False, max_steps=-1)
     module = SimpleNamespace(log=lambda name, value, **kw: logged.append((fake.global_step, name, value)))
     monitor = MFUMonitor(mfu=False, window_size=1)
     monitor.on_train_epoch_start(fake, module)
@@ -179,6 +179,30 @@ def test_mfu_on_cuda_synchronises_only_at_logged_optimizer_steps(monkeypatch):
     assert [at for at, name, _ in logged if name == "throughput/tokens_per_sec"] == [2, 4]
     assert all(16 * 4 / 0.04 * 0.5 < rate <= 16 * 4 / 0.04 for rate in rates), rates  # 4 batches of 16 tokens, >= 40 ms
     assert monitor.tokens_seen == 8 * 16
+
+
+def test_mfu_on_cuda_measures_the_last_step_of_a_run_shorter_than_its_logging_interval(monkeypatch):
+    """A run of `max_steps` below `log_every_n_steps` (each of `ultrascale tune`'s candidates) never reaches a
+    logged step: its last optimizer step is measured, over every batch of the run."""
+    from types import SimpleNamespace
+
+    syncs, logged = [], []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
+    fake = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), world_size=1, global_step=0,
+                           log_every_n_steps=50, should_stop=False, max_steps=3)
+    module = SimpleNamespace(log=lambda name, value, **kw: logged.append((fake.global_step, name, value)))
+    monitor = MFUMonitor(mfu=False, window_size=1)
+    monitor.on_train_epoch_start(fake, module)
+    batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long)}
+    for step in range(1, 4):
+        monitor.on_train_batch_start(fake, module, batch, 0)
+        time.sleep(0.01)
+        fake.global_step = step
+        monitor.on_train_batch_end(fake, module, None, batch, 0)
+    assert len(syncs) == 1
+    assert [at for at, name, _ in logged if name == "throughput/tokens_per_sec"] == [3]
+    rate = next(value for _, name, value in logged if name == "throughput/tokens_per_sec")
+    assert 16 * 3 / 0.03 * 0.5 < rate <= 16 * 3 / 0.03, rate  # 3 batches of 16 tokens, >= 30 ms
 
 
 class _BatchEnds(L.Callback):

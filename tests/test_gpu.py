@@ -268,7 +268,13 @@ def _tiny_fit(tmp_path: Path, callbacks: list, precision: str, steps: int = 3, s
     trainer = L.Trainer(accelerator="cuda", devices=1, strategy=strategy, max_steps=steps, precision=precision,
                         logger=recorder.logger, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=tmp_path, callbacks=[recorder, *callbacks])
-    trainer.fit(LlamaLM(preset="tiny", max_steps=100), ParityData(TokenDataset(64, 32, 512, masked=True), 8))
+    try:
+        trainer.fit(LlamaLM(preset="tiny", max_steps=100), ParityData(TokenDataset(64, 32, 512, masked=True), 8))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()  # the one-device fit's one-rank group: the next fit makes its own
     return recorder.losses
 
 

@@ -212,15 +212,18 @@ class MFUMonitor(Callback):
         """Whether this batch ends a measured interval. CUDA kernels are asynchronous, so a time is only
         what the GPU did after a `synchronize`, which stalls the host and leaves the GPU idle while the
         next kernels are launched: on CUDA the monitor synchronises at the end of the optimizer steps
-        Lightning writes to its loggers (every `log_every_n_steps`, and the last), and each interval's time
-        covers all its batches. Elsewhere every batch is measured."""
+        Lightning writes to its loggers (every `log_every_n_steps`, or when it stops early) and at the run's last
+        (`max_steps`: Lightning does not log it, and a run shorter than `log_every_n_steps`, such as each of
+        `ultrascale tune`'s, would otherwise report nothing), and each interval's time covers all its batches.
+        Elsewhere every batch is measured."""
         stepped = trainer.global_step != self._last_global_step
         self._last_global_step = trainer.global_step
         if trainer.strategy.root_device.type != "cuda":
             return True
         # Lightning's own test (its logger connector's `should_update_logs`), from public Trainer fields: at this
         # hook, global_step already counts the step just taken.
-        return stepped and (trainer.global_step % max(1, trainer.log_every_n_steps) == 0 or trainer.should_stop)
+        last = trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step
+        return stepped and (trainer.global_step % max(1, trainer.log_every_n_steps) == 0 or trainer.should_stop or last)
 
     def _tokens(self, batch: Any) -> torch.Tensor:
         ids = batch.get(self.input_key) if isinstance(batch, dict) else batch
