@@ -361,6 +361,24 @@ def test_search_ranks_fitting_layouts_by_throughput():
     assert not unsharded.fits
 
 
+def test_over_one_zero_rank_the_search_offers_stage_1_not_its_twin_stage_2():
+    """ZeRO shards over dp_shard x cp: over one such rank stage 2 is stage 1 (same bytes, same collectives), so the
+    search offers it once, and `tune --top K` runs K different layouts (an H200 run measured both twins)."""
+    shape = model_shape("llama3_8b")
+    work = planner.Workload(4096, 16)
+    one = planner.Cluster(planner.GPU_SPECS["h200"], 1)
+    twins = [planner.evaluate(shape, planner.Layout(zero_stage=z, grad_accumulation=16), one, work) for z in (1, 2)]
+    assert twins[0].memory == twins[1].memory and twins[0].step_time == twins[1].step_time
+    stages = {row.layout.zero_stage for row in planner.search(shape, one, work)}
+    assert stages == {1, 3}
+    assert {row.layout.zero_stage for row in planner.search(shape, one, work, {"zero_stage": 2})} == {2}  # asked for
+    eight = planner.Cluster(planner.GPU_SPECS["h100"], 8)
+    rows = planner.search(shape, eight, planner.Workload(4096, 64), {"tp": 8, "pp": 1, "cp": 1})
+    assert {row.layout.zero_stage for row in rows} == {1, 3}  # dp_replicate ranks hold copies: one ZeRO rank
+    rows = planner.search(shape, eight, planner.Workload(4096, 64), {"tp": 4, "pp": 1, "cp": 2})
+    assert {row.layout.zero_stage for row in rows} == {1, 2, 3}  # the cp ranks share the shards
+
+
 # --------------------------------------------------------------------------- activations vs measurement
 
 

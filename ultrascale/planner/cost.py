@@ -214,7 +214,7 @@ def stage_model_state(shape: ModelShape, layout: Layout, work: Workload, layers:
 def _model_state(shape: ModelShape, layout: Layout, work: Workload, layers: int, first: bool, last: bool) -> dict[str, float]:
     family = "fsdp" if layout.zero_stage == 3 else "zero12"
     w_bytes, g_bytes, o_bytes = STATE_BYTES[(work.precision, family)]
-    n = layout.dp_shard * layout.cp
+    n = layout.zero_ranks
     dense, experts = _stage_params(shape, layout, layers, first, last)
     # ZeRO-0 runs as unsharded HSDP (`runs_as`); with cp it is refused but still priced: everything replicated.
     div = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[layout.zero_stage]
@@ -358,7 +358,7 @@ def _peak_memory(shape: ModelShape, lay: Layout, work: Workload, acts: Activatio
     """Bytes per GPU of one pipeline rank at its peak, by category (they sum to `total`). `held_layers`: the
     most layer-micro-batches of activations the rank's schedule holds at once (`PipelinePlay.peak_layers`)."""
     c, m = work.compute_bytes, lay.grad_accumulation
-    n_shard = lay.dp_shard * lay.cp
+    n_shard = lay.zero_ranks
     moe_fraction = shape.moe_layers / shape.n_layers
     dense, experts = _stage_params(shape, lay, layers, first, last)
     states = stage_model_state(shape, lay, work, layers, first, last)
@@ -462,7 +462,7 @@ def _communication(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workl
     c, m = work.compute_bytes, lay.grad_accumulation
     rate = cluster.gpu.peak_tflops * 1e12 * cluster.efficiency
     layers, first, last = rank_parts(shape, pipe)[0]  # the first rank: embedding, the most layers of the even split
-    n_shard = lay.dp_shard * lay.cp
+    n_shard = lay.zero_ranks
     n_expert_shard = max(n_shard // lay.ep, 1)
     w_bytes, g_bytes, _ = STATE_BYTES[(work.precision, "fsdp" if lay.zero_stage == 3 else "zero12")]
     cp_stride = lay.tp  # mesh order pp, dp_replicate, dp_shard, cp, tp: tp innermost

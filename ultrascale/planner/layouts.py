@@ -70,6 +70,10 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def zero_ranks(self) -> int:
+        return zero_ranks(self.dp_shard, self.cp)
+
+    @property
     def schedule(self) -> Optional[str]:
         if self.pp == 1:
             return None
@@ -96,6 +100,12 @@ LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero_stage",
 PIPELINE_SPLITS = ("even", "balanced")
 """`pipeline_layers` by name: the strategy's default split, or the embedding and the loss counted as a layer each
 (`ultrascale.planner.pipeline.balanced_layers`)."""
+
+
+def zero_ranks(dp_shard: int, cp: int) -> int:
+    """The ranks ZeRO shards the model state over: FSDP's mesh is dp_shard x cp (the cp ranks hold the same
+    weights and share their shards); dp_replicate ranks hold copies. Over one rank the stages below 3 coincide."""
+    return dp_shard * cp
 
 
 def format_layers(layers: tuple[int, ...]) -> str:

@@ -13,7 +13,7 @@ from ultrascale.hardware import GIB, Cluster
 from ultrascale.parallel.pipeline import even_layers
 from ultrascale.parallel.rules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, batch_split_problem
 from ultrascale.planner.cost import PlanRow, Workload, communication_floor, evaluate, memory_floor, step_time_floor
-from ultrascale.planner.layouts import RECOMPUTE_MODES, Layout, layout_problems, runs_as
+from ultrascale.planner.layouts import RECOMPUTE_MODES, Layout, layout_problems, runs_as, zero_ranks
 from ultrascale.planner.pipeline import balanced_layers
 
 __all__ = ["candidate_layouts", "search", "why_not"]
@@ -73,7 +73,9 @@ def _candidate_fields(shape: ModelShape, cluster: Cluster, work: Workload, fixed
                 continue
             local = work.global_batch // dp
             mbs_options = [fixed["micro_batch"]] if "micro_batch" in fixed else [d for d in _divisors(local) if d <= max_micro_batch]
-            for mbs, zero, recompute, ep in itertools.product(mbs_options, zeros, recomputes, eps):
+            # Over one ZeRO rank, stage 2 shards nothing more than stage 1: one layout, priced and run alike.
+            stages = [z for z in zeros if not (z == 2 and 1 in zeros and zero_ranks(dps, cp) == 1)]
+            for mbs, zero, recompute, ep in itertools.product(mbs_options, stages, recomputes, eps):
                 if local % mbs:
                     leave_out(f"micro_batch={mbs} must divide the sequences each data-parallel rank holds")
                     continue
