@@ -294,6 +294,47 @@ def test_bf16_mixed_on_cuda_close_to_fp32(tmp_path):
     assert_close(torch.tensor(bf16), torch.tensor(fp32), rtol=0, atol=2e-2)
 
 
+def _float8_tensor_parallel(rank: int, world: int) -> dict:
+    """A Llama whose block linears FP8 converted, at tp2 with sequence parallel over NCCL (torchao's float8 styles:
+    the input all-gathers run in fp8), against the same model in this process alone."""
+    import copy
+
+    import torchao.float8 as float8
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ultrascale.models.llama import Llama, LlamaConfig
+    from ultrascale.models.tp_plans import llama_tp_plan
+    from ultrascale.parallel.tensor import apply_tp, float8_entries
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=256, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=512,
+                              max_seq_len=64)).cuda()
+    float8.convert_to_float8_training(model, config=float8.Float8LinearConfig.from_recipe_name("tensorwise"),
+                                      module_filter_fn=lambda m, fqn: fqn.startswith("layers."))
+    alone = copy.deepcopy(model)
+    mesh = init_device_mesh("cuda", (world,))
+    plan = llama_tp_plan(sequence_parallel=True, loss_parallel=False)
+    styles = {type(style).__name__ for style in float8_entries(model, plan, torch.device("cuda")).values()}
+    apply_tp(model, mesh, plan)
+    tokens = torch.randint(0, 256, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    results = {}
+    for name, net in (("tp", model), ("alone", alone)):
+        loss = F.cross_entropy(net(tokens).float().flatten(0, 1), tokens.roll(-1, 1).flatten())
+        loss.backward()
+        grad = net.layers[0].attention.wq.weight.grad
+        results[name] = (loss.item(), (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).cpu())
+    return {"styles": styles, **results}
+
+
+@needs_two_gpus
+def test_float8_tensor_parallel_styles_over_nccl():
+    result = run_nccl("_float8_tensor_parallel")[0]
+    assert {"Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput"} <= result["styles"]
+    (tp_loss, tp_grad), (loss, grad) = result["tp"], result["alone"]
+    assert abs(tp_loss - loss) < 1e-4 * abs(loss)
+    assert (tp_grad - grad).norm() < 1e-3 * grad.norm()
+
+
 def _async_checkpoint_cuda(rank: int, world: int) -> dict:
     import torch.distributed as dist
 

@@ -38,11 +38,11 @@ def _hf_sequence_parallel() -> None:
     raise_first(model_problems(dims, LayoutKnobs(tp=2, dp_shard=1, sequence_parallel=True), facts))
 
 
-def _float8_with_tensor_parallel() -> None:
+def _float8_rowwise_with_tensor_parallel() -> None:
     from ultrascale.callbacks import Float8Training
 
     trainer = SimpleNamespace(strategy=SimpleNamespace(parallel_dims=ParallelDims.resolve(2, dp_shard=1, tp=2)))
-    Float8Training().setup(trainer, None, "fit")
+    Float8Training(recipe="rowwise").setup(trainer, None, "fit")
 
 
 def _cp_module(**attributes: Any) -> torch.nn.Module:
@@ -125,7 +125,7 @@ PROBES: dict[str, Callable[[Path], None]] = {
     "expert_parallel_with_tensor_parallel": lambda _: ultrascale.UltraScaleStrategy(expert_parallel=2, tensor_parallel=2),
     "expert_parallel_with_zero12": lambda _: ultrascale.UltraScaleStrategy(expert_parallel=2, zero_stage=1),
     "hf_sequence_parallel": lambda _: _hf_sequence_parallel(),
-    "float8_with_tensor_parallel": lambda _: _float8_with_tensor_parallel(),
+    "float8_rowwise_with_tensor_parallel": lambda _: _float8_rowwise_with_tensor_parallel(),
     "ring_with_ulysses": lambda _: ultrascale.UltraScaleStrategy.from_accelerate(
         {"dp_shard_size": 1, "cp_size": 2, "sp_size": 2}),
     "async_tensor_parallel": lambda _: ultrascale.UltraScaleStrategy.from_accelerate(

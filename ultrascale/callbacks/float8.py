@@ -77,6 +77,9 @@ class Float8Training(ModelTransformCallback):
     """
 
     _marker = "_ultrascale_float8"
+    before_tensor_parallel = True
+    """Converted before TP when TP is on (`parallel.transforms`): the plan then shards the `Float8Linear`s with
+    torchao's float8 styles."""
 
     def __init__(
         self,
@@ -118,11 +121,11 @@ class Float8Training(ModelTransformCallback):
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         dims = parallel_dims_of(trainer.strategy)
-        if dims is not None and dims.tp > 1:
-            raise not_built("float8_with_tensor_parallel",
-                            f"Float8Training with `tensor_parallel={dims.tp}` needs torchao's float8 TP styles "
-                            "(Float8ColwiseParallel / Float8RowwiseParallel) in the TP plan, which ultrascale does not "
-                            "build yet; use tensor_parallel=1 or remove Float8Training")
+        if dims is not None and dims.tp > 1 and self.recipe != "tensorwise":
+            raise not_built("float8_rowwise_with_tensor_parallel",
+                            f"Float8Training(recipe={self.recipe!r}) with `tensor_parallel={dims.tp}`: torchao's float8 "
+                            "TP styles (Float8ColwiseParallel / Float8RowwiseParallel) scale tensorwise only; use "
+                            "recipe='tensorwise' or tensor_parallel=1")
         device = trainer.strategy.root_device
         refusal, caution = float8_matmul_support(device, self.recipe)
         if refusal is not None:

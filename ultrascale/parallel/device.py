@@ -30,6 +30,12 @@ def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device
     return torch.device("cpu")
 
 
+def collectives_carry_float8(device: torch.device) -> bool:
+    """Whether a DTensor redistribution may move float8 tensors: NCCL sends their bytes; gloo refuses the dtype
+    ("Invalid scalar type"), so on CPU fp8 values are all-gathered after the cast, in the training precision."""
+    return device.type == "cuda"
+
+
 def pins_host_memory(device: torch.device) -> bool:
     """Whether data loaders feeding `device` pin their batches: page-locked host memory copies to a GPU
     asynchronously (Lightning moves batches with non_blocking=True); pinning for the CPU only costs."""

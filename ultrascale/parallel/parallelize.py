@@ -35,8 +35,8 @@ def parallelize(
 ) -> list[PipelineStageModule]:
     """Apply the parallelisms of `mesh.dims` to `module` in place.
 
-    Order (see docs/architecture.md, "The order of application"): pipeline split, then TP/SP, EP, CP, activation
-    checkpointing and FP8, and ZeRO/FSDP last: FSDP shards whatever parameters the
+    Order (see docs/architecture.md, "The order of application"): pipeline split, then TP/SP (FP8 just before it
+    when both are on), EP, CP, activation checkpointing and FP8, and ZeRO/FSDP last: FSDP shards whatever parameters the
     earlier steps left, so TP's DTensors on the tp axis become 2-D (dp, tp) DTensors.
     With `shard_parameters=False` (ZeRO-1/2) parameters stay whole; the optimizer state is
     sharded by `ultrascale.parallel.zero.ZeroEngine` once the optimizer exists.
@@ -58,9 +58,15 @@ def parallelize(
         split_model(parts, layout, mesh["pp"].get_local_rank())
         held = {id(m) for m in module.modules()}  # blocks another pipeline rank holds are gaps now
         blocks = [b for b in blocks if id(b) in held]
+    early: list[ModelTransform] = []
     if dims.tp_enabled:
         if tp_plan is None:
             raise ValueError(f"tp={dims.tp} needs a tensor-parallel plan for {type(module).__name__}")
+        # FP8 converts the linears in place (same paths) before TP, whose plan then takes torchao's float8 styles
+        # for them (`tensor.float8_entries`): the fp8 casts sit inside the sharded layers, as in torchtitan.
+        early = [t for t in transforms if getattr(t, "before_tensor_parallel", False)]
+        for transform in early:
+            transform.transform_model(module, blocks)
         apply_tp(module, mesh["tp"], plan_for_present(module, tp_plan) if dims.pp_enabled else tp_plan)
     expert_units: Sequence[nn.Module] = ()
     if dims.ep_enabled:
@@ -75,8 +81,9 @@ def parallelize(
             raise ValueError(f"cp={dims.cp} needs a ContextParallel and the model's attention hook for {type(module).__name__}")
         enable_context_parallel(context_parallel)
         set_sequence_group(module, mesh["cp"].get_group())  # MoE balance terms count whole rows
-    for transform in transforms:  # activation checkpointing, FP8: after TP, before sharding
-        transform.transform_model(module, blocks)
+    for transform in transforms:  # activation checkpointing, FP8 without TP: after TP, before sharding
+        if transform not in early:
+            transform.transform_model(module, blocks)
     stages: list[PipelineStageModule] = []
     if dims.pp_enabled:
         pp_rank = mesh["pp"].get_local_rank()

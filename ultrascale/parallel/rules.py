@@ -86,7 +86,8 @@ NOT_BUILT: dict[str, NotBuilt] = {
     "expert_parallel_with_tensor_parallel": NotBuilt("expert parallel and tensor parallel together (each works alone)"),
     "expert_parallel_with_zero12": NotBuilt("ZeRO-1/2 with expert parallel (use ZeRO-3)"),
     "hf_sequence_parallel": NotBuilt("sequence parallel on Hugging Face models (TP alone runs)"),
-    "float8_with_tensor_parallel": NotBuilt("FP8 with tensor parallel (the float8 TP styles)"),
+    "float8_rowwise_with_tensor_parallel": NotBuilt("FP8's rowwise recipe with tensor parallel (torchao's float8 TP "
+                                                    "styles scale tensorwise)"),
     "ring_with_ulysses": NotBuilt("ring and Ulysses together (accelerate's `cp_size` with `sp_size`)"),
     "async_tensor_parallel": NotBuilt("async TP (accelerate's `enable_async_tp`)"),
     "accelerate_ulysses_kernel": NotBuilt("Ulysses from accelerate with an attention kernel other than SDPA "

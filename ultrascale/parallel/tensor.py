@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from ultrascale.parallel.device import collectives_carry_float8
 from ultrascale.parallel.tensor_styles import (
     PARAMETER_STYLE_NAMES,
     STYLE_NAME_ATTRIBUTE,
@@ -103,7 +104,8 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
     Every key must match at least one submodule or parameter: a plan written for another model must
     fail here, not silently leave layers replicated.
     """
-    plan = lora_entries(module, split_parameter_entries(module, plan))
+    plan = float8_entries(module, lora_entries(module, split_parameter_entries(module, plan)),
+                          torch.device(tp_mesh.device_type))
     tied = _tied_parameters(module)
     _replace_lora_dropouts(module, plan, tp_mesh)
     parallelize_module(module, tp_mesh, dict(plan))
@@ -163,6 +165,63 @@ def lora_entries(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[s
                 f"{where}: style {getattr(style, STYLE_NAME_ATTRIBUTE, None) or type(style).__name__} on a LoRA layer is not "
                 "supported (column- and row-parallel are)"
             )
+    return result
+
+
+def _is_float8_linear(module: nn.Module) -> bool:
+    """torchao's `Float8Linear` (FP8 training), recognised by its type so that `parallel/` imports torchao only
+    for a model that has one."""
+    return type(module).__name__ == "Float8Linear" and type(module).__module__.startswith("torchao.float8")
+
+
+def float8_entries(module: nn.Module, plan: Mapping[str, ParallelStyle], device: torch.device) -> dict[str, ParallelStyle]:
+    """`plan` for a model whose linears FP8 converted first (torchtitan's order): an entry that lands on
+    `Float8Linear` layers gets torchao's float8 style with the same layouts (`ColwiseParallel` ->
+    `Float8ColwiseParallel`, `RowwiseParallel` -> `Float8RowwiseParallel`), and a `PrepareModuleInput` on a module
+    whose every linear is fp8 becomes `PrepareFloat8ModuleInput`, so a sequence-parallel input is cast once and
+    all-gathered in fp8 (where the collectives carry float8: `device.collectives_carry_float8`; on gloo the input is
+    gathered first and cast by each linear, the same fp8 values). Each cast's scale is the amax over the whole
+    DTensor (one all-reduce of a scalar), so the fp8 numerics are one process's; torchao's styles scale tensorwise
+    only. An entry matching fp8 and high-precision layers (FP8 keeps the first and last blocks) is split into one
+    entry per layer."""
+    from fnmatch import fnmatch
+
+    names = dict(module.named_modules())
+    if not collectives_carry_float8(device) or not any(_is_float8_linear(m) for m in names.values()):
+        return dict(plan)
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    def in_float8(style: ParallelStyle, target: nn.Module) -> ParallelStyle:
+        if type(style) is ColwiseParallel and _is_float8_linear(target):
+            return Float8ColwiseParallel(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                                         use_local_output=style.use_local_output)
+        if type(style) is RowwiseParallel and _is_float8_linear(target):
+            return Float8RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                                         use_local_output=style.use_local_output)
+        linears = [m for m in target.children() if isinstance(m, nn.Linear)]
+        if type(style) is PrepareModuleInput and linears and all(map(_is_float8_linear, linears)):
+            return PrepareFloat8ModuleInput(
+                input_layouts=style.input_layouts, desired_input_layouts=style.desired_input_layouts,
+                input_kwarg_layouts=style.input_kwarg_layouts if style.with_kwargs else None,
+                desired_input_kwarg_layouts=style.desired_input_kwarg_layouts if style.with_kwargs else None,
+                use_local_output=style.use_local_output)
+        return style
+
+    result: dict[str, ParallelStyle] = {}
+    for path, style in plan.items():
+        matched = {name: m for name, m in names.items() if fnmatch(name, path)}
+        styles = {name: in_float8(style, m) for name, m in matched.items()}
+        if all(s is style for s in styles.values()):
+            result[path] = style
+        elif len({type(s) for s in styles.values()}) == 1:
+            result[path] = next(iter(styles.values()))
+        else:
+            result.update(styles)
     return result
 
 

@@ -3,7 +3,9 @@
 Activation checkpointing and FP8 conversion rewrite modules; FSDP must see the rewritten
 modules (it shards the parameters they end up with), and TP plans must see the original
 module paths. A Lightning callback that implements `ModelTransform` is called by the
-ultrascale strategies at exactly that point.
+ultrascale strategies at exactly that point. A transform with `before_tensor_parallel = True`
+(FP8, which swaps each linear for a `Float8Linear` at the same path) runs before TP instead
+when TP is on, so that TP shards the converted layers with torchao's float8 styles.
 """
 
 from __future__ import annotations
