@@ -223,11 +223,11 @@ def _fp8_reference(fp8: bool = True) -> dict:
     return {"losses": losses, "grads": first_grads}
 
 
-def _fp8_tp_fit(rank, world_size, sequence_parallel):
-
+def _fp8_tp_fit(rank, world_size, sequence_parallel, compile_backend=None):
     recorder = Recorder()
+    compiled = {"compile": True, "compile_backend": compile_backend} if compile_backend else {}
     strategy = ultrascale.UltraScaleStrategy(tensor_parallel=2, data_parallel_shard=world_size // 2,
-                                             sequence_parallel=sequence_parallel)
+                                             sequence_parallel=sequence_parallel, **compiled)
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=TP_STEPS, precision="32-true",
                         accumulate_grad_batches=TP_ACCUMULATE, logger=recorder.logger, log_every_n_steps=1,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -236,12 +236,12 @@ def _fp8_tp_fit(rank, world_size, sequence_parallel):
     trainer.fit(model, ParityData(_tp_data(), TP_BATCH * world_size // 2))
     from torchao.float8.float8_linear import Float8Linear
 
-    hooks = {name: sorted(type(h.__self__).__name__ if hasattr(h, "__self__") else getattr(h, "__qualname__", "")
-                          for h in m._forward_pre_hooks.values())
-             for name, m in model.named_modules() if name.endswith((".layers.1.attention", ".layers.1.attention.wq"))}
+    from ultrascale.parallel.compile import COMPILED_ATTRIBUTE
+
     wq = model.model.layers[1].attention.wq
     return {**recorder.result(), "fp8": isinstance(wq, Float8Linear), "wq_local_shape": tuple(wq.weight.to_local().shape),
-            "first_fp8": isinstance(model.model.layers[0].attention.wq, Float8Linear), "hooks": hooks}
+            "first_fp8": isinstance(model.model.layers[0].attention.wq, Float8Linear),
+            "compiled": sum(1 for m in model.modules() if getattr(m, COMPILED_ATTRIBUTE, False))}
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "nosp"])

@@ -229,6 +229,18 @@ def test_compiled_float8_tracks_eager_float8():
     torch.testing.assert_close(torch.tensor(step_losses(compiled)), torch.tensor(step_losses(eager)), rtol=0.02, atol=0)
 
 
+def test_compiled_float8_under_tensor_parallel_tracks_eager():
+    """FP8 at tp2 with sequence parallel (fp8 converted before TP, the plan's styles on the fp8 layers) inside
+    compiled blocks trains as the eager run does, which equals one process's fp8 (tests/test_callbacks_fp8.py)."""
+    from tests.test_callbacks_fp8 import CONFIG, _fp8_tp_fit
+
+    CONFIG_BLOCKS = CONFIG.n_layers
+    eager = step_losses(run_ranks(_fp8_tp_fit, 2, True))
+    compiled = run_ranks(_fp8_tp_fit, 2, True, "aot_eager")
+    assert compiled[0]["fp8"] and compiled[0]["compiled"] == CONFIG_BLOCKS
+    torch.testing.assert_close(torch.tensor(step_losses(compiled)), torch.tensor(eager), rtol=1e-5, atol=0)
+
+
 class EncoderLayersLM(torch.nn.Module):
     """A user's model whose blocks are torch.nn's own `TransformerEncoderLayer`s (a class in torch.nn's files)."""
 
