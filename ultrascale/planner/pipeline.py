@@ -118,35 +118,48 @@ def makespan(orders: dict[int, Sequence[tuple[int, str, int, float]]], num_stage
     each rank on its own device, an action starting when its rank is free and its input exists: F(s, i) needs
     F(s-1, i); B or I (s, i) needs B or I (s+1, i). The rest (B after F, W after I) happens on the same rank,
     earlier in its order. `record`, if given, gets each rank's (stage, kind, micro-batch, start, end)."""
+    # Event-driven: a rank runs its actions until one needs an input not yet made, then waits on that input and is
+    # resumed when it is made; each action is visited once (a rescan of every rank per pass was O(ranks x passes)).
+    # Times do not depend on the order ranks are visited in: start = max(the rank free, the input made).
     ends: dict[tuple[str, int, int], float] = {}
     free = dict.fromkeys(orders, 0.0)
     next_action = dict.fromkeys(orders, 0)
-    remaining = sum(len(actions) for actions in orders.values())
-    while remaining:
-        progressed = False
-        for r, actions in orders.items():
-            i = next_action[r]
-            while i < len(actions):
-                stage, kind, mb, duration = actions[i]
-                if kind == "F":
-                    needs = ("F", stage - 1, mb) if stage > 0 else None
-                elif kind in "BI":
-                    needs = ("B", stage + 1, mb) if stage < num_stages - 1 else None
-                else:
-                    needs = None
-                if needs is not None and needs not in ends:
+    waiting: dict[tuple[str, int, int], list[int]] = {}
+    runnable = list(orders)
+    last_stage = num_stages - 1
+    done = 0
+    while runnable:
+        r = runnable.pop()
+        actions, i, t = orders[r], next_action[r], free[r]
+        while i < len(actions):
+            stage, kind, mb, duration = actions[i]
+            if kind == "F":
+                needs = ("F", stage - 1, mb) if stage > 0 else None
+            elif kind == "B" or kind == "I":
+                needs = ("B", stage + 1, mb) if stage < last_stage else None
+            else:
+                needs = None
+            start = t
+            if needs is not None:
+                made = ends.get(needs)
+                if made is None:
+                    waiting.setdefault(needs, []).append(r)
                     break
-                start = max(free[r], ends.get(needs, 0.0))
-                free[r] = start + duration
-                ends[("B" if kind in "BI" else kind, stage, mb)] = free[r]
-                if record is not None:
-                    record.setdefault(r, []).append((stage, kind, mb, start, free[r]))
-                i += 1
-                progressed = True
-            remaining -= i - next_action[r]
-            next_action[r] = i
-        if not progressed:
-            raise RuntimeError("the actions' dependencies form a cycle: not a valid pipeline order")
+                if made > start:
+                    start = made
+            t = start + duration
+            made_key = ("B" if kind == "B" or kind == "I" else kind, stage, mb)
+            ends[made_key] = t
+            if record is not None:
+                record.setdefault(r, []).append((stage, kind, mb, start, t))
+            woken = waiting.pop(made_key, None)
+            if woken:
+                runnable.extend(woken)
+            i += 1
+        done += i - next_action[r]
+        next_action[r], free[r] = i, t
+    if done != sum(len(actions) for actions in orders.values()):
+        raise RuntimeError("the actions' dependencies form a cycle: not a valid pipeline order")
     return max(free.values())
 
 
