@@ -148,7 +148,7 @@ def test_fp8_with_zero3_world2_all_gathers_in_fp8():
     plain = run_ranks(_fit_zero3, 2, False)
     assert len(fp8[0]["fp8_weights"]) == 14  # blocks 1 and 2: 7 linears each, sharded DTensors of fp8-cast weights
     assert all(".layers.1." in n or ".layers.2." in n for n in fp8[0]["fp8_weights"])
-    assert fp8[0]["precompute"] == 4 and plain[0]["precompute"] == 0  # once per optimizer step
+    assert fp8[0]["precompute"] == 5 and plain[0]["precompute"] == 0  # before the first step, then after each
     fp8_losses, plain_losses = torch.tensor(step_losses(fp8)), torch.tensor(step_losses(plain))
     assert len(fp8_losses) == 4 and torch.isfinite(fp8_losses).all()
     torch.testing.assert_close(fp8_losses, plain_losses, rtol=0.02, atol=0)
@@ -177,16 +177,17 @@ def test_float8_refused_without_fp8_tensor_cores(monkeypatch, capability, recipe
 TP_STEPS, TP_BATCH, TP_ACCUMULATE = 6, 4, 2
 
 
-def _tp_data():
+def _tp_data(dp: int = 1):
     from tests._parity import TokenDataset
 
-    return TokenDataset(TP_STEPS * TP_BATCH * TP_ACCUMULATE, 16, CONFIG.vocab_size, seed=3, masked=True)
+    return TokenDataset(TP_STEPS * TP_BATCH * TP_ACCUMULATE * dp, 16, CONFIG.vocab_size, seed=3, masked=True)
 
 
-def _fp8_reference(fp8: bool = True) -> dict:
+def _fp8_reference(fp8: bool = True, dp: int = 1) -> dict:
     """One process, plain torch + torchao: the same model, blocks 1 and 2's linears converted with the tensorwise
-    recipe, each optimizer step `TP_ACCUMULATE` micro-batch forwards (fp8 scales are per forward, so the
-    micro-batches must be the ones the run sees), the loss every step's token mean over its valid labels."""
+    recipe, each optimizer step `TP_ACCUMULATE` x `dp` forwards of `TP_BATCH` rows (an activation's fp8 scale is
+    its forward's amax, so the forwards must be the ones each data-parallel rank runs, in the rows it gets), the
+    loss every step's token mean over its valid labels."""
     import copy
 
     import torchao.float8 as float8
@@ -201,11 +202,11 @@ def _fp8_reference(fp8: bool = True) -> dict:
     optimizer = module.configure_optimizers()
     optimizer, scheduler = (optimizer["optimizer"], optimizer["lr_scheduler"]["scheduler"]) if isinstance(optimizer, dict) \
         else (optimizer, None)
-    rows = DataLoader(_tp_data(), batch_size=TP_BATCH, shuffle=False)
+    rows = DataLoader(_tp_data(dp), batch_size=TP_BATCH, shuffle=False)
     micro = iter(rows)
     losses, first_grads = [], None
     for step in range(TP_STEPS):
-        batches = [next(micro) for _ in range(TP_ACCUMULATE)]
+        batches = [next(micro) for _ in range(TP_ACCUMULATE * dp)]
         valid = sum(int((b["labels"] != -100).sum()) for b in batches)
         total = 0.0
         for batch in batches:
@@ -233,7 +234,7 @@ def _fp8_tp_fit(rank, world_size, sequence_parallel, compile_backend=None):
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[recorder, Float8Training()])
     model = make_model()
-    trainer.fit(model, ParityData(_tp_data(), TP_BATCH * world_size // 2))
+    trainer.fit(model, ParityData(_tp_data(world_size // 2), TP_BATCH * world_size // 2))
     from torchao.float8.float8_linear import Float8Linear
 
     from ultrascale.parallel.compile import COMPILED_ATTRIBUTE
@@ -244,13 +245,13 @@ def _fp8_tp_fit(rank, world_size, sequence_parallel, compile_backend=None):
             "compiled": sum(1 for m in model.modules() if getattr(m, COMPILED_ATTRIBUTE, False))}
 
 
-@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "nosp"])
-def test_fp8_under_tensor_parallel_equals_fp8_in_one_process(sequence_parallel):
+@pytest.mark.parametrize("world, sequence_parallel", [(2, True), (2, False), (4, True)], ids=["tp2-sp", "tp2-nosp", "dp2xtp2-sp"])
+def test_fp8_under_tensor_parallel_equals_fp8_in_one_process(world, sequence_parallel):
     """FP8 at tp2 (torchao's float8 TP styles, fp8 converted before TP) keeps one process's fp8 numerics: each cast's
     tensorwise scale is the amax over the whole DTensor. Masked labels, two micro-batches a step, fp32 (bf16 off)."""
-    reference, plain = _fp8_reference(), _fp8_reference(fp8=False)
-    results = run_ranks(_fp8_tp_fit, 2, sequence_parallel)
-    assert results[0]["fp8"] and not results[0]["first_fp8"] and results[0]["wq_local_shape"] == (16, 32)
+    reference, plain = _fp8_reference(dp=world // 2), _fp8_reference(fp8=False, dp=world // 2)
+    results = run_ranks(_fp8_tp_fit, world, sequence_parallel)
+    assert results[0]["fp8"] and not results[0]["first_fp8"] and results[0]["wq_local_shape"] == (32 // world, 32)
     losses, grads = step_losses(results), results[0]["grads"]
 
     def worst(reference_grads: dict) -> float:
