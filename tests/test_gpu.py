@@ -317,9 +317,11 @@ def _float8_tensor_parallel(rank: int, world: int) -> dict:
     styles = {type(style).__name__ for style in float8_entries(model, plan, torch.device("cuda")).values()}
     apply_tp(model, mesh, plan)
     tokens = torch.randint(0, 256, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    labels = tokens.roll(-1, 1)
+    labels[0, :10], labels[1, :37] = -100, -100  # prompts of uneven length, masked
     results = {}
     for name, net in (("tp", model), ("alone", alone)):
-        loss = F.cross_entropy(net(tokens).float().flatten(0, 1), tokens.roll(-1, 1).flatten())
+        loss = F.cross_entropy(net(tokens).float().flatten(0, 1), labels.flatten(), ignore_index=-100)
         loss.backward()
         grad = net.layers[0].attention.wq.weight.grad
         results[name] = (loss.item(), (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).cpu())

@@ -40,6 +40,12 @@ FLAT_AXES: dict[str, tuple[str, ...]] = {
 }
 
 
+def zero_ranks(dp_shard: int, cp: int) -> int:
+    """The ranks ZeRO shards parameter/optimizer state over: FSDP's mesh is dp_shard x cp (the cp ranks hold the
+    same weights and share their shards); dp_replicate ranks hold copies. Over one rank stages 1 and 2 coincide."""
+    return dp_shard * cp
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Degrees of every parallelism, resolved against a world size.
@@ -102,7 +108,7 @@ class ParallelDims:
                 f"{_product_text(degrees, world_size)}: the degrees must multiply to the world size. "
                 f"Set one of them to -1 to take the rest, or pick factors of {world_size}: {_divisors(world_size)}"
             )
-        dp_shard_cp = degrees["dp_shard"] * degrees["cp"]
+        dp_shard_cp = zero_ranks(degrees["dp_shard"], degrees["cp"])
         if dp_shard_cp % ep != 0:
             raise ValueError(
                 f"`ep={ep}` must divide dp_shard({degrees['dp_shard']}) * cp({degrees['cp']}) = {dp_shard_cp}: "
@@ -118,8 +124,8 @@ class ParallelDims:
 
     @property
     def dp_shard_cp(self) -> int:
-        """Ranks over which ZeRO shards parameter/optimizer state: dp_shard * cp."""
-        return self.dp_shard * self.cp
+        """Ranks over which ZeRO shards parameter/optimizer state (`zero_ranks`)."""
+        return zero_ranks(self.dp_shard, self.cp)
 
     @property
     def dp_cp(self) -> int:

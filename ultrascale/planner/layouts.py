@@ -10,6 +10,7 @@ from typing import Any, Optional
 from ultrascale.estimate import ModelShape
 from ultrascale.hardware import Cluster
 from ultrascale.parallel import rules
+from ultrascale.parallel.dims import zero_ranks
 from ultrascale.parallel.rules import (
     CONTEXT_PARALLEL_METHODS,
     RECOMPUTE_MODES,  # re-exported (`__all__`)
@@ -100,12 +101,6 @@ LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero_stage",
 PIPELINE_SPLITS = ("even", "balanced")
 """`pipeline_layers` by name: the strategy's default split, or the embedding and the loss counted as a layer each
 (`ultrascale.planner.pipeline.balanced_layers`)."""
-
-
-def zero_ranks(dp_shard: int, cp: int) -> int:
-    """The ranks ZeRO shards the model state over: FSDP's mesh is dp_shard x cp (the cp ranks hold the same
-    weights and share their shards); dp_replicate ranks hold copies. Over one rank the stages below 3 coincide."""
-    return dp_shard * cp
 
 
 def format_layers(layers: tuple[int, ...]) -> str:

@@ -221,7 +221,7 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
         checks.append(f"context parallel cp={dims.cp}: {strategy.context_parallel_method} attention on {adapter.name}")
     if dims.ep_enabled:
         checks.append(f"expert parallel ep={dims.ep}: {adapter.num_experts // dims.ep} of {adapter.num_experts} experts "
-                      f"per rank, within dp_shard x cp = {dims.dp_shard * dims.cp}")
+                      f"per rank, within dp_shard x cp = {dims.dp_shard_cp}")
     if pipeline is not None:
         checks.append(f"pipeline {pipeline.describe()}")
     if dims.tp_enabled:

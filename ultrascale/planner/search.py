@@ -10,10 +10,11 @@ from typing import Any, Optional
 
 from ultrascale.estimate import ModelShape
 from ultrascale.hardware import GIB, Cluster
+from ultrascale.parallel.dims import zero_ranks
 from ultrascale.parallel.pipeline import even_layers
 from ultrascale.parallel.rules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, batch_split_problem
 from ultrascale.planner.cost import PlanRow, Workload, communication_floor, evaluate, memory_floor, step_time_floor
-from ultrascale.planner.layouts import RECOMPUTE_MODES, Layout, layout_problems, runs_as, zero_ranks
+from ultrascale.planner.layouts import RECOMPUTE_MODES, Layout, layout_problems, runs_as
 from ultrascale.planner.pipeline import balanced_layers
 
 __all__ = ["candidate_layouts", "search", "why_not"]
