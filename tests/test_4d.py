@@ -199,6 +199,10 @@ def test_from_accelerate_maps_every_field():
     ulysses = ultrascale.UltraScaleStrategy.from_accelerate(ParallelismConfig(dp_shard_size=2, sp_size=2))
     assert ulysses.context_parallel_method == "alltoall"  # DeepSpeed-Ulysses sequence parallel
     assert ulysses.resolve_dims(4).describe().startswith("pp=1 x dp_replicate=1 x dp_shard=2 x cp=2 x tp=1")
+    # cp with sp (accelerate's own ParallelismConfig refuses it; a mapping carries it): USP, sp inside cp.
+    usp = ultrascale.UltraScaleStrategy.from_accelerate({"dp_shard_size": 2, "cp_size": 2, "sp_size": 2})
+    assert (usp.context_parallel_method, usp.context_parallel_ulysses) == ("usp", 2)
+    assert usp.resolve_dims(8).describe().startswith("pp=1 x dp_replicate=1 x dp_shard=2 x cp=4 x tp=1")
     # accelerate's sizes are exact: a layout that does not fill the world is refused, naming the product.
     with pytest.raises(ValueError, match="world size"):
         ultrascale.UltraScaleStrategy.from_accelerate(ParallelismConfig(dp_shard_size=2)).resolve_dims(4)
@@ -208,8 +212,9 @@ def test_from_accelerate_refuses_what_ultrascale_does_not_run():
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig, TorchTensorParallelConfig
 
-    with pytest.raises(NotImplementedError, match="ring x Ulysses"):
-        ultrascale.UltraScaleStrategy.from_accelerate({"dp_shard_size": 2, "cp_size": 2, "sp_size": 2})
+    with pytest.raises(ValueError, match="USP passes K/V around the ring"):
+        ultrascale.UltraScaleStrategy.from_accelerate(
+            {"dp_shard_size": 2, "cp_size": 2, "sp_size": 2, "cp_handler": {"cp_comm_strategy": "allgather"}})
     with pytest.raises(NotImplementedError, match="SDPA"):
         ultrascale.UltraScaleStrategy.from_accelerate(ParallelismConfig(
             dp_shard_size=2, sp_size=2, sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="flash_attention_2")))

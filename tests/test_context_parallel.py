@@ -53,6 +53,13 @@ def _reference_attention(q, k, v, positions):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1), enable_gqa=True)
 
 
+def _ulysses(method):
+    return 2 if method == "usp" else None  # USP at cp 4: 2 ring x 2 Ulysses
+
+
+METHODS_OF_WORLD = {2: ("allgather", "ring", "alltoall"), 4: ("allgather", "ring", "alltoall", "usp")}
+
+
 def _attention_worker(rank, world_size, method, load_balance, packed):
     torch.set_num_threads(1)
     init_gloo(rank, world_size)
@@ -67,7 +74,7 @@ def _attention_worker(rank, world_size, method, load_balance, packed):
     expected = _reference_attention(*full, positions)
     expected.backward(grad_out)
 
-    cp = ContextParallel(mesh, method, load_balance)
+    cp = ContextParallel(mesh, method, load_balance, ulysses=_ulysses(method))
     batch = {"input_ids": torch.zeros(B, seq_len, dtype=torch.long)}
     if positions is not None:
         batch["position_ids"] = positions
@@ -84,8 +91,7 @@ def _attention_worker(rank, world_size, method, load_balance, packed):
 
 @pytest.mark.parametrize("packed", [False, True], ids=["causal", "documents"])
 @pytest.mark.parametrize("load_balance", [True, False], ids=["zigzag", "contiguous"])
-@pytest.mark.parametrize("method", ["allgather", "ring", "alltoall"])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world,method", [(w, m) for w, methods in METHODS_OF_WORLD.items() for m in methods])
 def test_attention_matches_full_causal_sdpa(world, method, load_balance, packed):
     results = run_ranks(_attention_worker, world, method, load_balance, packed)
     for rank, (errors, _) in enumerate(results):
@@ -133,7 +139,7 @@ def _variant_worker(rank, world_size, method, packed, window, softcap, use_sinks
     expected = _variant_reference(*full, positions, window, softcap, full_sinks, scale)
     expected.backward(grad_out)
 
-    cp = ContextParallel(mesh, method, True)
+    cp = ContextParallel(mesh, method, True, ulysses=_ulysses(method))
     batch = {"input_ids": torch.zeros(B, seq_len, dtype=torch.long)}
     if positions is not None:
         batch["position_ids"] = positions
@@ -154,13 +160,15 @@ def _variant_worker(rank, world_size, method, packed, window, softcap, use_sinks
 
 
 VARIANTS = {  # name: (methods, window, softcap, sinks, v head size)
-    "sliding-window": (("allgather", "ring", "alltoall"), 5, None, False, D),
+    "sliding-window": (("allgather", "ring", "alltoall", "usp"), 5, None, False, D),
     "window-wider-than-sequence": (("ring", "alltoall"), 1000, None, False, D),
     "mla-head-sizes": (("allgather", "ring", "alltoall"), None, None, False, D // 2),
     "softcap+window": (("allgather", "ring", "alltoall"), 6, 2.0, False, D),
-    "sinks+window": (("allgather", "ring", "alltoall"), 6, None, True, D),
-    "softcap+sinks+mla": (("ring", "alltoall"), None, 2.0, True, D // 2),
+    "sinks+window": (("allgather", "ring", "alltoall", "usp"), 6, None, True, D),
+    "softcap+sinks+mla": (("ring", "alltoall", "usp"), None, 2.0, True, D // 2),
 }
+"""USP (world 4 only: 2 ring x 2 Ulysses) where its Ulysses half moves what the ring reads: the window's global
+positions, each rank's heads' sinks, V's head size."""
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["causal", "documents"])
@@ -170,7 +178,7 @@ def test_attention_variants_match_the_written_out_attention(world, variant, pack
     """Sliding windows, other query scales, V narrower than Q/K (multi-head latent attention), soft-capping and
     sinks, with and without packed documents, against the attention written out in float64."""
     methods, window, softcap, sinks, v_dim = VARIANTS[variant]
-    for method in methods:
+    for method in (m for m in methods if m in METHODS_OF_WORLD[world]):
         results = run_ranks(_variant_worker, world, method, packed, window, softcap, sinks, v_dim)
         for rank, errors in enumerate(results):
             assert max(errors.values()) < 2e-6, f"{method} rank {rank}: {errors}"
@@ -265,7 +273,8 @@ def test_llama_parity(layout):
 
 def _train_packed(rank, world_size, method):
     recorder = Recorder()
-    strategy = ultrascale.ContextParallelStrategy(context_parallel=world_size, context_parallel_method=method)
+    strategy = ultrascale.ContextParallelStrategy(context_parallel=world_size, context_parallel_method=method,
+                                                  context_parallel_ulysses=_ulysses(method))
     trainer = parity_trainer(world_size, strategy, recorder, STEPS)
     trainer.fit(make_llama(), ParityData(packed_data(), MICRO_BATCH))
     return recorder.result()
@@ -275,14 +284,15 @@ def packed_data() -> TokenDataset:
     return TokenDataset(STEPS * MICRO_BATCH, SEQ, 512, seed=6, masked=True, packed=True)
 
 
-@pytest.mark.parametrize("method", ["allgather", "ring", "alltoall"])
+@pytest.mark.parametrize("method", ["allgather", "ring", "alltoall", "usp"])
 def test_llama_packed_documents_parity(method):
     """Packed documents (position_ids restarting at 0 inside chunks): the document masks are read from
-    the whole sequence before it is cut; the reference runs the whole sequence with its own mask."""
+    the whole sequence before it is cut; the reference runs the whole sequence with its own mask. USP runs cp 4 as
+    2 ring x 2 Ulysses (8 chunks of 4 tokens, each Ulysses group's 4 chunks in sequence order on the ring)."""
     data = packed_data()
     assert (data.positions[:, 1:] == 0).any(dim=1).sum() > len(data) // 2  # most rows hold several documents
     reference = reference_run(make_llama(), data, global_batch=MICRO_BATCH, steps=STEPS)
-    results = run_ranks(_train_packed, 2, method)
+    results = run_ranks(_train_packed, 4 if method == "usp" else 2, method)
     assert_parity(results[0], reference, step_losses(results))
 
 

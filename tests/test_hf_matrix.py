@@ -280,6 +280,20 @@ def test_packed_documents_with_sliding_windows(architecture, layout, checkpoints
     assert_parity(results[0], reference, step_losses(results))
 
 
+USP = {"context_parallel": 4, "context_parallel_method": "usp", "context_parallel_ulysses": 2, "data_parallel_shard": 1}
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3", "Gemma3"])
+def test_usp_with_packed_documents(architecture, checkpoints):
+    """cp 4 as 2 ring x 2 Ulysses (USP) on packed documents: each Ulysses pair trades its 4 query heads (2 KV heads)
+    for its 16 tokens, the two pairs pass K/V around the ring; Gemma 3 adds its sliding layer (window 12 of 32)."""
+    data = packed_data()
+    path = checkpoints(architecture)
+    reference = reference_run(make_hf(path), data, global_batch=MICRO_BATCH, steps=STEPS, accumulate=ACCUMULATE)
+    results = run_ranks(_train_packed, 4, path, USP)
+    assert_parity(results[0], reference, step_losses(results))
+
+
 # --------------------------------------------------------------------------- LoRA on this year's architectures
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "o_proj"]}

@@ -126,8 +126,6 @@ PROBES: dict[str, Callable[[Path], None]] = {
     "expert_parallel_with_zero12": lambda _: ultrascale.UltraScaleStrategy(expert_parallel=2, zero_stage=1),
     "hf_sequence_parallel": lambda _: _hf_sequence_parallel(),
     "float8_rowwise_with_tensor_parallel": lambda _: _float8_rowwise_with_tensor_parallel(),
-    "ring_with_ulysses": lambda _: ultrascale.UltraScaleStrategy.from_accelerate(
-        {"dp_shard_size": 1, "cp_size": 2, "sp_size": 2}),
     "async_tensor_parallel": lambda _: ultrascale.UltraScaleStrategy.from_accelerate(
         {"tp_size": 2, "tp_handler": {"enable_async_tp": True}}),
     "tied_embeddings_v_schedule": lambda _: _tied_model_problems(pipeline_schedule="ZBVZeroBubble"),

@@ -818,6 +818,48 @@ def test_ulysses_is_priced_by_its_all_to_alls_searched_and_emitted(tmp_path, cap
     assert init["context_parallel"] == 8 and init["context_parallel_method"] == "alltoall"
 
 
+def test_usp_is_priced_by_its_two_halves_searched_across_nodes_and_emitted(tmp_path, capsys):
+    """cp_method=usp: Ulysses over groups of cp_ulysses neighbouring cp ranks (inside a node), the ring over the
+    groups (across nodes). Priced as both halves; the search offers it, with the largest group a node holds, where
+    cp x tp spans nodes; the emitted recipe names the Ulysses degree; heads that do not split over cp but do over the
+    group run under USP only."""
+    import yaml
+
+    shape = model_shape("llama3_8b")  # 32 query heads, 8 kv heads, head_dim 128
+    cluster = planner.Cluster(planner.GPU_SPECS["h100"], 32)  # 4 nodes of 8
+    work = planner.Workload(131072, 2)
+    ring = planner.Layout(dp_shard=1, cp=16, tp=2, micro_batch=1, grad_accumulation=2, recompute="full")
+    usp = planner.Layout(**{**ring.__dict__, "cp_method": "usp", "cp_ulysses": 4})  # 4 cp ranks x tp 2 = one node
+    rows = {lay.cp_method: planner.evaluate(shape, lay, cluster, work) for lay in (ring, usp)}
+    assert rows["usp"].problems == [] and rows["ring"].problems == []
+    # By hand: per micro-batch and layer two all-to-alls of (T/cp)·(2·4096/tp + 2·(8/tp)·128) bf16 values forward and
+    # two backward, 3/4 of each sent at the node's bandwidth; at 128k tokens both rings hide behind attention, so
+    # only their latencies show: 3(cp-1) passes for the ring, 3(cp/4-1) for USP's ring over 4 groups.
+    all_to_all = 3 / 4 * (131072 // 16) * (2 * 4096 / 2 + 2 * 4 * 128) * 2 / (cluster.gpu.intra_node_gbps * 1e9)
+    expected = 2 * 32 * (2 * all_to_all + 4 * cluster.latency_s - 3 * (15 - 3) * cluster.latency_s)
+    extra = rows["usp"].step_time["communication"] - rows["ring"].step_time["communication"]
+    assert extra == pytest.approx(expected, rel=1e-3)
+    # The search: USP with the largest group inside a node (4 x tp 2 = 8 GPUs) once cp x tp spans nodes.
+    searched = planner.search(shape, cluster, work, {"cp": 16, "tp": 2, "micro_batch": 1, "recompute": "full"})
+    assert {(row.layout.cp_method, row.layout.cp_ulysses) for row in searched} == {("ring", 1), ("alltoall", 1),
+                                                                                   ("usp", 4)}
+    # 16 query heads per tp rank do not split over cp=32 (all-to-all is refused) but do over a group of 4 (USP runs).
+    wide = planner.Cluster(planner.GPU_SPECS["h100"], 64)
+    refused = planner.evaluate(shape, planner.Layout(**{**ring.__dict__, "cp": 32, "cp_method": "alltoall"}), wide, work)
+    assert any("do not split over cp=32" in problem for problem in refused.problems), refused.problems
+    assert planner.evaluate(shape, planner.Layout(**{**usp.__dict__, "cp": 32}), wide, work).problems == []
+    # A Ulysses degree that does not divide cp is the rulebook's refusal, in the strategy's words.
+    bad = planner.evaluate(shape, planner.Layout(**{**usp.__dict__, "cp_ulysses": 3}), cluster, work)
+    assert any("divides cp=16" in problem for problem in bad.problems), bad.problems
+    recipe = tmp_path / "plan.yaml"
+    code, out = _plan(capsys, "--preset", "llama3_8b", "--gpus", "32", "--seq-len", "131072", "--global-batch", "2",
+                      "--layout", "dp_shard=1,cp=16,tp=2,cp_method=usp,cp_ulysses=4,micro_batch=1,recompute=full",
+                      "--top", "1", "--emit-recipe", str(recipe))
+    assert code == 0 and "cp_method=usp, cp_ulysses=4" in out.out
+    init = yaml.safe_load(recipe.read_text())["trainer"]["strategy"]["init_args"]
+    assert (init["context_parallel"], init["context_parallel_method"], init["context_parallel_ulysses"]) == (16, "usp", 4)
+
+
 def test_zero12_with_tensor_parallel_is_searched_and_priced(tmp_path, capsys):
     """Megatron's layout (TP x DP with the distributed optimizer): the search offers ZeRO-1/2 beside tp > 1 and
     prices each rank's model state as the Playbook's formula over the tp shards: 2Ψ/tp + 2Ψ/tp + 12Ψ/(tp·dp)."""

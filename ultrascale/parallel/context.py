@@ -17,6 +17,10 @@ bring them (`ContextParallel(method=...)`):
   (in one all-to-all) and out once, 2(H + Hkv)·(T/cp)·D·(cp-1)/cp values each way: a volume that does
   not grow with cp (the ring's K/V traffic does), but the heads of a rank (after tensor parallel)
   must split over cp.
+- ``"usp"`` (Unified Sequence Parallel, Fang & Zhao 2024): both, on a cp = ring x ulysses grid. Each group of
+  `ulysses` neighbouring cp ranks (one node's fast links) trades heads for sequence with the all-to-all, then the
+  groups run the ring over their gathered tokens: the heads of a rank need only split over `ulysses`, and the
+  ring's cp-1 exchanges become cp/ulysses - 1 of ulysses-times larger blocks.
 
 The ring and the all-gather compute attention block by block with a kernel that returns the log-sum-exp of every
 query row, and merge blocks exactly (online softmax, Milakov & Gimelshein 2018):
@@ -39,6 +43,7 @@ document each of its tokens, and each token of a K/V block, belongs to.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -54,9 +59,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from ultrascale.parallel.attention_kernels import attention_kernel, repeat_kv, softcap_kernel
 from ultrascale.parallel.device import all_gather_single, grouped_sdpa, reduce_scatter_single
 from ultrascale.parallel.dims import context_chunks, sequence_split_problem
-from ultrascale.parallel.rules import CONTEXT_PARALLEL_METHODS, choice_problems, not_built, raise_first
+from ultrascale.parallel.rules import CONTEXT_PARALLEL_METHODS, choice_problems, not_built, raise_first, ulysses_problems
 
-ContextParallelMethod = Literal["allgather", "ring", "alltoall"]
+ContextParallelMethod = Literal["allgather", "ring", "alltoall", "usp"]
 
 
 # --------------------------------------------------------------------------- layout
@@ -76,6 +81,9 @@ class ContextLayout:
     load_balance: bool
     documents: Optional[torch.Tensor] = None
     """(B, seq_len) document index of every token of the whole sequence (packed sequences), or None."""
+    group: int = 1
+    """Ranks of this layout are groups of `group` neighbouring cp ranks holding all their tokens (USP's ring runs
+    over the Ulysses groups): rank g holds the chunks of cp ranks g·group .. (g+1)·group - 1, ascending."""
 
     def __post_init__(self) -> None:
         problem = sequence_split_problem(self.seq_len, tp=1, cp=self.cp, load_balance=self.load_balance,
@@ -93,7 +101,10 @@ class ContextLayout:
 
     def chunks_of(self, rank: int) -> tuple[int, ...]:
         """Global chunk ids held by `rank`, ascending."""
-        return (rank, 2 * self.cp - 1 - rank) if self.load_balance else (rank,)
+        members = range(rank * self.group, (rank + 1) * self.group)
+        if self.load_balance:
+            return tuple(sorted((*members, *(2 * self.cp - 1 - member for member in members))))
+        return tuple(members)
 
     def token_index(self, rank: int, device: Optional[torch.device] = None) -> torch.Tensor:
         """(seq_len / cp,) global position of each of `rank`'s tokens, in its local order."""
@@ -429,6 +440,51 @@ def _alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: "
     return _sequence_to_heads(out, cp.group, n)
 
 
+class _UlyssesRing:
+    """What `_ContextAttention` reads of a `ContextParallel`, for USP's ring: it runs over the ring mesh (the cp ranks
+    of the same Ulysses rank in every group), and its ranks hold their whole group's tokens (`ContextLayout.group`)."""
+
+    method = "ring"
+
+    def __init__(self, cp: "ContextParallel", layout: ContextLayout) -> None:
+        self.cp, self.layout = cp, layout
+        self.group, self.size, self.rank = cp.ring_group, cp.size // cp.ulysses, cp.rank // cp.ulysses
+
+    def current_layout(self) -> ContextLayout:
+        return self.layout
+
+    @property
+    def attention_work(self) -> int:
+        return self.cp.attention_work
+
+    @attention_work.setter
+    def attention_work(self, pairs: int) -> None:
+        self.cp.attention_work = pairs
+
+
+def _usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: "ContextParallel", scale: Optional[float],
+                   window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Ulysses inside each group of `cp.ulysses` neighbouring cp ranks, the ring across the groups. After the all-to-all
+    a rank holds 1/ulysses of the heads for its group's tokens, put in ascending sequence order so that the ring's
+    block plan (ascending chunk lists) holds; the ring then runs as for cp/ulysses ranks of ulysses-times larger
+    shares, and the output goes back the same way."""
+    layout, u = cp.current_layout(), cp.ulysses
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if kv_heads % u:  # as `_alltoall_attention`: repeat K/V heads to lcm(Hkv, u), which divides H
+        repeat = u // math.gcd(kv_heads, u)
+        k, v = repeat_kv(k, repeat), repeat_kv(v, repeat)
+    q, k, v = _heads_to_sequence((q, k, v), cp.ulysses_group, u)
+    first = (cp.rank // u) * u
+    gathered = torch.cat([layout.token_index(member, q.device) for member in range(first, first + u)])
+    in_order = torch.argsort(gathered)
+    q, k, v = (x.index_select(2, in_order) for x in (q, k, v))
+    if sinks is not None:  # this rank's heads are head group `rank % u` of the rank's (tp-local) heads
+        sinks = sinks.reshape(u, heads // u)[cp.rank % u]
+    ring = _UlyssesRing(cp, dataclasses.replace(layout, group=u))
+    out = _ring_attention(q, k, v, ring, scale, window, softcap, sinks)
+    return _sequence_to_heads(out.index_select(2, torch.argsort(in_order)), cp.ulysses_group, u)
+
+
 def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: Optional[float],
                     softcap: Optional[float], sinks: Optional[torch.Tensor]) -> torch.Tensor:
     """Attention written out, for what SDPA has no argument for:
@@ -460,13 +516,22 @@ class ContextParallel:
     in backward sees the same one.
     """
 
-    def __init__(self, mesh: DeviceMesh, method: ContextParallelMethod = "ring", load_balance: bool = True) -> None:
+    def __init__(self, mesh: DeviceMesh, method: ContextParallelMethod = "ring", load_balance: bool = True,
+                 ulysses: Optional[int] = None) -> None:
         raise_first(choice_problems("method", method, CONTEXT_PARALLEL_METHODS), "ContextParallel")
         if mesh.ndim != 1:
             raise ValueError(f"context parallel needs a 1-D cp mesh, got {mesh.ndim}-D")
+        raise_first(ulysses_problems(mesh.size(), method, ulysses), "ContextParallel")
         self.mesh = mesh
         self.method = method
         self.load_balance = load_balance
+        self.ulysses = ulysses or 1
+        """USP: the Ulysses degree inside each group of neighbouring cp ranks (1 otherwise)."""
+        self.ring_group: Optional[dist.ProcessGroup] = None
+        self.ulysses_group: Optional[dist.ProcessGroup] = None
+        if method == "usp":  # cp rank c = ring rank c // ulysses, Ulysses rank c % ulysses
+            grid = mesh._unflatten(0, (mesh.size() // self.ulysses, self.ulysses), ("cp_ring", "cp_ulysses"))
+            self.ring_group, self.ulysses_group = grid["cp_ring"].get_group(), grid["cp_ulysses"].get_group()
         self.layout: Optional[ContextLayout] = None
         self.attention_work = 0
         """Query-key pairs (per sequence and head) in the blocks this rank's attention computed, summed
@@ -547,6 +612,8 @@ class ContextParallel:
             q, k, v = (F.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
         if self.method == "alltoall":  # functional all-to-alls: traced whole under compile
             out = _alltoall_attention(q, k, v, self, scale, window, softcap, sinks)
+        elif self.method == "usp":
+            out = _usp_attention(q, k, v, self, scale, window, softcap, sinks)
         elif self.method == "ring":
             out = _ring_attention(q, k, v, self, scale, window, softcap, sinks)
         else:  # all-gather: traced whole under compile=True

@@ -34,14 +34,15 @@ __all__ = [
     "LayoutError", "LayoutKnobs", "LayoutNotImplemented", "ModelFacts", "NOT_BUILT", "NotBuilt", "Problem", "SCHEDULES",
     "SINGLE_STAGE_SCHEDULES", "V_SCHEDULES",
     "batch_problems", "choice_problems", "knob_problems", "model_problems", "not_built", "pipeline_problems", "raise_first", "resolve",
-    "tp_divides_problem",
+    "tp_divides_problem", "ulysses_problems",
 ]
 
 # --------------------------------------------------------------------------- what ultrascale supports
 
-CONTEXT_PARALLEL_METHODS: tuple[str, ...] = ("allgather", "ring", "alltoall")
-"""`context_parallel_method` values: one all-gather of K/V per layer, K/V passed around a P2P ring, or all-to-alls
-trading heads for sequence around attention (Ulysses; the heads of a rank must split over cp)."""
+CONTEXT_PARALLEL_METHODS: tuple[str, ...] = ("allgather", "ring", "alltoall", "usp")
+"""`context_parallel_method` values: one all-gather of K/V per layer, K/V passed around a P2P ring, all-to-alls
+trading heads for sequence around attention (Ulysses; the heads of a rank must split over cp), or both (USP:
+Ulysses inside groups of `context_parallel_ulysses` neighbouring cp ranks, the ring across the groups)."""
 
 SCHEDULES: tuple[str, ...] = (
     "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV",
@@ -88,7 +89,6 @@ NOT_BUILT: dict[str, NotBuilt] = {
     "hf_sequence_parallel": NotBuilt("sequence parallel on Hugging Face models (TP alone runs)"),
     "float8_rowwise_with_tensor_parallel": NotBuilt("FP8's rowwise recipe with tensor parallel (torchao's float8 TP "
                                                     "styles scale tensorwise)"),
-    "ring_with_ulysses": NotBuilt("ring and Ulysses together (accelerate's `cp_size` with `sp_size`)"),
     "async_tensor_parallel": NotBuilt("async TP (accelerate's `enable_async_tp`)"),
     "accelerate_ulysses_kernel": NotBuilt("Ulysses from accelerate with an attention kernel other than SDPA "
                                           "(`sp_attn_implementation`)", layout=False),
@@ -199,6 +199,8 @@ class LayoutKnobs:
     ep: int = 1
     zero_stage: int = 3
     context_parallel_method: str = "ring"
+    context_parallel_ulysses: Optional[int] = None
+    """USP's Ulysses degree inside each group of neighbouring cp ranks (method "usp" only)."""
     pipeline_schedule: str = "1F1B"
     pipeline_virtual_stages: Optional[int] = None
     pipeline_microbatches: Optional[int] = None
@@ -273,6 +275,8 @@ def knob_problems(k: LayoutKnobs) -> list[Problem]:
             "every expert's intermediate width over the tp ranks, expert_parallel splits the experts over data ranks)",
             (f"expert_parallel={k.ep}", f"tensor_parallel={k.tp}"), not_built="expert_parallel_with_tensor_parallel"))
     problems += choice_problems("context_parallel_method", k.context_parallel_method, CONTEXT_PARALLEL_METHODS)
+    if k.context_parallel_method == "usp" or k.context_parallel_ulysses is not None:
+        problems += ulysses_problems(None, k.context_parallel_method, k.context_parallel_ulysses)
     if k.zero_stage not in ZERO_STAGES:
         plain = (" (plain replicated data parallel, ZeRO-0, is `data_parallel_replicate=N, data_parallel_shard=1`: HSDP "
                  "without sharding)") if k.zero_stage == 0 else ""
@@ -298,10 +302,31 @@ def resolve(k: LayoutKnobs, world: int) -> tuple[Optional[ParallelDims], list[Pr
     except ValueError as error:
         return None, [Problem(f"invalid layout for {world} processes: {error}")]
     problems = []
+    if k.context_parallel_method == "usp" and _positive_int(k.context_parallel_ulysses):
+        problems += ulysses_problems(dims.cp, k.context_parallel_method, k.context_parallel_ulysses)
     if dims.pp == 1 and (k.pipeline_virtual_stages or 1) > 1:
         problems.append(Problem("virtual pipeline stages need pipeline parallel (pipeline_parallel > 1)",
                                 (f"pipeline_virtual_stages={k.pipeline_virtual_stages}", "pipeline_parallel=1")))
     return dims, problems
+
+
+def ulysses_problems(cp: Optional[int], method: str, ulysses: Optional[int]) -> list[Problem]:
+    """USP's Ulysses degree: given with method "usp" only, and splitting cp into ring x Ulysses groups of 2 or more each
+    (`cp` None: before the degrees are resolved). ulysses = cp is `alltoall`, ulysses = 1 is `ring`."""
+    knob = f"context_parallel_ulysses={ulysses!r}"
+    if method != "usp":
+        return [] if ulysses is None else [Problem(
+            "the Ulysses degree splits cp for context_parallel_method='usp' only", (knob, f"context_parallel_method={method!r}"))]
+    if not _positive_int(ulysses) or ulysses < 2:
+        return [Problem("USP needs the Ulysses degree inside each group of neighbouring cp ranks: an int of 2 or more",
+                        (knob, "context_parallel_method='usp'"))]
+    if cp is not None and (cp % ulysses or cp == ulysses):
+        fits = [d for d in range(2, cp) if cp % d == 0]
+        return [Problem(
+            f"USP runs cp = ring x Ulysses with both of 2 or more, so the Ulysses degree divides cp={cp} and is smaller: "
+            f"{fits or 'none (cp needs 4 or more ranks)'}; context_parallel_method='alltoall' is Ulysses over all of cp",
+            (knob, f"context_parallel={cp}"))]
+    return []
 
 
 def schedule_problems(schedule: str, virtual_stages: Optional[int], microbatches: Optional[int]) -> list[Problem]:
@@ -393,8 +418,8 @@ def model_problems(dims: ParallelDims, k: LayoutKnobs, facts: ModelFacts) -> lis
         problems.append(Problem(facts.context_parallel_refusal or (
             f"context parallel (cp={dims.cp}) has no attention hook for {name}: ultrascale routes the attention of the "
             "built-in Llama and of Hugging Face models whose attention runs through transformers' AttentionInterface")))
-    elif dims.cp_enabled and k.context_parallel_method == "alltoall" and facts.attention_heads:
-        problems += _alltoall_problems(dims, facts)
+    elif dims.cp_enabled and k.context_parallel_method in ("alltoall", "usp") and facts.attention_heads:
+        problems += _alltoall_problems(dims, k, facts)
     if dims.ep_enabled:
         if facts.n_experts == 0:
             problems.append(Problem(
@@ -449,18 +474,27 @@ def _tied_stage_problems(k: LayoutKnobs, name: str, pp: int) -> list[Problem]:
     return problems
 
 
-def _alltoall_problems(dims: ParallelDims, facts: ModelFacts) -> list[Problem]:
-    """Ulysses gives each cp rank 1/cp of a tp rank's query heads: whole heads, or it cannot split them."""
+def _alltoall_problems(dims: ParallelDims, k: LayoutKnobs, facts: ModelFacts) -> list[Problem]:
+    """Ulysses gives each of its ranks (all cp ranks; under USP, each group's) 1/n of a tp rank's query heads: whole
+    heads, or it cannot split them."""
+    usp = k.context_parallel_method == "usp"
+    n = (k.context_parallel_ulysses or 0) if usp else dims.cp
     heads = facts.attention_heads or 0
-    if heads % dims.tp or (heads // dims.tp) % dims.cp == 0:
+    if not n or heads % dims.tp or (heads // dims.tp) % n == 0:
         return []  # a tp degree that does not divide the heads is tensor parallel's own problem
     per_rank = heads // dims.tp
     after_tp = f" / tensor_parallel={dims.tp} = {per_rank} per tp rank" if dims.tp_enabled else ""
     fits = [d for d in range(2, per_rank + 1) if per_rank % d == 0]
+    if usp:
+        return [Problem(
+            f"USP's all-to-all splits the attention heads over the {n} Ulysses ranks of each group, and {facts.name}'s "
+            f"{heads} query heads{after_tp} do not split over {n}. Ulysses degrees that fit: {fits}",
+            (f"context_parallel_ulysses={n}", "context_parallel_method='usp'"))]
     return [Problem(
         f"all-to-all (Ulysses) context parallel splits the attention heads over the cp ranks, and {facts.name}'s "
         f"{heads} query heads{after_tp} do not split over cp={dims.cp}. cp degrees that fit: {fits}; or use "
-        "context_parallel_method='ring' or 'allgather', which split the sequence only",
+        "context_parallel_method='ring' or 'allgather', which split the sequence only, or 'usp' with a Ulysses "
+        "degree that fits",
         (f"context_parallel={dims.cp}", "context_parallel_method='alltoall'"))]
 
 

@@ -468,7 +468,6 @@ def _communication(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workl
     cp_stride = lay.tp  # mesh order pp, dp_replicate, dp_shard, cp, tp: tp innermost
     dpr_stride = lay.tp * lay.cp * lay.dp_shard
     bw_tp = _group_bandwidth(cluster, 1, lay.tp)
-    bw_cp = _group_bandwidth(cluster, cp_stride, lay.cp)
     bw_fsdp = _group_bandwidth(cluster, cp_stride, n_shard)  # dp_shard x cp, flattened
     bw_ep = _group_bandwidth(cluster, cp_stride, lay.ep)
     bw_dpr = _group_bandwidth(cluster, dpr_stride, lay.dp_replicate)
@@ -505,20 +504,27 @@ def _communication(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workl
         act = tokens_mb * shape.hidden * c
         per_layer = 4 * _ring("all_gather", act, lay.tp, bw_tp) + 4 * _ring("reduce_scatter", act, lay.tp, bw_tp)
         exposed += m * layers * (per_layer + 8 * lat)
-    if lay.cp > 1 and lay.cp_method == "alltoall":
-        # Ulysses, per layer: q, k, v there in one all-to-all and the output back in another, forward and again
-        # (their gradients) backward; an all-to-all of a rank's (T/cp)·width sends (cp-1)/cp of it, not overlapped.
-        # kv heads a cp rank cannot split evenly are repeated to lcm(kv heads per tp rank, cp) first.
+    if lay.cp > 1:
+        # Ulysses over all of cp (alltoall), over groups of cp_ulysses neighbouring cp ranks (USP), or none (ring).
+        ulysses = {"alltoall": lay.cp, "usp": lay.cp_ulysses}.get(lay.cp_method, 1)
         kv_heads = shape.n_kv_heads // lay.tp
-        kv_heads *= lay.cp // math.gcd(kv_heads, lay.cp) if kv_heads else 1
-        width = 2 * shape.q_width / lay.tp + 2 * kv_heads * shape.head_dim
-        exposed += m * layers * (2 * _ring("all_to_all", tokens_mb * width * c, lay.cp, bw_cp) + 4 * lat)
-    elif lay.cp > 1:  # ring: K,V passed cp-1 times forward, K,V and dK,dV backward, hidden behind attention
-        kv = tokens_mb * 2 * shape.kv_width / lay.tp * c
-        ring = 3 * (lay.cp - 1) * kv / bw_cp
-        attention_time = 12 * shape.q_width * work.seq_len * tokens_mb / lay.tp / rate
-        exposed += m * layers * (max(ring - attention_time, 0.0) + 3 * (lay.cp - 1) * lat)
-        hidden_comm += m * layers * min(ring, attention_time)
+        kv_heads *= ulysses // math.gcd(kv_heads, ulysses) if kv_heads else 1
+        if ulysses > 1:
+            # Per layer: q, k, v there in one all-to-all and the output back in another, forward and again (their
+            # gradients) backward; an all-to-all of a rank's (T/cp)·width sends (u-1)/u of it, not overlapped. kv
+            # heads the u ranks cannot split evenly are repeated to lcm(kv heads per tp rank, u) first.
+            width = 2 * shape.q_width / lay.tp + 2 * kv_heads * shape.head_dim
+            bw_ulysses = _group_bandwidth(cluster, cp_stride, ulysses)
+            exposed += m * layers * (2 * _ring("all_to_all", tokens_mb * width * c, ulysses, bw_ulysses) + 4 * lat)
+        ring_ranks = lay.cp // ulysses
+        if ring_ranks > 1:
+            # The ring over cp/u ranks, each holding u·T/cp tokens of Hkv/u heads: K,V passed cp/u - 1 times forward,
+            # K,V and dK,dV backward, hidden behind attention.
+            kv = tokens_mb * 2 * (kv_heads * shape.head_dim if ulysses > 1 else shape.kv_width / lay.tp) * c
+            ring = 3 * (ring_ranks - 1) * kv / _group_bandwidth(cluster, cp_stride * ulysses, ring_ranks)
+            attention_time = 12 * shape.q_width * work.seq_len * tokens_mb / lay.tp / rate
+            exposed += m * layers * (max(ring - attention_time, 0.0) + 3 * (ring_ranks - 1) * lat)
+            hidden_comm += m * layers * min(ring, attention_time)
     if lay.ep > 1 and shape.moe_layers:  # dispatch and combine, forward and backward, not overlapped
         routed = tokens_mb * shape.top_k * shape.hidden * c
         exposed += m * layers * moe_fraction * 4 * (_ring("all_to_all", routed, lay.ep, bw_ep) + lat)

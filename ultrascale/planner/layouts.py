@@ -53,7 +53,9 @@ class Layout:
     """ZeRO-3 accumulation without PP: whole fp32 gradients accumulate over the micro-batches and are
     reduce-scattered once per step (the strategy's `accumulate_unsharded_grads=True`), not every one."""
     cp_method: str = "ring"
-    """The strategy's `context_parallel_method` under cp > 1: "ring", "allgather" or "alltoall" (Ulysses)."""
+    """The strategy's `context_parallel_method` under cp > 1: "ring", "allgather", "alltoall" (Ulysses) or "usp"."""
+    cp_ulysses: int = 1
+    """USP's Ulysses degree inside each group of neighbouring cp ranks (the strategy's `context_parallel_ulysses`)."""
 
     def __post_init__(self) -> None:
         # A multi-stage schedule named without virtual stages gets the strategy's default for it (2).
@@ -92,12 +94,14 @@ class Layout:
             parts.append("accumulate_unsharded_grads=True")
         if self.cp > 1:
             parts.append(f"cp_method={self.cp_method}")
+        if self.cp_method == "usp":
+            parts.append(f"cp_ulysses={self.cp_ulysses}")
         return ", ".join(parts)
 
 
 LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero_stage", "micro_batch", "grad_accumulation",
-               "recompute", "virtual_stages", "accumulate_unsharded_grads", "cp_method", "pipeline_schedule",
-               "pipeline_layers")
+               "recompute", "virtual_stages", "accumulate_unsharded_grads", "cp_method", "cp_ulysses",
+               "pipeline_schedule", "pipeline_layers")
 PIPELINE_SPLITS = ("even", "balanced")
 """`pipeline_layers` by name: the strategy's default split, or the embedding and the loss counted as a layer each
 (`ultrascale.planner.pipeline.balanced_layers`)."""
@@ -210,6 +214,7 @@ def layout_knobs(layout: Layout) -> LayoutKnobs:
         pipeline_virtual_stages=layout.virtual_stages if layout.pp > 1 or layout.virtual_stages != 1 else None,
         pipeline_microbatches=layout.grad_accumulation if layout.pp > 1 else None,
         accumulate_unsharded_grads=layout.accumulate_unsharded_grads, context_parallel_method=layout.cp_method,
+        context_parallel_ulysses=layout.cp_ulysses if layout.cp_method == "usp" else None,
     )
 
 

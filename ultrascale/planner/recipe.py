@@ -28,6 +28,8 @@ def strategy_knobs(layout: Layout) -> dict[str, Any]:
             init["pipeline_layers"] = list(lay.pipeline_layers)
     if lay.cp > 1:
         init["context_parallel_method"] = lay.cp_method
+        if lay.cp_method == "usp":
+            init["context_parallel_ulysses"] = lay.cp_ulysses
     if lay.accumulate_unsharded_grads:
         init["accumulate_unsharded_grads"] = True
     return init

@@ -42,7 +42,9 @@ def format_table(rows: list[PlanRow], top: int) -> str:
         recompute = lay.recompute + (f"/{_SHORT_SCHEDULES[lay.schedule]}{lay.virtual_stages if lay.virtual_stages > 1 else ''}"
                                      if lay.pp > 1 else "")
         accumulation = f"{lay.grad_accumulation}{'w' if lay.accumulate_unsharded_grads else ''}"  # w: whole gradients
-        cp = f"{lay.cp}{'u' if lay.cp > 1 and lay.cp_method == 'alltoall' else ''}"  # u: Ulysses (all-to-all)
+        # u: Ulysses (all-to-all) over all of cp; 4u2: USP, Ulysses over groups of 2, the ring across them
+        ulysses = {"alltoall": "u", "usp": f"u{lay.cp_ulysses}"}.get(lay.cp_method, "") if lay.cp > 1 else ""
+        cp = f"{lay.cp}{ulysses}"
         lines.append(
             f"{i:>3} {lay.pp:>3} {lay.dp_replicate:>4} {lay.dp_shard:>4} {cp:>4} {lay.tp:>3} {lay.ep:>3} {lay.zero_stage:>4} "
             f"{recompute:>12} {lay.micro_batch:>3} {accumulation:>4} | {mem['params']:>7.2f} {mem['grads']:>6.2f} "

@@ -53,6 +53,7 @@ def _candidate_fields(shape: ModelShape, cluster: Cluster, work: Workload, fixed
     recomputes = [fixed["recompute"]] if "recompute" in fixed else list(RECOMPUTE_MODES)
     eps = [fixed["ep"]] if "ep" in fixed else ([d for d in _divisors(shape.n_experts) if d <= n] if shape.n_experts else [1])
     pipelines = {pp: _pipelines(shape, pp, fixed) for pp in pps}  # the same few per pp, asked for by every other split
+    cp_methods = {(cp, tp): _cp_methods(cp, tp, cluster, fixed) for cp in cps for tp in tps}
     for pp, tp, cp in itertools.product(pps, tps, cps):
         if n % (pp * tp * cp):
             if fixed.keys() & {"pp", "tp", "cp"}:  # otherwise only the enumeration's own products
@@ -87,10 +88,23 @@ def _candidate_fields(shape: ModelShape, cluster: Cluster, work: Workload, fixed
                     continue
                 unsharded = ([fixed["accumulate_unsharded_grads"]] if "accumulate_unsharded_grads" in fixed
                              else [False, True] if zero == 3 and pp == 1 and acc > 1 else [False])
-                methods = [fixed["cp_method"]] if "cp_method" in fixed else (["ring", "alltoall"] if cp > 1 else ["ring"])
-                for (schedule, v, layers), whole, method in itertools.product(
-                        pipelines[pp], unsharded, methods):
-                    yield (pp, dpr, dps, cp, tp, ep, zero, mbs, acc, recompute, v, schedule, layers, whole, method)
+                for (schedule, v, layers), whole, (method, ulysses) in itertools.product(
+                        pipelines[pp], unsharded, cp_methods[(cp, tp)]):
+                    yield (pp, dpr, dps, cp, tp, ep, zero, mbs, acc, recompute, v, schedule, layers, whole, method, ulysses)
+
+
+def _cp_methods(cp: int, tp: int, cluster: Cluster, fixed: dict[str, Any]) -> list[tuple[str, int]]:
+    """(context_parallel_method, USP's Ulysses degree) for `cp` ranks: the ring and Ulysses over all of cp; and where
+    cp x tp spans more than a node, USP with the largest Ulysses group that stays inside one (the all-to-alls on the
+    node's links, the ring across nodes). A fixed `cp_method=usp` without `cp_ulysses` takes that group too."""
+    if cp == 1:
+        return [("ring", 1)]
+    inside_node = max((u for u in range(2, cp) if cp % u == 0 and u * tp <= cluster.gpus_per_node), default=None)
+    if "cp_method" in fixed:
+        method = fixed["cp_method"]
+        return [(method, fixed.get("cp_ulysses", inside_node or 2) if method == "usp" else 1)]
+    usp = [("usp", inside_node)] if inside_node is not None and cp * tp > cluster.gpus_per_node else []
+    return [("ring", 1), ("alltoall", 1), *usp]
 
 
 SEARCHED_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")

@@ -2,8 +2,9 @@
 
 accelerate (>= 1.10) describes an N-D layout with `dp_replicate_size`, `dp_shard_size`,
 `tp_size`, `cp_size` (torch backend) and `sp_size` (DeepSpeed Ulysses, which ultrascale runs as
-`context_parallel_method="alltoall"`); its mesh order (dp_replicate, dp_shard, cp, tp, innermost
-last) is ultrascale's without pp. Every field is
+`context_parallel_method="alltoall"`; with `cp_size` too, as USP: `context_parallel_method="usp"`, Ulysses over
+sp inside each ring rank); its mesh order (dp_replicate, dp_shard, cp, sp, tp, innermost last) is ultrascale's
+without pp, cp x sp being ultrascale's cp. Every field is
 either mapped or refused with the reason: a layout is never silently changed.
 """
 
@@ -25,7 +26,9 @@ ACCELERATE_FIELDS: dict[str, str] = {
     "cp_handler.cp_comm_strategy": "context_parallel_method ('allgather' -> 'allgather', 'alltoall' -> 'ring')",
     "tp_handler.enable_async_tp": "refused when True (async TP is not implemented)",
     "sp_size": "context_parallel with context_parallel_method='alltoall' (Ulysses: ultrascale's own all-to-alls around "
-               "SDPA run in DeepSpeed's place)",
+               "SDPA run in DeepSpeed's place); with cp_size > 1 too (which accelerate's own ParallelismConfig refuses, "
+               "a mapping passes): context_parallel=cp_size x sp_size, context_parallel_method='usp', "
+               "context_parallel_ulysses=sp_size, the ring across (cp_comm_strategy unset or 'alltoall')",
     "sp_backend": "only 'deepspeed' (accelerate's one value) when sp_size > 1",
     "sp_handler.sp_seq_length": "ignored: each batch's length is checked (a multiple of 2 x sp_size)",
     "sp_handler.sp_seq_length_is_variable": "ignored: lengths may vary from batch to batch",
@@ -61,9 +64,6 @@ def knobs_from_accelerate(config: Any, owner: str = "UltraScaleStrategy",
         value = 1 if value is None else value
         raise_first(positive_int_problems(**{field: value}), f"{owner}.from_accelerate")
         sizes[field] = value
-    if sizes["sp_size"] > 1 and sizes["cp_size"] > 1:
-        raise not_built("ring_with_ulysses", f"{owner}.from_accelerate: `cp_size={sizes['cp_size']}` with "
-                        f"`sp_size={sizes['sp_size']}` (ring x Ulysses) is not implemented; choose one")
     if sizes["sp_size"] > 1:
         sp_backend = _field(config, "sp_backend") or "deepspeed"
         if sp_backend != "deepspeed":
@@ -88,12 +88,20 @@ def knobs_from_accelerate(config: Any, owner: str = "UltraScaleStrategy",
         "tensor_parallel": sizes["tp_size"],
         "context_parallel": sizes["cp_size"],
     }
-    if sizes["sp_size"] > 1:  # DeepSpeed-Ulysses' sequence parallel is ultrascale's all-to-all context parallel
-        knobs["context_parallel"] = sizes["sp_size"]
-        knobs["context_parallel_method"] = "alltoall"
     cp_handler = _field(config, "cp_handler")
     strategy = _field(cp_handler, "cp_comm_strategy") if cp_handler is not None else None
-    if sizes["cp_size"] > 1:
+    if sizes["sp_size"] > 1 and sizes["cp_size"] > 1:  # sp inside cp (accelerate's mesh order): USP
+        if strategy not in (None, "alltoall"):
+            raise ValueError(f"{owner}.from_accelerate: `cp_handler.cp_comm_strategy={strategy!r}` with `sp_size="
+                             f"{sizes['sp_size']}`: USP passes K/V around the ring across its Ulysses groups; leave it "
+                             "unset or 'alltoall' (torch's rotating exchange)")
+        knobs["context_parallel"] = sizes["cp_size"] * sizes["sp_size"]
+        knobs["context_parallel_method"] = "usp"
+        knobs["context_parallel_ulysses"] = sizes["sp_size"]
+    elif sizes["sp_size"] > 1:  # DeepSpeed-Ulysses' sequence parallel is ultrascale's all-to-all context parallel
+        knobs["context_parallel"] = sizes["sp_size"]
+        knobs["context_parallel_method"] = "alltoall"
+    elif sizes["cp_size"] > 1:
         strategy = strategy or "allgather"  # accelerate's default when its handler is left out
         if strategy not in _CP_METHODS:
             raise ValueError(f"{owner}.from_accelerate: `cp_handler.cp_comm_strategy={strategy!r}`: choose one of "

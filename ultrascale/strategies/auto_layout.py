@@ -162,6 +162,8 @@ class AutoLayout:
     pipeline_microbatches: Optional[int]
     pipeline_layers: Optional[list[int]]
     """The planner's layer split (its balanced one, say), None for the strategy's even split."""
+    context_parallel_method: str
+    context_parallel_ulysses: Optional[int]
     transforms: list[Any]
     """Activation checkpointing's transform when the layout recomputes and no such callback is given."""
 
@@ -202,5 +204,6 @@ def apply_auto_layout(module: Any, trainer: Any, *, device: torch.device, world_
         row, {"dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "cp": lay.cp, "tp": lay.tp, "pp": lay.pp,
               "ep": lay.ep},
         lay.zero_stage, lay.accumulate_unsharded_grads, pipeline_schedule, pipeline_virtual_stages, pipeline_microbatches,
-        list(lay.pipeline_layers) if lay.pp > 1 and lay.pipeline_layers is not None else None, transforms,
+        list(lay.pipeline_layers) if lay.pp > 1 and lay.pipeline_layers is not None else None,
+        lay.cp_method, lay.cp_ulysses if lay.cp_method == "usp" else None, transforms,
     )

@@ -70,8 +70,11 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         context_parallel: ranks that split the sequence of every batch; 1 means off. Sequence lengths must be multiples of 2 * cp
             (times tensor_parallel under sequence parallel). The built-in Llama and HF Llama/Mistral/Qwen2/Qwen3 are supported.
         context_parallel_method: "ring" (default: K/V passed around the cp ring with P2P, overlapped with the block in hand),
-            "allgather" (one all-gather of K/V per layer) or "alltoall" (Ulysses: all-to-alls trade heads for sequence around
-            SDPA; the query heads per tp rank must divide by cp). docs/strategies.md compares them.
+            "allgather" (one all-gather of K/V per layer), "alltoall" (Ulysses: all-to-alls trade heads for sequence around
+            SDPA; the query heads per tp rank must divide by cp) or "usp" (both: Ulysses inside groups of
+            `context_parallel_ulysses` neighbouring cp ranks, the ring across them). docs/strategies.md compares them.
+        context_parallel_ulysses: USP's Ulysses degree (method "usp" only): it divides cp, is 2 or more and smaller than
+            cp, and the query heads per tp rank divide by it.
         context_parallel_load_balance: zig-zag layout (rank r holds chunks r and 2cp-1-r of 2cp), so every rank does the same causal
             attention work. False: contiguous chunks (the last rank then computes about 2cp-1 times the attention of the first).
         tensor_parallel: tensor-parallel degree (Megatron column/row splits on DTensor); 1 means off. The model needs a TP plan: the
@@ -171,6 +174,7 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         context_parallel: int = 1,
         context_parallel_method: ContextParallelMethod = "ring",
         context_parallel_load_balance: bool = True,
+        context_parallel_ulysses: Optional[int] = None,
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
         pipeline_schedule: str = "1F1B",
@@ -207,13 +211,15 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
                          "tp": tensor_parallel, "pp": pipeline_parallel, "ep": expert_parallel}
         raise_first(knob_problems(LayoutKnobs(
             **self._degrees, zero_stage=zero_stage, context_parallel_method=context_parallel_method,
-            pipeline_schedule=pipeline_schedule, pipeline_virtual_stages=pipeline_virtual_stages,
+            context_parallel_ulysses=context_parallel_ulysses, pipeline_schedule=pipeline_schedule,
+            pipeline_virtual_stages=pipeline_virtual_stages,
             pipeline_microbatches=pipeline_microbatches, loss_parallel=loss_parallel,
             accumulate_unsharded_grads=accumulate_unsharded_grads, zero_bucket_mb=zero_bucket_mb,
         )), type(self).__name__)
         self.process_config = ProcessConfig(type(self).__name__, launcher, process_group_backend, timeout, nonfinite,
                                             max_nonfinite_skips, async_checkpoint, tune_cpu_allocator)
         self.context_parallel_method = context_parallel_method
+        self.context_parallel_ulysses = context_parallel_ulysses
         self.pipeline_schedule = pipeline_schedule
         self.pipeline_microbatches = pipeline_microbatches
         self.pipeline_virtual_stages = pipeline_virtual_stages
@@ -263,7 +269,8 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
             dp_replicate=(data_parallel_replicate, 1), dp_shard=(data_parallel_shard, -1), cp=(context_parallel, 1),
             tp=(tensor_parallel, 1), pp=(pipeline_parallel, 1), ep=(expert_parallel, 1), zero_stage=(zero_stage, 3),
             virtual_stages=(pipeline_virtual_stages, None), accumulate_unsharded_grads=(accumulate_unsharded_grads, False),
-            pipeline_schedule=(pipeline_schedule, "1F1B"),
+            pipeline_schedule=(pipeline_schedule, "1F1B"), cp_method=(context_parallel_method, "ring"),
+            cp_ulysses=(context_parallel_ulysses, None),
             pipeline_layers=(tuple(pipeline_layers) if pipeline_layers is not None else None, None),
         )
         self._auto_transforms: list[ModelTransform] = []
@@ -404,7 +411,8 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         )
         if dims.cp_enabled:
             self._context_parallel = ContextParallel(
-                self._parallel_mesh["cp"], self.context_parallel_method, self.context_parallel_load_balance
+                self._parallel_mesh["cp"], self.context_parallel_method, self.context_parallel_load_balance,
+                self.context_parallel_ulysses,
             )
         rank_zero_info(f"ultrascale mesh: {dims.describe()}")
         assert self.lightning_module is not None
@@ -426,6 +434,7 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         self.accumulate_unsharded_grads = chosen.accumulate_unsharded_grads
         self.pipeline_schedule, self.pipeline_virtual_stages = chosen.pipeline_schedule, chosen.pipeline_virtual_stages
         self.pipeline_microbatches, self.chosen_layout = chosen.pipeline_microbatches, chosen.row
+        self.context_parallel_method, self.context_parallel_ulysses = chosen.context_parallel_method, chosen.context_parallel_ulysses
         if chosen.degrees["pp"] > 1:
             self.pipeline_layers = chosen.pipeline_layers
         self._auto_transforms = chosen.transforms or self._auto_transforms

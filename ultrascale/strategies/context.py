@@ -23,7 +23,7 @@ class ContextParallelStrategy(UltraScaleStrategy):
 
     Args:
         context_parallel: CP degree; "auto" = devices per node (attention exchanges K/V in every layer).
-        context_parallel_method, context_parallel_load_balance: see `UltraScaleStrategy`.
+        context_parallel_method, context_parallel_load_balance, context_parallel_ulysses: see `UltraScaleStrategy`.
         tensor_parallel, sequence_parallel, loss_parallel, tp_plan: tensor parallel inside each
             cp rank's share (see `UltraScaleStrategy`); 1 means off.
         data_parallel_replicate: HSDP replicas; 1 means off.
@@ -36,6 +36,7 @@ class ContextParallelStrategy(UltraScaleStrategy):
         context_parallel: Union[int, Literal["auto"]] = "auto",
         context_parallel_method: ContextParallelMethod = "ring",
         context_parallel_load_balance: bool = True,
+        context_parallel_ulysses: Optional[int] = None,
         tensor_parallel: int = 1,
         sequence_parallel: Optional[bool] = None,
         loss_parallel: Optional[bool] = None,
@@ -49,6 +50,7 @@ class ContextParallelStrategy(UltraScaleStrategy):
             data_parallel_shard=-1,
             context_parallel_method=context_parallel_method,
             context_parallel_load_balance=context_parallel_load_balance,
+            context_parallel_ulysses=context_parallel_ulysses,
             tensor_parallel=tensor_parallel,
             sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel,

@@ -42,6 +42,7 @@ class LayoutChecks:
     _degrees: dict[str, int]
     zero_stage: int
     context_parallel_method: Any
+    context_parallel_ulysses: Optional[int]
     context_parallel_load_balance: bool
     pipeline_schedule: str
     pipeline_virtual_stages: Optional[int]
@@ -61,6 +62,7 @@ class LayoutChecks:
         """This strategy's layout in the rulebook's terms (`ultrascale.parallel.rules`)."""
         return LayoutKnobs(
             **self._degrees, zero_stage=self.zero_stage, context_parallel_method=self.context_parallel_method,
+            context_parallel_ulysses=self.context_parallel_ulysses,
             pipeline_schedule=self.pipeline_schedule, pipeline_virtual_stages=self.pipeline_virtual_stages,
             pipeline_microbatches=self.pipeline_microbatches,
             pipeline_layers=tuple(self.pipeline_layers) if self.pipeline_layers is not None else None,

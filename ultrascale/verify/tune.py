@@ -69,7 +69,7 @@ class Candidate:
         if lay.pp > 1:
             extra.append(str(lay.pipeline_schedule or "1F1B"))
         if lay.cp > 1:
-            extra.append(lay.cp_method)
+            extra.append(lay.cp_method + (f" (ulysses {lay.cp_ulysses})" if lay.cp_method == "usp" else ""))
         if self.compiled:
             extra.append("compiled")
         return f"{degrees}, {', '.join(extra)}"
