@@ -43,7 +43,7 @@ def _train_auto(rank, world_size, strategy, global_batch, n_layers):
     trainer.fit(make_llama(n_layers), SizedParityData(global_batch))
     chosen = trainer.strategy.chosen_layout
     return {**recorder.result(), "chosen": chosen.layout if chosen else None,
-            "mesh": trainer.strategy.parallel_dims.describe()}
+            "mesh": trainer.strategy.parallel_dims.describe(), "cp_method": trainer.strategy.context_parallel_method}
 
 
 def _expected_layout(world: int, global_batch: int, fixed: dict, n_layers: int = 4, calibration=None) -> planner.Layout:
@@ -63,11 +63,13 @@ def _expected_layout(world: int, global_batch: int, fixed: dict, n_layers: int =
 @pytest.mark.parametrize(("world", "global_batch", "strategy", "fixed", "n_layers"), [
     (2, BATCH, "ultrascale_4d", {}, 4),
     (4, BATCH, {"auto_layout": True, "tensor_parallel": 2}, {"tp": 2}, 4),
+    # cp fixed at 4: the planner prices Ulysses below the ring here, and the strategy runs the method it chose.
+    (4, BATCH, {"auto_layout": True, "context_parallel": 4}, {"cp": 4}, 4),
     # 6 layers on 2 ranks x 2 interleaved stages: no even split, so the planner's balanced one (1, 2, 2, 1), which
     # the strategy must then run (it refuses 4 stages over 6 layers without `pipeline_layers`).
     (2, BATCH, {"auto_layout": True, "pipeline_parallel": 2, "pipeline_schedule": "Interleaved1F1B"},
      {"pp": 2, "pipeline_schedule": "Interleaved1F1B"}, 6),
-], ids=["by-name-world2", "tp-fixed-world4", "interleaved-balanced-world2"])
+], ids=["by-name-world2", "tp-fixed-world4", "cp-fixed-world4", "interleaved-balanced-world2"])
 def test_auto_layout_is_the_planners_and_exact(world, global_batch, strategy, fixed, n_layers):
     strategy = ultrascale.UltraScaleStrategy(**strategy) if isinstance(strategy, dict) else strategy
     results = run_ranks(_train_auto, world, strategy, global_batch, n_layers)
@@ -78,6 +80,8 @@ def test_auto_layout_is_the_planners_and_exact(world, global_batch, strategy, fi
     assert all(getattr(expected, key) == value for key, value in fixed.items())
     dims = f"pp={expected.pp} x dp_replicate={expected.dp_replicate} x dp_shard={expected.dp_shard} x cp={expected.cp} x tp={expected.tp}"
     assert results[0]["mesh"].startswith(dims)
+    if expected.cp > 1:
+        assert expected.cp_method == "alltoall" and results[0]["cp_method"] == expected.cp_method
     reference = reference_run(make_llama(n_layers), masked_data(), global_batch=global_batch, steps=STEPS)
     losses = step_losses(results)
     assert all(math.isfinite(v) for v in losses)

@@ -6,7 +6,9 @@ Whole models train on prompt-masked data against the inline single-process refer
 tests/_parity.py: first-step loss and every gradient, the weights after step 1, 10-step curve.
 """
 
+import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -467,6 +469,31 @@ def test_alltoall_needs_the_heads_of_a_tp_rank_to_split_over_cp():
     assert "cp degrees that fit: [2]" in message and "`context_parallel_method='alltoall'`" in message
     assert problems(cp=4, tp=2, method="ring") == []  # the ring splits the sequence only
     assert "do not split over cp=8" in problems(cp=8, tp=1)[0]
+
+
+def test_usp_knobs_are_refused_before_any_process_starts():
+    """USP's Ulysses degree: given with method 'usp' only, 2 or more, dividing cp and smaller than it; the heads of a
+    tp rank split over it (not over cp). Each is the rulebook's ValueError, from the constructor or `resolve_dims`."""
+    from ultrascale.models.adapters import model_facts
+    from ultrascale.models.llama import Llama, LlamaConfig
+    from ultrascale.parallel.rules import LayoutKnobs, model_problems
+
+    with pytest.raises(ValueError, match="USP needs the Ulysses degree"):
+        ultrascale.UltraScaleStrategy(context_parallel=4, context_parallel_method="usp")
+    with pytest.raises(ValueError, match="splits cp for context_parallel_method='usp' only"):
+        ultrascale.UltraScaleStrategy(context_parallel=4, context_parallel_ulysses=2)
+    for cp, ulysses, fits in ((4, 4, "[2]"), (6, 4, "[2, 3]"), (2, 2, "none")):
+        strategy = ultrascale.UltraScaleStrategy(data_parallel_shard=1, context_parallel=cp, context_parallel_method="usp",
+                                                 context_parallel_ulysses=ulysses)
+        with pytest.raises(ValueError, match=rf"divides cp={cp} and is smaller: {re.escape(fits)}"):
+            strategy.resolve_dims(cp)
+    with torch.device("meta"):
+        facts = model_facts(Llama(LlamaConfig.from_preset("tiny")))  # 4 query heads
+    dims = ParallelDims.resolve(16, dp_shard=1, cp=8, tp=2)
+    knobs = LayoutKnobs(dp_shard=1, cp=8, tp=2, context_parallel_method="usp", context_parallel_ulysses=4)
+    (message,) = [p.text() for p in model_problems(dims, knobs, facts)]
+    assert "2 per tp rank do not split over 4. Ulysses degrees that fit: [2]" in message
+    assert model_problems(dims, dataclasses.replace(knobs, context_parallel_ulysses=2), facts) == []
 
 
 def test_padding_masks_are_refused():

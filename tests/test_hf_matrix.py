@@ -219,6 +219,22 @@ def test_combination(architecture, layout, checkpoints, tmp_path):
     assert_stage_parity(results, reference)
 
 
+# --------------------------------------------------------------------------- sequence parallel
+
+SEQUENCE_PARALLEL = {"tensor_parallel": 2, "data_parallel_shard": 1, "sequence_parallel": True}
+SEQUENCE_PARALLEL_ARCHITECTURES = ("Qwen3", "Gemma3", "Phi3", "OLMo2")
+"""Qwen3's and Gemma 3's q/k norms inside attention, Gemma 3's four norms per layer and sliding layer, Phi3's fused
+projections gathered then split (`rowwise_split_input`), OLMo2's norms after each branch."""
+
+
+@pytest.mark.parametrize("architecture", SEQUENCE_PARALLEL_ARCHITECTURES)
+def test_sequence_parallel(architecture, checkpoints, tmp_path):
+    """tp 2 with the residual stream and the norms sharded on the sequence (loss parallel on): the cell's parity."""
+    path = checkpoints(architecture)
+    results = run_ranks(_train, WORLD, path, {**SEQUENCE_PARALLEL, "loss_parallel": True}, str(tmp_path / "exported"))
+    assert_stage_parity(results, _reference(architecture, path))
+
+
 # --------------------------------------------------------------------------- other pipeline schedules
 
 SCHEDULES: dict[str, dict[str, Any]] = {

@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ultrascale.estimate import ModelShape
+from ultrascale.models.hf_sequence_parallel import hf_sequence_parallel_problem, hf_sequence_parallel_styles
 from ultrascale.parallel.rules import ModelFacts
 
 
@@ -36,6 +37,12 @@ class ModelAdapter:
     """`tp_plan(sequence_parallel=..., loss_parallel=...)` -> plan keyed by module path; None: no TP support."""
     supports_sequence_parallel: bool = False
     """Whether `tp_plan(sequence_parallel=True)` is implemented for this architecture."""
+    sequence_parallel_default: bool = True
+    """Whether sequence parallel runs when `sequence_parallel` is left unset (Hugging Face models: only when asked)."""
+    sequence_parallel_pipeline: bool = True
+    """Whether the sequence-parallel plan also runs split into pipeline stages."""
+    sequence_parallel_refusal: Optional[str] = None
+    """Without `supports_sequence_parallel`: the piece the model lacks."""
     tp_refusal: Optional[str] = None
     """Why this architecture's own TP plan cannot run (a style ultrascale refuses, or an entry naming a bare
     parameter); None: it can. A user's `tp_plan=` replaces the model's plan and this check."""
@@ -75,6 +82,9 @@ class ModelAdapter:
             tp_plan=self.tp_plan is not None,
             tp_refusal=self.tp_refusal,
             sequence_parallel=self.supports_sequence_parallel,
+            sequence_parallel_default=self.sequence_parallel_default,
+            sequence_parallel_pipeline=self.sequence_parallel_pipeline,
+            sequence_parallel_refusal=self.sequence_parallel_refusal,
             context_parallel=self.enable_context_parallel is not None,
             context_parallel_refusal=self.context_parallel_refusal,
             pipeline=parts is not None,
@@ -203,7 +213,11 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
     base = _prefix(prefix + hf.base_model_prefix)
 
     def plan(*, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
-        return hf_tp_plan(hf, base_plan, base=base, prefix=prefix, loss_parallel=loss_parallel)
+        styles = hf_tp_plan(hf, base_plan, base=base, prefix=prefix, loss_parallel=loss_parallel)
+        if sequence_parallel:
+            styles = hf_sequence_parallel_styles(hf, styles, base_plan, base=base, prefix=prefix,
+                                                 loss_parallel=loss_parallel)
+        return styles
 
     sizes = {
         "num_attention_heads": config.num_attention_heads,
@@ -218,6 +232,7 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
     context_refusal = _hf_context_parallel_problems(hf, name)
     pipeline_refusal = _hf_pipeline_problem(hf, name)
     n_experts = hf_num_experts(config)
+    sequence_refusal = hf_sequence_parallel_problem(hf, base_plan, name, n_experts) if base_plan else None
     expert_refusal = _hf_expert_parallel_problem(hf, name) if n_experts else None
     return ModelAdapter(
         **common,
@@ -225,7 +240,10 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
         tp_sizes={name: size for name, size in sizes.items() if size},
         tp_plan=plan if base_plan else None,
         tp_refusal=_hf_tp_refusal(hf, base_plan, name) if base_plan else None,
-        supports_sequence_parallel=False,
+        supports_sequence_parallel=bool(base_plan) and sequence_refusal is None,
+        sequence_parallel_default=False,
+        sequence_parallel_pipeline=False,
+        sequence_parallel_refusal=sequence_refusal,
         enable_context_parallel=(lambda cp: _hf_context_parallel(hf, cp)) if context_refusal is None else None,
         context_parallel_refusal=context_refusal,
         pipeline_parts=(lambda: _hf_pipeline_parts(hf)) if pipeline_refusal is None else None,

@@ -85,6 +85,36 @@ class KeepReplicated(ParallelStyle):
         return module
 
 
+class HiddenStatesLayout(ParallelStyle):
+    """Redistribute a module's `hidden_states` input (its first positional argument or that keyword, as Hugging Face
+    decoders pass it) over tp from `source` to `target` and hand the module the local tensor: Shard(1) -> Replicate
+    all-gathers the sequence into a tensor-parallel branch (attention, MLP) under sequence parallel, Replicate ->
+    Shard(1) takes this rank's slice of a replicated stream (the first layer's input). Backward is the opposite
+    (DTensor's): the branch's input gradient, whole on every rank once its column-parallel layers reduced it, is cut
+    to this rank's slice; the slices' gradients are gathered."""
+
+    def __init__(self, source: Placement, target: Placement) -> None:
+        super().__init__()
+        self.source, self.target = source, target
+
+    def _redistribute(self, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (self.source,), run_check=False)
+        return x.redistribute(mesh, (self.target,)).to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (self._redistribute(args[0], device_mesh), *args[1:]), kwargs
+            if "hidden_states" not in kwargs:
+                raise TypeError(f"{type(_module).__name__} got no hidden states to lay out for sequence parallel "
+                                "(neither a positional argument nor `hidden_states=`)")
+            return args, {**kwargs, "hidden_states": self._redistribute(kwargs["hidden_states"], device_mesh)}
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        return module
+
+
 class _AllReduceBackward(torch.autograd.Function):
     """Identity in forward, all-reduce (sum) of the gradient over tp in backward: `f` of Megatron-LM
     (Shoeybi et al. 2019), for an activation that feeds per-rank (sharded) consumers only."""

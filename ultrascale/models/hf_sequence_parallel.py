@@ -1,0 +1,104 @@
+"""Sequence parallel on Hugging Face decoders, read from their structure.
+
+Under tensor parallel alone every tp rank holds the whole (batch, seq, hidden) residual stream and the norms'
+activations. Sequence parallel (Korthikanti et al. 2022) keeps them 1/tp per rank: the stream is sharded on the
+sequence between the tensor-parallel branches, each branch all-gathers its input and its last row-parallel layer
+reduce-scatters its output back to this rank's slice.
+
+transformers' `base_model_tp_plan` places only the branches' linears. The rest comes from the model's structure:
+
+- the model's own forward runs whole (its rotary embeddings, its causal and sliding masks are made for the whole
+  sequence from the replicated embedding output); the first decoder layer takes this rank's slice of it;
+- in each decoder layer the children the plan reaches into (attention, MLP) gather their `hidden_states`; every other
+  child with parameters must be a norm over the hidden size (input, post-attention, Gemma's pre/post-feedforward,
+  OLMo2's post norms), which runs on the slice (`SequenceParallel`: its weight's gradient summed over tp);
+- the row-parallel layers of the plan return the slice (reduce-scatter instead of all-reduce);
+- the base model's final norm runs on the slice, and the head gathers it (or keeps the vocabulary sharded for
+  loss parallel).
+
+What does not fit (a layer child with other parameters, experts, another layout of the base model) is refused,
+naming the piece.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Optional
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+__all__ = ["hf_sequence_parallel_problem", "hf_sequence_parallel_styles"]
+
+
+def _branches(base_plan: Mapping[str, str]) -> set[str]:
+    """The decoder-layer children the plan places layers in: 'self_attn' of 'layers.*.self_attn.q_proj'."""
+    return {key.split(".")[2] for key in base_plan if key.startswith("layers.*.") and key.count(".") >= 3}
+
+
+def _is_hidden_norm(module: nn.Module, hidden: int) -> bool:
+    params = list(module.parameters())
+    return bool(params) and all(p.dim() == 1 and p.shape[0] == hidden for p in params)
+
+
+def hf_sequence_parallel_problem(hf: nn.Module, base_plan: Mapping[str, str], name: str, n_experts: int) -> Optional[str]:
+    """Why `hf`'s residual stream cannot be sharded on the sequence between its plan's branches; None: it can."""
+    where = f"sequence parallel on {name}"
+    if n_experts:
+        return (f"{where}: its Mixture-of-Experts layers route whole tokens on every tp rank (expert tensor parallel); "
+                "sequence parallel runs on the dense Hugging Face decoders. Set `sequence_parallel=False`")
+    base = hf.base_model
+    layers = getattr(base, "layers", None)
+    branches = _branches(base_plan)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0 or not branches:
+        return f"{where}: its base model has no `layers` list the tp plan places its linears in"
+    hidden = hf.config.hidden_size
+    for index, layer in enumerate(layers):
+        for child_name, child in layer.named_children():
+            if child_name not in branches and any(True for _ in child.parameters()) and not _is_hidden_norm(child, hidden):
+                return (f"{where}: layer {index}'s `{child_name}` ({type(child).__name__}) holds parameters outside the "
+                        "tp plan that are not a norm over the hidden size, so it cannot run on a slice of the sequence")
+    embedding = hf.get_input_embeddings()
+    for child_name, child in base.named_children():
+        if child is not layers and child is not embedding and any(True for _ in child.parameters()) \
+                and not _is_hidden_norm(child, hidden):
+            return (f"{where}: the base model's `{child_name}` ({type(child).__name__}) holds parameters that are "
+                    "neither the layers, the embedding nor a final norm")
+    return None
+
+
+def hf_sequence_parallel_styles(hf: nn.Module, styles: Mapping[str, ParallelStyle], base_plan: Mapping[str, str], *,
+                                base: str, prefix: str, loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """`styles` (the plan `hf_tp_plan` made, keyed from the LightningModule: `prefix` is `hf`'s path, `base` its base
+    model's) with the residual stream sharded on the sequence between the branches."""
+    from ultrascale.parallel.tensor_styles import HiddenStatesLayout
+
+    result: dict[str, ParallelStyle] = {}
+    layers_path = f"{base}layers."
+    for key, style in styles.items():
+        if key.startswith(layers_path) and type(style) is RowwiseParallel:  # a branch's last layer: reduce-scatter
+            style = RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=Shard(1))
+        result[key] = style
+    hf_base = hf.base_model
+    branches = _branches(base_plan)
+    embedding = hf.get_input_embeddings()
+    for index, layer in enumerate(hf_base.layers):
+        path = f"{layers_path}{index}"
+        if index == 0:  # the model's forward made the stream whole: the first layer takes this rank's slice
+            result[path] = HiddenStatesLayout(Replicate(), Shard(1))
+        for child_name, child in layer.named_children():
+            if child_name in branches:
+                result[f"{path}.{child_name}"] = HiddenStatesLayout(Shard(1), Replicate())
+            elif any(True for _ in child.parameters()):
+                result[f"{path}.{child_name}"] = SequenceParallel(use_local_output=True)
+    for child_name, child in hf_base.named_children():
+        if child is not hf_base.layers and child is not embedding and any(True for _ in child.parameters()):
+            result[f"{base}{child_name}"] = SequenceParallel(use_local_output=True)  # the final norm
+    head = hf.get_output_embeddings()
+    paths = {id(module): name for name, module in hf.named_modules()}
+    if head is not None and id(head) in paths:
+        result[prefix + paths[id(head)]] = ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel)
+    return result
