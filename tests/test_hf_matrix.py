@@ -198,6 +198,8 @@ COMBINATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("GPT-OSS", "EP 2 x CP 2 all-to-all"): {"expert_parallel": 2, "context_parallel": 2, "data_parallel_shard": 2,
                                              "context_parallel_method": "alltoall"},
     ("Gemma2", "CP 2 ring x TP 2"): {"context_parallel": 2, "tensor_parallel": 2, "data_parallel_shard": 1},
+    ("Gemma3", "CP 2 ring x TP 2 sequence parallel"): {"context_parallel": 2, "tensor_parallel": 2,
+                                                          "data_parallel_shard": 1, "sequence_parallel": True},
     ("GLM-4-MoE", "TP 2 x PP 2"): {"tensor_parallel": 2, "pipeline_parallel": 2, "data_parallel_shard": 1,
                                    "pipeline_microbatches": 2},
     # Tied embeddings: the first and the last stage each shard their copy (FSDP, vocab-parallel) and sum its gradients.
@@ -233,6 +235,70 @@ def test_sequence_parallel(architecture, checkpoints, tmp_path):
     path = checkpoints(architecture)
     results = run_ranks(_train, WORLD, path, {**SEQUENCE_PARALLEL, "loss_parallel": True}, str(tmp_path / "exported"))
     assert_stage_parity(results, _reference(architecture, path))
+
+
+class _ActivationSizes:
+    """One rank's first forward: elements of the residual stream (each decoder layer's output) and of every norm's
+    input, and the bytes autograd saves for backward (a Lightning callback's hooks)."""
+
+    def __init__(self) -> None:
+        self.stream = self.norms = self.saved = 0
+        self._saving: Any = None
+        self._handles: list[Any] = []
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        hidden = module.model.config.hidden_size
+        layers = module.model.base_model.layers
+
+        def count(attribute: str, x: torch.Tensor) -> None:
+            local = x.to_local() if hasattr(x, "to_local") else x
+            setattr(self, attribute, getattr(self, attribute) + local.numel())
+
+        for layer in layers:
+            self._handles.append(layer.register_forward_hook(lambda _m, _a, out: count("stream", out)))
+        norms = [m for m in module.model.base_model.modules()
+                 if list(m.parameters(recurse=False)) and all(p.dim() == 1 and p.shape[0] == hidden for p in m.parameters())]
+        for norm in norms:
+            self._handles.append(norm.register_forward_pre_hook(lambda _m, args: count("norms", args[0])))
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            local = x.to_local() if hasattr(x, "to_local") else x
+            self.saved += local.numel() * local.element_size()
+            return x
+
+        self._saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x)
+        self._saving.__enter__()
+
+    def on_before_backward(self, trainer: Any, module: Any, loss: torch.Tensor) -> None:
+        self._saving.__exit__(None, None, None)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _activation_sizes(rank, world_size, path, strategy_kwargs):
+    import lightning as L
+
+    sizes = type("ActivationSizes", (_ActivationSizes, L.Callback), {})()
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**strategy_kwargs), Recorder(), 1, callbacks=[sizes])
+    trainer.fit(make_hf(path), ParityData(data(), MICRO_BATCH))
+    return {"stream": sizes.stream, "norms": sizes.norms, "saved": sizes.saved}
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3", "Gemma3"])
+def test_sequence_parallel_holds_the_stream_and_the_norms_1_over_tp(architecture, checkpoints):
+    """Measured on each rank in the first forward, tp 2 with and without sequence parallel: the residual stream and
+    every norm's input are half as many elements (the activations outside the matmuls, divided by tp), and autograd
+    saves less for backward."""
+    path = checkpoints(architecture)
+    alone = run_ranks(_activation_sizes, WORLD, path, {**SEQUENCE_PARALLEL, "sequence_parallel": False})
+    sharded = run_ranks(_activation_sizes, WORLD, path, SEQUENCE_PARALLEL)
+    for rank in range(WORLD):
+        assert alone[rank]["stream"] > 0 and alone[rank]["norms"] > 0
+        assert sharded[rank]["stream"] * 2 == alone[rank]["stream"], (rank, sharded[rank], alone[rank])
+        assert sharded[rank]["norms"] * 2 == alone[rank]["norms"], (rank, sharded[rank], alone[rank])
+        assert sharded[rank]["saved"] < alone[rank]["saved"], (rank, sharded[rank], alone[rank])
 
 
 # --------------------------------------------------------------------------- other pipeline schedules

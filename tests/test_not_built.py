@@ -32,10 +32,28 @@ def _tied_model_problems(**knobs: Any) -> None:
     raise_first(model_problems(dims, LayoutKnobs(pp=2, **knobs), facts))
 
 
+def _hf_facts(model_type: str, **fields: Any) -> ModelFacts:
+    import transformers
+
+    from ultrascale.models.adapters import model_facts
+
+    config = transformers.CONFIG_MAPPING[model_type](
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, **fields)
+    with torch.device("meta"):
+        return model_facts(transformers.AutoModelForCausalLM.from_config(config))
+
+
 def _hf_sequence_parallel() -> None:
     dims = ParallelDims.resolve(2, dp_shard=1, tp=2)
-    facts = ModelFacts("Qwen3ForCausalLM", tp_plan=True, tp_sizes={"heads": 4}, sequence_parallel=False)
+    facts = _hf_facts("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     raise_first(model_problems(dims, LayoutKnobs(tp=2, dp_shard=1, sequence_parallel=True), facts))
+
+
+def _hf_sequence_parallel_pipeline() -> None:
+    dims = ParallelDims.resolve(4, dp_shard=1, tp=2, pp=2)
+    facts = _hf_facts("qwen3")
+    raise_first(model_problems(dims, LayoutKnobs(tp=2, pp=2, dp_shard=1, sequence_parallel=True), facts))
 
 
 def _float8_rowwise_with_tensor_parallel() -> None:
@@ -125,6 +143,7 @@ PROBES: dict[str, Callable[[Path], None]] = {
     "expert_parallel_with_tensor_parallel": lambda _: ultrascale.UltraScaleStrategy(expert_parallel=2, tensor_parallel=2),
     "expert_parallel_with_zero12": lambda _: ultrascale.UltraScaleStrategy(expert_parallel=2, zero_stage=1),
     "hf_sequence_parallel": lambda _: _hf_sequence_parallel(),
+    "hf_sequence_parallel_pipeline": lambda _: _hf_sequence_parallel_pipeline(),
     "float8_rowwise_with_tensor_parallel": lambda _: _float8_rowwise_with_tensor_parallel(),
     "async_tensor_parallel": lambda _: ultrascale.UltraScaleStrategy.from_accelerate(
         {"tp_size": 2, "tp_handler": {"enable_async_tp": True}}),
