@@ -166,7 +166,8 @@ def test_compiled_hf_mixtral_expert_parallel_parity(tmp_path):
 @pytest.mark.parametrize("kwargs", [
     {"data_parallel_shard": 2, "compile_backend": "aot_eager"},
     {"tensor_parallel": 2, "data_parallel_shard": 1, "compile_backend": "aot_eager"},
-], ids=["zero3", "tp2"])
+    {"tensor_parallel": 2, "data_parallel_shard": 1, "sequence_parallel": True, "compile_backend": "aot_eager"},
+], ids=["zero3", "tp2", "tp2-sequence-parallel"])
 def test_compiled_hf_qwen2_parity(tmp_path, kwargs):
     """HF Qwen2's decoder layers compiled, against transformers' eager model on one process."""
     from tests._parity import make_hf, make_hf_checkpoint
