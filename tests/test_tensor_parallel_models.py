@@ -131,12 +131,14 @@ def _llama(**overrides):
         (lambda: HFCausalLMModule(_gpt2_config()), 2, {},
          "tensor parallel has no plan for GPT2LMHeadModel: ultrascale has one for the built-in Llama and runs the plan "
          "a Hugging Face causal LM's config ships"),
-        (lambda: HFCausalLMModule(hf_config("llama")), 2, {"sequence_parallel": True},
-         "sequence parallel is not implemented for LlamaForCausalLM"),
+        (lambda: HFCausalLMModule(transformers.MixtralConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)), 2, {"sequence_parallel": True},
+         "sequence parallel on MixtralForCausalLM: its Mixture-of-Experts layers route whole tokens"),
         (lambda: PlainTransformerLM(), 2, {"tp_plan": {"layers.*.mlp.0": "colwise"}}, "plan entries match no submodule"),
         (lambda: PlainTransformerLM(), 2, {"tp_plan": {"blocks.*.mlp.0": "diagonal"}}, "unknown tensor-parallel style 'diagonal'"),
     ],
-    ids=["kv-heads", "hidden-and-vocab", "no-plan", "hf-no-plan", "hf-sp", "unmatched-plan", "unknown-style"],
+    ids=["kv-heads", "hidden-and-vocab", "no-plan", "hf-no-plan", "hf-moe-sp", "unmatched-plan", "unknown-style"],
 )
 def test_tp_errors(make_module, tp, kwargs, expected):
     if "diagonal" in str(kwargs.get("tp_plan", {})):  # a bad style name fails at construction, on one process
