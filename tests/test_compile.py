@@ -81,6 +81,8 @@ CASES = {
                           "compile_backend": "aot_eager"}, None, 1),
     "cp2-alltoall-zero1": (4, {"context_parallel": 2, "data_parallel_shard": 2, "zero_stage": 1,
                                "context_parallel_method": "alltoall", "compile_backend": "aot_eager"}, None, 1),
+    "cp4-usp": (4, {"context_parallel": 4, "data_parallel_shard": 1, "context_parallel_method": "usp",
+                    "context_parallel_ulysses": 2, "compile_backend": "aot_eager"}, None, 1),
     "pp2-1f1b": (2, {"pipeline_parallel": 2, "pipeline_microbatches": 4, "compile_backend": "aot_eager"}, None, 1),
     "pp2-zbv": (2, {"pipeline_parallel": 2, "pipeline_schedule": "ZBVZeroBubble", "pipeline_microbatches": 4,
                     "compile_backend": "aot_eager"}, None, 1),
