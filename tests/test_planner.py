@@ -848,6 +848,12 @@ def test_usp_is_priced_by_its_two_halves_searched_across_nodes_and_emitted(tmp_p
     refused = planner.evaluate(shape, planner.Layout(**{**ring.__dict__, "cp": 32, "cp_method": "alltoall"}), wide, work)
     assert any("do not split over cp=32" in problem for problem in refused.problems), refused.problems
     assert planner.evaluate(shape, planner.Layout(**{**usp.__dict__, "cp": 32}), wide, work).problems == []
+    # A Ulysses degree fixed alone asks for USP; beside another method it is refused, not dropped.
+    fixed_alone = planner.search(shape, cluster, work, {"cp": 16, "tp": 2, "cp_ulysses": 4, "micro_batch": 1,
+                                                        "recompute": "full"})
+    assert {(row.layout.cp_method, row.layout.cp_ulysses) for row in fixed_alone} == {("usp", 4)}
+    beside = planner.evaluate(shape, planner.Layout(**{**ring.__dict__, "cp_ulysses": 4}), cluster, work)
+    assert any("for context_parallel_method='usp' only" in problem for problem in beside.problems), beside.problems
     # A Ulysses degree that does not divide cp is the rulebook's refusal, in the strategy's words.
     bad = planner.evaluate(shape, planner.Layout(**{**usp.__dict__, "cp_ulysses": 3}), cluster, work)
     assert any("divides cp=16" in problem for problem in bad.problems), bad.problems

@@ -214,7 +214,8 @@ def layout_knobs(layout: Layout) -> LayoutKnobs:
         pipeline_virtual_stages=layout.virtual_stages if layout.pp > 1 or layout.virtual_stages != 1 else None,
         pipeline_microbatches=layout.grad_accumulation if layout.pp > 1 else None,
         accumulate_unsharded_grads=layout.accumulate_unsharded_grads, context_parallel_method=layout.cp_method,
-        context_parallel_ulysses=layout.cp_ulysses if layout.cp_method == "usp" else None,
+        # A Ulysses degree beside another method reaches the rulebook, which refuses it by name.
+        context_parallel_ulysses=layout.cp_ulysses if layout.cp_method == "usp" or layout.cp_ulysses != 1 else None,
     )
 
 

@@ -96,12 +96,13 @@ def _candidate_fields(shape: ModelShape, cluster: Cluster, work: Workload, fixed
 def _cp_methods(cp: int, tp: int, cluster: Cluster, fixed: dict[str, Any]) -> list[tuple[str, int]]:
     """(context_parallel_method, USP's Ulysses degree) for `cp` ranks: the ring and Ulysses over all of cp; and where
     cp x tp spans more than a node, USP with the largest Ulysses group that stays inside one (the all-to-alls on the
-    node's links, the ring across nodes). A fixed `cp_method=usp` without `cp_ulysses` takes that group too."""
+    node's links, the ring across nodes). A fixed `cp_method=usp` without `cp_ulysses` takes that group too; a fixed
+    `cp_ulysses` alone means USP."""
     if cp == 1:
         return [("ring", 1)]
     inside_node = max((u for u in range(2, cp) if cp % u == 0 and u * tp <= cluster.gpus_per_node), default=None)
-    if "cp_method" in fixed:
-        method = fixed["cp_method"]
+    if "cp_method" in fixed or "cp_ulysses" in fixed:  # a Ulysses degree alone asks for USP
+        method = fixed.get("cp_method", "usp")
         return [(method, fixed.get("cp_ulysses", inside_node or 2) if method == "usp" else 1)]
     usp = [("usp", inside_node)] if inside_node is not None and cp * tp > cluster.gpus_per_node else []
     return [("ring", 1), ("alltoall", 1), *usp]

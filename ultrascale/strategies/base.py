@@ -68,7 +68,8 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         data_parallel_shard: ranks that shard parameters, gradients and optimizer state (ZeRO-3); -1 means "the rest of the world
             size".
         context_parallel: ranks that split the sequence of every batch; 1 means off. Sequence lengths must be multiples of 2 * cp
-            (times tensor_parallel under sequence parallel). The built-in Llama and HF Llama/Mistral/Qwen2/Qwen3 are supported.
+            (times tensor_parallel under sequence parallel). The built-in Llama and HF decoders whose attention runs through the
+            AttentionInterface are supported.
         context_parallel_method: "ring" (default: K/V passed around the cp ring with P2P, overlapped with the block in hand),
             "allgather" (one all-gather of K/V per layer), "alltoall" (Ulysses: all-to-alls trade heads for sequence around
             SDPA; the query heads per tp rank must divide by cp) or "usp" (both: Ulysses inside groups of
@@ -82,7 +83,7 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
             `tp_plan`. On a Mixture-of-Experts model every expert is split on its intermediate width (expert tensor parallel: the
             router and the tokens stay whole on every tp rank).
         pipeline_parallel: pipeline ranks; 1 means off. The model is split by layers (the built-in Llama and Hugging Face
-            Llama/Mistral/Qwen2/Qwen3 know how; a module of your own returns `ultrascale.parallel.pipeline.PipelineParts` from a
+            models with a `base_model_pp_plan` know how; a module of your own returns `ultrascale.parallel.pipeline.PipelineParts` from a
             `pipeline_parts()` method) and the batch runs through torch's schedule in the loss call: see `pipeline_loss`. Parameters
             keep their names, so checkpoints move between degrees.
         pipeline_schedule: torch's schedule: "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
@@ -97,7 +98,8 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
             per layer): tokens travel to their experts' ranks by all-to-all. Needs zero_stage=3; not with tensor_parallel yet (which
             on its own splits every expert's width instead).
         sequence_parallel: shard norms and the residual stream on the sequence dim between TP regions (activations 1/tp, same
-            communication volume). None: on where the model's plan supports it (built-in Llama), off otherwise.
+            communication volume). None: on where the model's plan supports it (built-in Llama), off otherwise; True also runs it
+            on dense Hugging Face decoders (`ultrascale.models.hf_sequence_parallel`).
         loss_parallel: keep the logits vocab-sharded into the cross-entropy instead of all-gathering (B, T, V). None: on if the
             LightningModule sets `supports_loss_parallel = True` (its loss code accepts DTensor logits, as `LlamaLM`'s does), off
             otherwise.
