@@ -252,6 +252,29 @@ def test_the_planners_action_lists_are_torchs_own(schedule):
         assert schedule_actions.__wrapped__(schedule, pp, v, m) == tuple(tuple(torch_orders[r]) for r in range(pp))
 
 
+@pytest.mark.parametrize("schedule, v", [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 3),
+                                         ("LoopedBFS", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2),
+                                         ("DualPipeV", 2)])
+def test_a_replayed_dependency_order_is_the_event_driven_makespan(schedule, v):
+    """`play` walks a schedule's actions in one order fixed per schedule (`_dependency_order`), not the event queue
+    of `makespan`: on random uneven stage times both give the same step, to the last bit."""
+    import random
+
+    from ultrascale.planner.pipeline import _dependency_order, _replay, makespan, schedule_actions
+
+    rng = random.Random(3)
+    for pp, m in [(2, 4), (4, 8), (4, 16)]:
+        stages = pp * v
+        forward = [rng.uniform(0.5, 2) for _ in range(stages)]
+        backward = [f * rng.uniform(1.5, 3) for f in forward]
+        weight = [b * rng.uniform(0.2, 0.6) for b in backward]
+        durations = {"F": forward, "B": backward, "W": weight, "I": [b - w for b, w in zip(backward, weight)]}
+        orders = schedule_actions(schedule, pp, v, m)
+        timed = {r: [(s, kind, mb, durations[kind][s]) for s, kind, mb in actions] for r, actions in enumerate(orders)}
+        flat = [*forward, *backward, *weight, *durations["I"]]
+        assert _replay(_dependency_order(schedule, pp, v, m), flat, pp) == makespan(timed, stages)
+
+
 @pytest.mark.parametrize("schedule, p, v", [("1F1B", 4, 1), ("Interleaved1F1B", 4, 4), ("ZBVZeroBubble", 4, 2),
                                             ("DualPipeV", 4, 2), ("Interleaved1F1B", 8, 2)])
 def test_steady_state_extends_the_played_micro_batches(schedule, p, v, monkeypatch):

@@ -242,8 +242,11 @@ def _ring(kind: str, nbytes: float, n: int, bandwidth: float) -> float:
     """NCCL ring time for a buffer of `nbytes` (the whole, unsharded size) over `n` ranks."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-              "all_to_all": (n - 1) / n, "p2p": 1.0}[kind]
+    if kind == "p2p":
+        return 1.0 * nbytes / bandwidth
+    if kind not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        raise ValueError(f"no ring cost for {kind!r}")
+    factor = (2 if kind == "all_reduce" else 1) * (n - 1) / n  # all_gather, reduce_scatter, all_to_all: (n-1)/n
     return factor * nbytes / bandwidth
 
 

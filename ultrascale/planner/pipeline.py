@@ -113,11 +113,13 @@ def _one_f_one_b(rank: int, pp: int, m: int) -> tuple[Action, ...]:
 
 
 def makespan(orders: dict[int, Sequence[tuple[int, str, int, float]]], num_stages: int,
-             record: Optional[dict[int, list[tuple[int, str, int, float, float]]]] = None) -> float:
+             record: Optional[dict[int, list[tuple[int, str, int, float, float]]]] = None,
+             visits: Optional[list[tuple[int, int, str, int]]] = None) -> float:
     """Length of a step whose ranks run their (stage, kind, micro-batch, duration) actions in the given order,
     each rank on its own device, an action starting when its rank is free and its input exists: F(s, i) needs
     F(s-1, i); B or I (s, i) needs B or I (s+1, i). The rest (B after F, W after I) happens on the same rank,
-    earlier in its order. `record`, if given, gets each rank's (stage, kind, micro-batch, start, end)."""
+    earlier in its order. `record`, if given, gets each rank's (stage, kind, micro-batch, start, end); `visits`, every
+    action as (rank, stage, kind, micro-batch) in the order it was run, an order in which each input comes first."""
     # Event-driven: a rank runs its actions until one needs an input not yet made, then waits on that input and is
     # resumed when it is made; each action is visited once (a rescan of every rank per pass was O(ranks x passes)).
     # Times do not depend on the order ranks are visited in: start = max(the rank free, the input made).
@@ -152,6 +154,8 @@ def makespan(orders: dict[int, Sequence[tuple[int, str, int, float]]], num_stage
             ends[made_key] = t
             if record is not None:
                 record.setdefault(r, []).append((stage, kind, mb, start, t))
+            if visits is not None:
+                visits.append((r, stage, kind, mb))
             woken = waiting.pop(made_key, None)
             if woken:
                 runnable.extend(woken)
@@ -176,22 +180,17 @@ class PipelinePlay:
     micro-batches counts n·k)."""
 
 
-def _timed_orders(schedule: str, layout: PipelineLayout, forward: Sequence[float], backward: Sequence[float],
-                  weight: Sequence[float]) -> tuple[int, tuple[tuple[Action, ...], ...], dict[int, list[tuple[int, str, int, float]]]]:
-    """(micro-batches played, torch's action lists, each rank's actions with their durations) for `play`."""
-    m = layout.microbatches
-    played = m if schedule == "GPipe" else min(m, PLAYED_ROUNDS * layout.pp)
-    orders = schedule_actions(schedule, layout.pp, layout.virtual_stages, played)
-    durations = {"F": forward, "B": backward, "W": weight,
-                 "I": [b - w for b, w in zip(backward, weight)]}
-    timed = {r: [(s, kind, mb, durations[kind][s]) for s, kind, mb in actions] for r, actions in enumerate(orders)}
-    return played, orders, timed
+def _played_microbatches(schedule: str, layout: PipelineLayout) -> int:
+    """How many micro-batches `play` plays of torch's lists: m' = min(m, 4p); GPipe, whose holding grows with m, all."""
+    return layout.microbatches if schedule == "GPipe" else min(layout.microbatches, PLAYED_ROUNDS * layout.pp)
 
 
 def timeline(schedule: str, layout: PipelineLayout, forward: Sequence[float], backward: Sequence[float],
              weight: Sequence[float]) -> dict[int, list[tuple[int, str, int, float, float]]]:
     """Each rank's actions as `play` plays them: (stage, kind, micro-batch, start, end), seconds (`plan --plot`)."""
-    _, _, timed = _timed_orders(schedule, layout, forward, backward, weight)
+    orders = schedule_actions(schedule, layout.pp, layout.virtual_stages, _played_microbatches(schedule, layout))
+    durations = {"F": forward, "B": backward, "W": weight, "I": [b - w for b, w in zip(backward, weight)]}
+    timed = {r: [(s, kind, mb, durations[kind][s]) for s, kind, mb in actions] for r, actions in enumerate(orders)}
     out: dict[int, list[tuple[int, str, int, float, float]]] = {}
     makespan(timed, layout.num_stages, out)
     return out
@@ -206,21 +205,72 @@ def play(schedule: str, layout: PipelineLayout, forward: Sequence[float], backwa
     micro-batch beyond them adds the busiest rank's F + B of one micro-batch, the steady state's rate. GPipe,
     whose holding grows with m, is played whole."""
     pp, m = layout.pp, layout.microbatches
-    played, orders, timed = _timed_orders(schedule, layout, forward, backward, weight)
+    played = _played_microbatches(schedule, layout)
     per_microbatch = [sum(forward[s] + backward[s] for s in layout.stage_ids(r)) for r in range(pp)]
-    step = makespan(timed, layout.num_stages) + (m - played) * max(per_microbatch)
+    durations = [*forward, *backward, *weight, *(b - w for b, w in zip(backward, weight))]
+    step = _replay(_dependency_order(schedule, pp, layout.virtual_stages, played), durations, pp)
+    step += (m - played) * max(per_microbatch)
+    return PipelinePlay(step=step, busiest=m * max(per_microbatch),
+                        peak_layers=_peak_layers(schedule, pp, layout.virtual_stages, played, layout.layers_per_stage))
+
+
+_KIND_SLOT = {"F": 0, "B": 1, "W": 2, "I": 3}
+"""Where an action's duration sits in `play`'s flat list: forward, backward, weight, input-gradient, each per stage."""
+
+
+@functools.lru_cache(maxsize=512)
+def _dependency_order(schedule: str, pp: int, virtual_stages: int, played: int) -> tuple[tuple[int, int, int], ...]:
+    """torch's action lists in an order `makespan` can run them in, as (rank, duration slot, index of the action
+    whose output it waits for or -1). Which action waits on which does not depend on the durations, so a search
+    that plays one schedule at many stage times walks this flat list (`_replay`) instead of the event queue."""
+    orders = schedule_actions(schedule, pp, virtual_stages, played)
+    num_stages = pp * virtual_stages
+    timed = {r: [(s, kind, mb, 0.0) for s, kind, mb in actions] for r, actions in enumerate(orders)}
+    visits: list[tuple[int, int, str, int]] = []
+    makespan(timed, num_stages, visits=visits)
+    index_of: dict[tuple[str, int, int], int] = {}
+    flat = []
+    for i, (rank, stage, kind, mb) in enumerate(visits):
+        if kind == "F":
+            needs = ("F", stage - 1, mb) if stage > 0 else None
+        elif kind in ("B", "I"):
+            needs = ("B", stage + 1, mb) if stage < num_stages - 1 else None
+        else:
+            needs = None
+        flat.append((rank, _KIND_SLOT[kind] * num_stages + stage, index_of[needs] if needs is not None else -1))
+        index_of[("B" if kind in ("B", "I") else kind, stage, mb)] = i
+    return tuple(flat)
+
+
+def _replay(order: tuple[tuple[int, int, int], ...], durations: list[float], pp: int) -> float:
+    """`makespan` of a `_dependency_order`: each action starts when its rank is free and its input is made."""
+    ends = [0.0] * len(order)
+    free = [0.0] * pp
+    for i, (rank, slot, needs) in enumerate(order):
+        start = free[rank]
+        if needs >= 0 and ends[needs] > start:
+            start = ends[needs]
+        free[rank] = ends[i] = start + durations[slot]
+    return max(free)
+
+
+@functools.lru_cache(maxsize=4096)
+def _peak_layers(schedule: str, pp: int, virtual_stages: int, played: int, layers_per_stage: tuple[int, ...]
+                 ) -> tuple[float, ...]:
+    """Per rank, the most layer-micro-batches of activations held at once: a stage's F adds its layers, its B (or,
+    when the backward is split, its W) frees them."""
     peaks = []
-    for actions in orders:
+    for actions in schedule_actions(schedule, pp, virtual_stages, played):
         live = peak = 0.0
         split = {(s, mb) for s, kind, mb in actions if kind == "W"}
         for s, kind, mb in actions:
             if kind == "F":
-                live += layout.layers_per_stage[s]
+                live += layers_per_stage[s]
                 peak = max(peak, live)
             elif kind == "W" or (kind == "B" and (s, mb) not in split):
-                live -= layout.layers_per_stage[s]
+                live -= layers_per_stage[s]
         peaks.append(peak)
-    return PipelinePlay(step=step, busiest=m * max(per_microbatch), peak_layers=tuple(peaks))
+    return tuple(peaks)
 
 
 def balanced_layers(n_layers: int, num_stages: int) -> tuple[int, ...] | None:
