@@ -252,6 +252,25 @@ def test_the_planners_action_lists_are_torchs_own(schedule):
         assert schedule_actions.__wrapped__(schedule, pp, v, m) == tuple(tuple(torch_orders[r]) for r in range(pp))
 
 
+def test_a_fixed_knob_asks_for_its_dimension():
+    """`--layout schedule=ZBVZeroBubble` (or v, or layers) with pp free: every row is pipelined with that schedule;
+    a fixed cp method or Ulysses degree with cp free: every row has cp and that method (8B on 8 GPUs ranked pp=1 and
+    cp=1 rows first before, without the knob). Where no degree above 1 divides the GPUs, why_not says so."""
+    shape, work = model_shape("llama3_8b"), planner.Workload(8192, 8)
+    cluster = planner.Cluster(planner.GPU_SPECS["h100"], 8)
+    for knob in ({"cp_ulysses": 2}, {"cp_method": "alltoall"}, {"cp_method": "usp"}):
+        rows = planner.search(shape, cluster, work, knob, top=5)
+        assert rows and all(row.layout.cp > 1 and knob.items() <= row.layout.__dict__.items() for row in rows), knob
+    for knob in ({"pipeline_schedule": "ZBVZeroBubble"}, {"virtual_stages": 2}, {"pipeline_layers": "balanced"}):
+        rows = planner.search(shape, cluster, work, knob, top=5)
+        assert rows and all(row.layout.pp > 1 for row in rows), knob
+    assert all(row.layout.schedule == "ZBVZeroBubble"
+               for row in planner.search(shape, cluster, work, {"pipeline_schedule": "ZBVZeroBubble"}, top=5))
+    reasons = planner.why_not(shape, planner.Cluster(planner.GPU_SPECS["h100"], 1), planner.Workload(8192, 8),
+                              {"pipeline_schedule": "ZBVZeroBubble"})
+    assert any("pipeline_schedule asks for pp above 1" in reason for reason in reasons), reasons
+
+
 @pytest.mark.parametrize("schedule, v", [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 3),
                                          ("LoopedBFS", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2),
                                          ("DualPipeV", 2)])

@@ -102,6 +102,10 @@ class Layout:
 LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero_stage", "micro_batch", "grad_accumulation",
                "recompute", "virtual_stages", "accumulate_unsharded_grads", "cp_method", "cp_ulysses",
                "pipeline_schedule", "pipeline_layers")
+KNOB_DIMENSIONS = {"pipeline_schedule": "pp", "virtual_stages": "pp", "pipeline_layers": "pp", "cp_method": "cp",
+                   "cp_ulysses": "cp"}
+"""Knobs that mean something only where their dimension is above 1: a search with one of them fixed and the degree
+free tries only degrees above 1 (a row without the knob would not be the layout asked for)."""
 PIPELINE_SPLITS = ("even", "balanced")
 """`pipeline_layers` by name: the strategy's default split, or the embedding and the loss counted as a layer each
 (`ultrascale.planner.pipeline.balanced_layers`)."""
