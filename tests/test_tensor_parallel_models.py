@@ -296,3 +296,23 @@ def test_longcat_flash_plan_parity(world, kwargs):
     gate_up = shapes["model.model.layers.0.mlp.experts.gate_up_proj"]
     assert gate_up[1:] == (32, 64), gate_up  # (experts / dp, 2 x 32 / tp, H): each rank holds half of gate and of up
     assert_parity(results[0], reference, step_losses(results))
+
+
+def test_sequence_parallel_refuses_a_piece_it_cannot_slice_by_name():
+    """HF sequence parallel reads the decoder's structure: a layer child the tp plan does not reach, with parameters
+    that are not a norm over the hidden size, is refused naming the layer and the child (and the same for the base
+    model's own children); the plain decoder has no such piece."""
+    from ultrascale.models.hf_sequence_parallel import hf_sequence_parallel_problem
+
+    config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    plan = model.config.base_model_tp_plan
+    assert hf_sequence_parallel_problem(model, plan, "Qwen3ForCausalLM", 0) is None
+    model.model.layers[1].adapter = torch.nn.Linear(32, 32)
+    problem = hf_sequence_parallel_problem(model, plan, "Qwen3ForCausalLM", 0)
+    assert problem is not None and "layer 1's `adapter` (Linear)" in problem, problem
+    del model.model.layers[1].adapter
+    model.model.projector = torch.nn.Linear(32, 32)
+    problem = hf_sequence_parallel_problem(model, plan, "Qwen3ForCausalLM", 0)
+    assert problem is not None and "the base model's `projector` (Linear)" in problem, problem

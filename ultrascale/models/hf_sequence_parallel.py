@@ -22,7 +22,7 @@ naming the piece.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Optional
 
 from torch import nn
@@ -42,27 +42,38 @@ def _is_hidden_norm(module: nn.Module, hidden: int) -> bool:
     return bool(params) and all(p.dim() == 1 and p.shape[0] == hidden for p in params)
 
 
+def _pieces(hf: nn.Module, base_plan: Mapping[str, str]) -> Iterator[tuple[str, Optional[int], nn.Module, str]]:
+    """What sequence parallel does with each child of the base model's layers and of the base model itself, as
+    (name, layer index or None for the base model's own, module, role): "branch" (the plan places linears in it:
+    gathers its input), "norm" (parameters only over the hidden size: runs on the slice) or "other" (parameters
+    of another kind: refused). Children without parameters are left out; so are the layers and the embedding."""
+    base, hidden, branches = hf.base_model, hf.config.hidden_size, _branches(base_plan)
+    for index, layer in enumerate(base.layers):
+        for name, child in layer.named_children():
+            if name in branches:
+                yield name, index, child, "branch"
+            elif any(True for _ in child.parameters()):
+                yield name, index, child, "norm" if _is_hidden_norm(child, hidden) else "other"
+    embedding = hf.get_input_embeddings()
+    for name, child in base.named_children():
+        if child is not base.layers and child is not embedding and any(True for _ in child.parameters()):
+            yield name, None, child, "norm" if _is_hidden_norm(child, hidden) else "other"
+
+
 def hf_sequence_parallel_problem(hf: nn.Module, base_plan: Mapping[str, str], name: str, n_experts: int) -> Optional[str]:
     """Why `hf`'s residual stream cannot be sharded on the sequence between its plan's branches; None: it can."""
     where = f"sequence parallel on {name}"
     if n_experts:
         return (f"{where}: its Mixture-of-Experts layers route whole tokens on every tp rank (expert tensor parallel); "
                 "sequence parallel runs on the dense Hugging Face decoders. Set `sequence_parallel=False`")
-    base = hf.base_model
-    layers = getattr(base, "layers", None)
-    branches = _branches(base_plan)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0 or not branches:
+    layers = getattr(hf.base_model, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0 or not _branches(base_plan):
         return f"{where}: its base model has no `layers` list the tp plan places its linears in"
-    hidden = hf.config.hidden_size
-    for index, layer in enumerate(layers):
-        for child_name, child in layer.named_children():
-            if child_name not in branches and any(True for _ in child.parameters()) and not _is_hidden_norm(child, hidden):
-                return (f"{where}: layer {index}'s `{child_name}` ({type(child).__name__}) holds parameters outside the "
-                        "tp plan that are not a norm over the hidden size, so it cannot run on a slice of the sequence")
-    embedding = hf.get_input_embeddings()
-    for child_name, child in base.named_children():
-        if child is not layers and child is not embedding and any(True for _ in child.parameters()) \
-                and not _is_hidden_norm(child, hidden):
+    for child_name, index, child, role in _pieces(hf, base_plan):
+        if role == "other" and index is not None:
+            return (f"{where}: layer {index}'s `{child_name}` ({type(child).__name__}) holds parameters outside the "
+                    "tp plan that are not a norm over the hidden size, so it cannot run on a slice of the sequence")
+        if role == "other":
             return (f"{where}: the base model's `{child_name}` ({type(child).__name__}) holds parameters that are "
                     "neither the layers, the embedding nor a final norm")
     return None
@@ -71,7 +82,8 @@ def hf_sequence_parallel_problem(hf: nn.Module, base_plan: Mapping[str, str], na
 def hf_sequence_parallel_styles(hf: nn.Module, styles: Mapping[str, ParallelStyle], base_plan: Mapping[str, str], *,
                                 base: str, prefix: str, loss_parallel: bool) -> dict[str, ParallelStyle]:
     """`styles` (the plan `hf_tp_plan` made, keyed from the LightningModule: `prefix` is `hf`'s path, `base` its base
-    model's) with the residual stream sharded on the sequence between the branches."""
+    model's) with the residual stream sharded on the sequence between the branches (`hf_sequence_parallel_problem`
+    has found nothing in the way)."""
     from ultrascale.parallel.tensor_styles import HiddenStatesLayout
 
     result: dict[str, ParallelStyle] = {}
@@ -80,21 +92,12 @@ def hf_sequence_parallel_styles(hf: nn.Module, styles: Mapping[str, ParallelStyl
         if key.startswith(layers_path) and type(style) is RowwiseParallel:  # a branch's last layer: reduce-scatter
             style = RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=Shard(1))
         result[key] = style
-    hf_base = hf.base_model
-    branches = _branches(base_plan)
-    embedding = hf.get_input_embeddings()
-    for index, layer in enumerate(hf_base.layers):
-        path = f"{layers_path}{index}"
-        if index == 0:  # the model's forward made the stream whole: the first layer takes this rank's slice
-            result[path] = HiddenStatesLayout(Replicate(), Shard(1))
-        for child_name, child in layer.named_children():
-            if child_name in branches:
-                result[f"{path}.{child_name}"] = HiddenStatesLayout(Shard(1), Replicate())
-            elif any(True for _ in child.parameters()):
-                result[f"{path}.{child_name}"] = SequenceParallel(use_local_output=True)
-    for child_name, child in hf_base.named_children():
-        if child is not hf_base.layers and child is not embedding and any(True for _ in child.parameters()):
-            result[f"{base}{child_name}"] = SequenceParallel(use_local_output=True)  # the final norm
+    # The model's forward made the stream whole: the first layer takes this rank's slice.
+    result[f"{layers_path}0"] = HiddenStatesLayout(Replicate(), Shard(1))
+    for child_name, index, _, role in _pieces(hf, base_plan):
+        path = f"{base}{child_name}" if index is None else f"{layers_path}{index}.{child_name}"  # None: the final norm
+        result[path] = (HiddenStatesLayout(Shard(1), Replicate()) if role == "branch"
+                        else SequenceParallel(use_local_output=True))
     head = hf.get_output_embeddings()
     paths = {id(module): name for name, module in hf.named_modules()}
     if head is not None and id(head) in paths:
