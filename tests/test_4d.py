@@ -69,7 +69,9 @@ def _expected_layout(world: int, global_batch: int, fixed: dict, n_layers: int =
     # the strategy must then run (it refuses 4 stages over 6 layers without `pipeline_layers`).
     (2, BATCH, {"auto_layout": True, "pipeline_parallel": 2, "pipeline_schedule": "Interleaved1F1B"},
      {"pp": 2, "pipeline_schedule": "Interleaved1F1B"}, 6),
-], ids=["by-name-world2", "tp-fixed-world4", "cp-fixed-world4", "interleaved-balanced-world2"])
+    # A cp method with cp free asks for cp: before, the planner's cp=1 row ran and the method was dropped silently.
+    (2, BATCH, {"auto_layout": True, "context_parallel_method": "alltoall"}, {"cp_method": "alltoall"}, 4),
+], ids=["by-name-world2", "tp-fixed-world4", "cp-fixed-world4", "interleaved-balanced-world2", "cp-method-world2"])
 def test_auto_layout_is_the_planners_and_exact(world, global_batch, strategy, fixed, n_layers):
     strategy = ultrascale.UltraScaleStrategy(**strategy) if isinstance(strategy, dict) else strategy
     results = run_ranks(_train_auto, world, strategy, global_batch, n_layers)
