@@ -114,12 +114,13 @@ def _one_f_one_b(rank: int, pp: int, m: int) -> tuple[Action, ...]:
 
 def makespan(orders: dict[int, Sequence[tuple[int, str, int, float]]], num_stages: int,
              record: Optional[dict[int, list[tuple[int, str, int, float, float]]]] = None,
-             visits: Optional[list[tuple[int, int, str, int]]] = None) -> float:
+             visits: Optional[list[tuple[int, int, Optional[tuple[str, int, int]], tuple[str, int, int]]]] = None) -> float:
     """Length of a step whose ranks run their (stage, kind, micro-batch, duration) actions in the given order,
     each rank on its own device, an action starting when its rank is free and its input exists: F(s, i) needs
     F(s-1, i); B or I (s, i) needs B or I (s+1, i). The rest (B after F, W after I) happens on the same rank,
     earlier in its order. `record`, if given, gets each rank's (stage, kind, micro-batch, start, end); `visits`, every
-    action as (rank, stage, kind, micro-batch) in the order it was run, an order in which each input comes first."""
+    action as (rank, duration slot, the output it waits for or None, the output it makes) in the order it was run,
+    an order in which each input comes first (`_dependency_order`)."""
     # Event-driven: a rank runs its actions until one needs an input not yet made, then waits on that input and is
     # resumed when it is made; each action is visited once (a rescan of every rank per pass was O(ranks x passes)).
     # Times do not depend on the order ranks are visited in: start = max(the rank free, the input made).
@@ -155,7 +156,7 @@ def makespan(orders: dict[int, Sequence[tuple[int, str, int, float]]], num_stage
             if record is not None:
                 record.setdefault(r, []).append((stage, kind, mb, start, t))
             if visits is not None:
-                visits.append((r, stage, kind, mb))
+                visits.append((r, _KIND_SLOT[kind] * num_stages + stage, needs, made_key))
             woken = waiting.pop(made_key, None)
             if woken:
                 runnable.extend(woken)
@@ -226,19 +227,13 @@ def _dependency_order(schedule: str, pp: int, virtual_stages: int, played: int) 
     orders = schedule_actions(schedule, pp, virtual_stages, played)
     num_stages = pp * virtual_stages
     timed = {r: [(s, kind, mb, 0.0) for s, kind, mb in actions] for r, actions in enumerate(orders)}
-    visits: list[tuple[int, int, str, int]] = []
+    visits: list[tuple[int, int, Optional[tuple[str, int, int]], tuple[str, int, int]]] = []
     makespan(timed, num_stages, visits=visits)
     index_of: dict[tuple[str, int, int], int] = {}
     flat = []
-    for i, (rank, stage, kind, mb) in enumerate(visits):
-        if kind == "F":
-            needs = ("F", stage - 1, mb) if stage > 0 else None
-        elif kind in ("B", "I"):
-            needs = ("B", stage + 1, mb) if stage < num_stages - 1 else None
-        else:
-            needs = None
-        flat.append((rank, _KIND_SLOT[kind] * num_stages + stage, index_of[needs] if needs is not None else -1))
-        index_of[("B" if kind in ("B", "I") else kind, stage, mb)] = i
+    for i, (rank, slot, needs, made) in enumerate(visits):
+        flat.append((rank, slot, index_of[needs] if needs is not None else -1))
+        index_of[made] = i
     return tuple(flat)
 
 

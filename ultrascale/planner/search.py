@@ -51,15 +51,14 @@ def _candidate_fields(shape: ModelShape, cluster: Cluster, work: Workload, fixed
     n = cluster.gpus
     pow2 = lambda limit: [d for d in (1, 2, 4, 8, 16, 32, 64, 128) if d <= limit]  # noqa: E731
     # A fixed knob of a free dimension (a schedule without pp, a cp method without cp) asks for that dimension.
-    least = {dim: 2 if any(KNOB_DIMENSIONS[knob] == dim for knob in fixed.keys() & KNOB_DIMENSIONS.keys()) else 1
-             for dim in ("pp", "cp")}
+    asked = {KNOB_DIMENSIONS[knob]: knob for knob in sorted(fixed.keys() & KNOB_DIMENSIONS.keys())}
+    least = {dim: 2 if dim in asked else 1 for dim in ("pp", "cp")}
     tps = [fixed["tp"]] if "tp" in fixed else [d for d in pow2(cluster.gpus_per_node) if n % d == 0]
     pps = [fixed["pp"]] if "pp" in fixed else [d for d in _divisors(n) if least["pp"] <= d <= min(shape.n_layers, 64)]
     cps = [fixed["cp"]] if "cp" in fixed else [d for d in pow2(32) if n % d == 0 and d >= least["cp"]]
     for dim, degrees in (("pp", pps), ("cp", cps)):
-        if not degrees:
-            knobs = ", ".join(sorted(k for k in fixed.keys() & KNOB_DIMENSIONS.keys() if KNOB_DIMENSIONS[k] == dim))
-            leave_out(f"{knobs} asks for {dim} above 1, and no such degree divides the {n} GPUs")
+        if not degrees and dim in asked:
+            leave_out(f"{asked[dim]} asks for {dim} above 1, and no such degree divides the {n} GPUs")
     zeros = [fixed["zero_stage"]] if "zero_stage" in fixed else [1, 2, 3]
     recomputes = [fixed["recompute"]] if "recompute" in fixed else list(RECOMPUTE_MODES)
     eps = [fixed["ep"]] if "ep" in fixed else ([d for d in _divisors(shape.n_experts) if d <= n] if shape.n_experts else [1])
