@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import re
 
@@ -1153,10 +1154,11 @@ def test_a_calibration_divides_its_familys_predicted_times_and_reranks(tmp_path)
 ], ids=["8b-16", "70b-32-pp4", "70b-32-calibrated", "mixtral-16"])
 def test_a_search_for_the_top_rows_prices_fewer_and_gives_the_same_rows(preset, gpus, batch, fixed, calibration):
     """`search(top=K)` skips the candidates whose ceiling (tokens over `step_time_floor` + `communication_floor`)
-    cannot reach the K-th best fitting row, or whose model state alone cannot fit: the same K rows, in the same
-    order, as pricing every candidate. The floors are below every priced step and memory (what makes the skipping exact)."""
+    cannot reach the K-th best fitting row, or whose memory cannot fit: the same K rows, in the same order, as pricing
+    every candidate. The floors are below every priced step and memory, and `peak_memory` is the row's memory
+    without the step times (what makes the skipping exact)."""
     from ultrascale.planner.calibration import Calibration, calibrated
-    from ultrascale.planner.cost import communication_floor, memory_floor, step_time_floor
+    from ultrascale.planner.cost import communication_floor, model_state_floor, peak_memory, step_time_floor
 
     shape, work = model_shape(preset), planner.Workload(8192, batch)
     cluster = planner.Cluster(planner.GPU_SPECS["h100"], gpus)
@@ -1171,7 +1173,19 @@ def test_a_search_for_the_top_rows_prices_fewer_and_gives_the_same_rows(preset, 
         for schedule in (False, True):
             floor = step_time_floor(shape, row.layout, cluster, work, schedule=schedule)
             assert floor + communication_floor(shape, row.layout, cluster, work) <= row.step_time["total"] * (1 + 1e-12)
-        assert memory_floor(shape, row.layout, work) <= row.memory["total"] * (1 + 1e-12)
+        assert model_state_floor(shape, row.layout, work) <= row.memory["total"] * (1 + 1e-12)
+        assert peak_memory(shape, row.layout, work) == row.memory["total"]
+
+
+def test_a_search_with_fewer_fitting_rows_than_asked_gives_every_row():
+    """When fewer than K layouts fit, `search(top=K)` returns what pricing every candidate does, the rows that cannot
+    fit included: those it set aside by `peak_memory` are priced after all, and sort where pricing everything puts
+    them."""
+    shape, work = model_shape("llama3_70b"), planner.Workload(8192, 16)
+    cluster = planner.Cluster(planner.GPU_SPECS["h100"], 16)
+    every = planner.search(shape, cluster, work)
+    assert 0 < sum(row.fits for row in every) < 20 and not every[-1].fits
+    assert [row.to_json() for row in planner.search(shape, cluster, work, top=20)] == [row.to_json() for row in every]
 
 
 def test_the_searchs_candidate_tuples_are_layouts_field_by_field():
@@ -1190,3 +1204,11 @@ def test_the_searchs_candidate_tuples_are_layouts_field_by_field():
         assert lay.pipeline_layers is None or sum(lay.pipeline_layers) == shape.n_layers
         seen |= {(lay.pp > 1, lay.cp > 1, lay.ep > 1, lay.recompute, lay.accumulate_unsharded_grads)}
     assert len(seen) > 20  # pipelines, context and expert splits, every recompute mode, both accumulations
+    search_module = importlib.import_module("ultrascale.planner.search")
+    field_names = [field.name for field in dataclasses.fields(planner.Layout)]
+    constants = {"pp": "_PP", "dp_replicate": "_DP_REPLICATE", "dp_shard": "_DP_SHARD", "cp": "_CP", "tp": "_TP",
+                 "ep": "_EP", "zero_stage": "_ZERO", "micro_batch": "_MICRO_BATCH", "grad_accumulation": "_ACCUMULATION",
+                 "recompute": "_RECOMPUTE", "virtual_stages": "_VIRTUAL_STAGES", "pipeline_schedule": "_SCHEDULE",
+                 "pipeline_layers": "_LAYERS", "accumulate_unsharded_grads": "_UNSHARDED", "cp_method": "_CP_METHOD",
+                 "cp_ulysses": "_CP_ULYSSES"}  # the search's memo keys pick fields by these
+    assert [getattr(search_module, constants[name]) for name in field_names] == list(range(len(field_names)))

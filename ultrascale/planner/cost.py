@@ -13,7 +13,7 @@ from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, Cluster
 from ultrascale.parallel.pipeline import PipelineLayout, even_layers
 from ultrascale.planner.calibration import family_ratio
 from ultrascale.planner.layouts import Layout, layout_problems, model_facts_of, runs_as
-from ultrascale.planner.pipeline import PipelinePlay, play, timeline
+from ultrascale.planner.pipeline import PipelinePlay, held_layers, play, timeline
 
 __all__ = ["PlanRow", "Workload", "evaluate", "pipeline_of", "pipeline_timeline", "rank_parts", "stage_model_state"]
 
@@ -296,14 +296,30 @@ def communication_floor(shape: ModelShape, layout: Layout, cluster: Cluster, wor
     return exposed / family_ratio(dict(cluster.calibration), lay)[0] if cluster.calibration else exposed
 
 
-def memory_floor(shape: ModelShape, layout: Layout, work: Workload) -> float:
-    """A lower bound on `evaluate(...).memory["total"]`, without activations or the schedule: the first pipeline
-    rank's weights, gradients and optimizer state. `_peak_memory`'s total is weights + buffers + a moment that holds
-    at least the gradients and the optimizer state (the step's, or the forward's whose activations and accumulating
-    gradients outweigh them), and the row's memory is its largest rank's."""
+def model_state_floor(shape: ModelShape, layout: Layout, work: Workload) -> float:
+    """A lower bound on `peak_memory`, without activations or the schedule: the first pipeline rank's weights,
+    gradients and optimizer state. `_peak_memory`'s total is weights + buffers + a moment that holds at least the
+    gradients and the optimizer state (the step's, or the forward's whose activations and accumulating gradients
+    outweigh them), and the row's memory is its largest rank's."""
     lay = runs_as(layout)
     layers, first, last = rank_parts(shape, pipeline_of(shape, lay))[0]
     return sum(stage_model_state(shape, lay, work, layers, first, last).values())
+
+
+def peak_memory(shape: ModelShape, layout: Layout, work: Workload, hf_config: Any = None) -> float:
+    """`evaluate(...).memory["total"]` alone, without the step times: what a rank holds depends on its schedule's
+    order, not on how long each action takes."""
+    lay = runs_as(layout)
+    return _memory(shape, lay, work, _activations(shape, lay, work, hf_config), pipeline_of(shape, lay))[0]["total"]
+
+
+def _memory(shape: ModelShape, lay: Layout, work: Workload, acts: ActivationModel, pipe: PipelineLayout | None
+            ) -> tuple[dict[str, float], dict[str, float]]:
+    """The peak memory of the largest rank, by category, and that rank's model state."""
+    held = held_layers(pipe.schedule, pipe) if pipe is not None else None
+    ranks = [(*part, held[r] if held else None) for r, part in enumerate(rank_parts(shape, pipe))]
+    return max(((_peak_memory(shape, lay, work, acts, *rank), stage_model_state(shape, lay, work, *rank[:3]))
+                for rank in _undominated(ranks)), key=lambda pair: pair[0]["total"])
 
 
 def pipeline_timeline(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload, hf_config: Any = None
@@ -326,9 +342,7 @@ def evaluate(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload
         problems = layout_problems(lay, shape, cluster, work.seq_len, work.global_batch, hf_config)
     acts, pipe, times = _activations_and_stage_times(shape, lay, cluster, work, hf_config)
     played = _played(pipe, times) if pipe is not None else None
-    ranks = [(*part, played.peak_layers[r] if played else None) for r, part in enumerate(rank_parts(shape, pipe))]
-    memory, state = max(((_peak_memory(shape, lay, work, acts, *rank), stage_model_state(shape, lay, work, *rank[:3]))
-                         for rank in _undominated(ranks)), key=lambda pair: pair[0]["total"])
+    memory, state = _memory(shape, lay, work, acts, pipe)
     step_time = _step_time(shape, lay, cluster, work, acts, pipe, times, played)
     notes = []
     if cluster.calibration:  # this machine's measured / predicted tokens/s for the layout's family

@@ -211,8 +211,13 @@ def play(schedule: str, layout: PipelineLayout, forward: Sequence[float], backwa
     durations = [*forward, *backward, *weight, *(b - w for b, w in zip(backward, weight))]
     step = _replay(_dependency_order(schedule, pp, layout.virtual_stages, played), durations, pp)
     step += (m - played) * max(per_microbatch)
-    return PipelinePlay(step=step, busiest=m * max(per_microbatch),
-                        peak_layers=_peak_layers(schedule, pp, layout.virtual_stages, played, layout.layers_per_stage))
+    return PipelinePlay(step=step, busiest=m * max(per_microbatch), peak_layers=held_layers(schedule, layout))
+
+
+def held_layers(schedule: str, layout: PipelineLayout) -> tuple[float, ...]:
+    """`play`'s `peak_layers`, without the stage times: which activations a rank holds depends only on its order."""
+    return _peak_layers(schedule, layout.pp, layout.virtual_stages, _played_microbatches(schedule, layout),
+                        layout.layers_per_stage)
 
 
 _KIND_SLOT = {"F": 0, "B": 1, "W": 2, "I": 3}

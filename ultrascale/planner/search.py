@@ -11,11 +11,12 @@ from typing import Any, Optional
 
 from ultrascale.estimate import ModelShape
 from ultrascale.hardware import GIB, Cluster
+from ultrascale.parallel import rules
 from ultrascale.parallel.dims import zero_ranks
 from ultrascale.parallel.pipeline import even_layers
 from ultrascale.parallel.rules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, batch_split_problem
-from ultrascale.planner.cost import PlanRow, Workload, communication_floor, evaluate, memory_floor, step_time_floor
-from ultrascale.planner.layouts import KNOB_DIMENSIONS, RECOMPUTE_MODES, Layout, layout_problems, runs_as
+from ultrascale.planner.cost import PlanRow, Workload, communication_floor, evaluate, model_state_floor, peak_memory, step_time_floor
+from ultrascale.planner.layouts import KNOB_DIMENSIONS, RECOMPUTE_MODES, Layout, layout_problems, model_facts_of, runs_as
 from ultrascale.planner.pipeline import balanced_layers
 
 __all__ = ["candidate_layouts", "search", "why_not"]
@@ -34,7 +35,11 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, work: Workload, fixed
 
 
 # A candidate's fields in `Layout`'s order (a search makes a `Layout` only for the candidates it reaches).
-_PP, _DP_REPLICATE, _DP_SHARD, _CP, _TP, _EP, _ZERO, _MICRO_BATCH, _ACCUMULATION, _RECOMPUTE = range(10)
+(_PP, _DP_REPLICATE, _DP_SHARD, _CP, _TP, _EP, _ZERO, _MICRO_BATCH, _ACCUMULATION, _RECOMPUTE, _VIRTUAL_STAGES, _SCHEDULE,
+ _LAYERS, _UNSHARDED, _CP_METHOD, _CP_ULYSSES) = range(16)
+_STATE_FIELDS = (_PP, _DP_REPLICATE, _DP_SHARD, _CP, _TP, _EP, _ZERO, _VIRTUAL_STAGES, _SCHEDULE, _LAYERS)
+"""What a layout's model state on its first pipeline rank depends on (`model_state_floor`): the degrees, the ZeRO
+stage and the pipeline's stages (virtual stages, schedule, layer split)."""
 _COMPUTE_FIELDS = (_PP, _CP, _TP, _MICRO_BATCH, _ACCUMULATION, _RECOMPUTE)
 """What a layout's compute depends on; with a calibration also its family's degrees (`_FAMILY_FIELDS`)."""
 _FAMILY_FIELDS = (_DP_REPLICATE, _DP_SHARD, _EP)
@@ -175,8 +180,8 @@ def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[
     alone) plus `communication_floor` (the collectives nothing hides). Candidates are priced from the highest
     ceiling down, and once `top` fitting rows are found, a candidate whose ceiling is below the `top`-th best
     tokens/s (and every one after it) cannot enter them; a pipelined one the rulebook accepts is also skipped when
-    its schedule's bubble brings it below, and any one whose model state alone (`memory_floor`) exceeds the GPU's
-    memory, before the rulebook judges it. Fewer than `top` fitting rows: every candidate is priced, as without it."""
+    its schedule's bubble brings it below, and any one whose memory (`peak_memory`, which needs no step times) exceeds
+    the GPU's, before the rulebook judges it. Fewer than `top` fitting rows: every candidate is priced, as without it."""
     candidates = list(_candidate_fields(shape, cluster, work, fixed, max_micro_batch))
     order = list(range(len(candidates)))
     # The floors depend only on what sets the compute (the compute's sum over stages not on their split or schedule,
@@ -185,6 +190,7 @@ def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[
     floors: dict[tuple, float] = {}
     played_floors: dict[tuple, float] = {}
     communication: dict[tuple, float] = {}
+    memory: dict[tuple, float] = {}  # keyed without the cp method and Ulysses degree: activations do not depend on them
 
     compute_key = operator.itemgetter(*_COMPUTE_FIELDS, *(_FAMILY_FIELDS if cluster.calibration else ()))
 
@@ -195,15 +201,28 @@ def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[
         return communication[key]
 
     def ceiling_with_bubble(layout: Layout, fields: tuple) -> float:
-        key = (*compute_key(fields), *fields[_RECOMPUTE + 1:_RECOMPUTE + 4])  # virtual stages, schedule, layers
+        key = (*compute_key(fields), *fields[_VIRTUAL_STAGES:_LAYERS + 1])
         if key not in played_floors:
             played_floors[key] = step_time_floor(shape, layout, cluster, work, hf_config, schedule=True)
         return work.tokens / (played_floors[key] + communication_of(fields)) / cluster.gpus
 
     pruning = top is not None and not include_refused
+    best: list[float] = []  # a min-heap of the `top` best fitting tokens/s so far
+    priced: list[tuple[PlanRow, int]] = []
+    too_big: list[int] = []  # cannot fit: priced only if fewer than `top` rows fit (their rows then follow those)
     ceiling: list[float] = []
     if pruning:  # `communication_of` inlined: this loop meets every candidate (400k at 16,384 GPUs)
-        for fields in candidates:
+        states: dict[tuple, float] = {}
+        state_key = operator.itemgetter(*_STATE_FIELDS)
+        for index, fields in enumerate(candidates):
+            key = state_key(fields)
+            state = states.get(key)
+            if state is None:
+                state = states[key] = model_state_floor(shape, Layout(*fields), work)
+            if state > cluster.usable_bytes:  # no communication floor for what cannot fit (a third at 16,384 GPUs)
+                too_big.append(index)
+                ceiling.append(-1.0)
+                continue
             key = compute_key(fields)
             floor = floors.get(key)
             if floor is None:
@@ -213,28 +232,55 @@ def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[
             if exposed is None:
                 exposed = communication[key] = communication_floor(shape, Layout(*fields), cluster, work, hf_config)
             ceiling.append(work.tokens / (floor + exposed) / cluster.gpus)
+        order = [index for index in order if ceiling[index] >= 0]
         order.sort(key=ceiling.__getitem__, reverse=True)
-    best: list[float] = []  # a min-heap of the `top` best fitting tokens/s so far
-    priced: list[tuple[PlanRow, int]] = []
-    for index in order:
-        if pruning and len(best) >= top and ceiling[index] < best[0]:
-            break  # the ceilings only fall from here: nothing left can enter the top rows
-        layout = Layout(*candidates[index])
-        if pruning and len(best) >= top and memory_floor(shape, layout, work) > cluster.usable_bytes:
-            continue  # cannot fit, so cannot rank above the `top` fitting rows found
+
+    pipelines_refused: dict[tuple, bool] = {}
+
+    def pipeline_refused(fields: tuple) -> bool:
+        """The rulebook's pipeline rule alone (its other rules need the whole layout, and cost more)."""
+        key = (fields[_PP], fields[_SCHEDULE], fields[_VIRTUAL_STAGES], fields[_ACCUMULATION], fields[_LAYERS])
+        if key not in pipelines_refused:
+            n_layers = model_facts_of(shape, hf_config).n_layers
+            pipelines_refused[key] = n_layers is None or bool(rules.pipeline_problems(
+                n_layers=n_layers, pp=key[0], schedule=key[1], virtual_stages=key[2], microbatches=key[3],
+                layers_per_stage=key[4]))
+        return pipelines_refused[key]
+
+    def price(index: int) -> None:
+        fields = candidates[index]
+        layout = Layout(*fields)
+        # The bubble and the memory first: they need only a pipeline torch can build, and rule out most of what the
+        # loop reaches (at 16,384 GPUs, 45k of 48k) for less than the whole rulebook costs.
+        if pruning and (layout.pp == 1 or not pipeline_refused(fields)):
+            if len(best) >= top and layout.pp > 1 and ceiling_with_bubble(layout, fields) < best[0]:
+                return  # the bubble too: the schedule `evaluate` would play
+            key = fields[:_CP_METHOD]
+            if key not in memory:
+                memory[key] = peak_memory(shape, layout, work, hf_config)
+            if memory[key] > cluster.usable_bytes:
+                too_big.append(index)
+                return
         problems = None
         if not include_refused:  # judge first, price only what runs
             if layout_problems(layout, shape, cluster, work.seq_len, work.global_batch, hf_config):
-                continue
+                return
             problems = [] if runs_as(layout) == layout else None  # what `evaluate` would judge again
-        if pruning and len(best) >= top and layout.pp > 1 and ceiling_with_bubble(layout, candidates[index]) < best[0]:
-            continue  # the bubble too: the schedule `evaluate` would play
         row = evaluate(shape, layout, cluster, work, hf_config, problems=problems)
         priced.append((row, index))
         if pruning and row.fits:
             heapq.heappush(best, row.tokens_per_s_per_gpu)
             if len(best) > top:
                 heapq.heappop(best)
+
+    for index in order:
+        if pruning and len(best) >= top and ceiling[index] < best[0]:
+            break  # the ceilings only fall from here: nothing left can enter the top rows
+        price(index)
+    if pruning and len(best) < top:  # every candidate was reached: the rows as without `top`
+        pruning = False
+        for index in too_big:
+            price(index)
     priced.sort(key=lambda pair: (rank_key(pair[0]), pair[1]))  # candidate order breaks ties, as a stable sort did
     return [row for row, _ in priced]
 
