@@ -206,6 +206,9 @@ COMBINATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("Gemma3, tied", "ZeRO-3 2 x PP 2"): {"pipeline_parallel": 2, "data_parallel_shard": 2, "pipeline_microbatches": 2},
     ("Gemma3, tied", "TP 2 x PP 2"): {"tensor_parallel": 2, "pipeline_parallel": 2, "data_parallel_shard": 1,
                                       "pipeline_microbatches": 2},
+    # ZeRO-2: each end keeps the tied weight in a bucket of its own and the two sum their reduced slices of it.
+    ("Gemma3, tied", "ZeRO-2 2 x PP 2"): {"pipeline_parallel": 2, "data_parallel_shard": 2, "zero_stage": 2,
+                                          "pipeline_microbatches": 2},
 }
 
 

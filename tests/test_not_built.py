@@ -148,7 +148,6 @@ PROBES: dict[str, Callable[[Path], None]] = {
     "async_tensor_parallel": lambda _: ultrascale.UltraScaleStrategy.from_accelerate(
         {"tp_size": 2, "tp_handler": {"enable_async_tp": True}}),
     "tied_embeddings_v_schedule": lambda _: _tied_model_problems(pipeline_schedule="ZBVZeroBubble"),
-    "tied_embeddings_zero12_pipeline": lambda _: _tied_model_problems(zero_stage=1),
     "context_parallel_attention_dropout": lambda _: _cp_attention(_cp_module(training=True), dropout=0.1),
     "context_parallel_non_causal": lambda _: _cp_attention(_cp_module(is_causal=False), dropout=0.0),
     "context_parallel_device": lambda _: attention_kernel(torch.device("meta")),

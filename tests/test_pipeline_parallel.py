@@ -150,6 +150,22 @@ def test_tied_embeddings_parity(schedule, nonfinite):
     assert_parity(merged, reference, step_losses(results))
 
 
+@pytest.mark.parametrize("zero_stage, schedule", [(1, "1F1B"), (2, "Interleaved1F1B")])
+def test_tied_embeddings_zero12_parity(zero_stage, schedule):
+    """Tied embeddings under ZeRO-1/2, pp2 x dp2: each end keeps the tied weight in a bucket of its own, cut alike
+    over the same dp ranks, and the two ends sum their reduced slices of it (1/dp of the weight each); the clipping
+    norm (a clip that binds) counts it once. Accumulation 2, masked labels, buckets small enough to split the rest."""
+    reference = reference_run(make_llama(tie_embeddings=True), masked_data(), global_batch=BATCH, steps=STEPS,
+                              accumulate=2, clip=0.05)
+    kwargs = {"pipeline_parallel": 2, "data_parallel_shard": 2, "zero_stage": zero_stage, "zero_bucket_mb": 0.02,
+              "pipeline_microbatches": 2, "pipeline_schedule": schedule}
+    results = run_ranks(_train, 4, kwargs, BATCH, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
+                        {"tie_embeddings": True})
+    merged = merge_stages(results)
+    assert "tok_embeddings.weight" in " ".join(merged["grads"]) and "output.weight" not in " ".join(merged["grads"])
+    assert_parity(merged, reference, step_losses(results))
+
+
 # ----------------------------------------------------------------------------- checkpoints, validation
 
 TOTAL, STOP = 10, 5
@@ -161,7 +177,7 @@ def _fit_data():
     return CausalLMDataModule(seq_len=SEQ, global_batch_size=8, max_tokens=30_000, val_fraction=0.1, seed=3)
 
 
-def _fit(rank, world_size, pp, max_steps, ckpt_dir, resume_from, tied=False):
+def _fit(rank, world_size, pp, max_steps, ckpt_dir, resume_from, tied=False, layout=None):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -170,7 +186,7 @@ def _fit(rank, world_size, pp, max_steps, ckpt_dir, resume_from, tied=False):
     if ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=STOP, save_top_k=-1))
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=ultrascale.UltraScaleStrategy(pipeline_parallel=pp),
+        accelerator="cpu", devices=world_size, strategy=ultrascale.UltraScaleStrategy(**(layout or {"pipeline_parallel": pp})),
         max_steps=max_steps, logger=recorder.logger, log_every_n_steps=1, enable_progress_bar=False,
         enable_model_summary=False, callbacks=callbacks, enable_checkpointing=bool(ckpt_dir), limit_val_batches=0,
     )
@@ -209,6 +225,24 @@ def test_tied_embeddings_checkpoints_move_between_pipeline_degrees(tmp_path):
         resumed = step_losses(results)
         assert len(resumed) == TOTAL - STOP
         assert_close(torch.tensor(resumed), torch.tensor(uninterrupted[STOP:]), rtol=0, atol=1e-5, msg=lambda m: f"from {saved}: {m}")
+
+
+@pytest.mark.slow
+def test_tied_embeddings_zero1_checkpoints_resume_and_move_to_zero3(tmp_path):
+    """pp2 x dp2 under ZeRO-1 with tied embeddings: both ends save the tied weight's state under the embedding's name
+    (the same values: both took the same steps), and the checkpoint resumes on the uninterrupted curve at the same
+    layout and at one process under ZeRO-3."""
+    import torch
+    from torch.testing import assert_close
+
+    zero1 = {"pipeline_parallel": 2, "data_parallel_shard": 2, "zero_stage": 1}
+    uninterrupted = step_losses(run_ranks(_fit, 4, 2, TOTAL, str(tmp_path), None, True, zero1))  # saves at STOP too
+    for world, layout in ((4, zero1), (1, {"pipeline_parallel": 1, "zero_stage": 3})):
+        results = run_ranks(_fit, world, 1, TOTAL, None, str(tmp_path / f"epoch=0-step={STOP}.ckpt"), True, layout)
+        assert results[0]["step"] == TOTAL
+        resumed = step_losses(results)
+        assert len(resumed) == TOTAL - STOP
+        assert_close(torch.tensor(resumed), torch.tensor(uninterrupted[STOP:]), rtol=0, atol=1e-5, msg=lambda m: f"{layout}: {m}")
 
 
 def _val_loader():

@@ -717,9 +717,11 @@ def test_hf_models_get_only_what_ultrascale_runs_for_them():
     assert planner.layout_problems(pp, ModelShape.from_hf_config(gemma), cluster, 1024, 8, hf_config=gemma) == []
     tied = T.Gemma2Config(**common, head_dim=32)  # Gemma ties its embedding and head by default: both pipeline ends
     assert planner.layout_problems(pp, ModelShape.from_hf_config(tied), cluster, 1024, 8, hf_config=tied) == []
-    zero1 = planner.Layout(pp=2, dp_shard=4, grad_accumulation=2, zero_stage=1)
+    zero1 = planner.Layout(pp=2, dp_shard=4, grad_accumulation=2, zero_stage=1)  # the ends sum their slices of it
+    assert planner.layout_problems(zero1, ModelShape.from_hf_config(tied), cluster, 1024, 8, hf_config=tied) == []
+    v_shape = planner.Layout(pp=2, dp_shard=4, grad_accumulation=2, pipeline_schedule="ZBVZeroBubble", virtual_stages=2)
     assert "Gemma2ForCausalLM ties its input embedding to its output head" in " ".join(
-        planner.layout_problems(zero1, ModelShape.from_hf_config(tied), cluster, 1024, 8, hf_config=tied))
+        planner.layout_problems(v_shape, ModelShape.from_hf_config(tied), cluster, 1024, 8, hf_config=tied))
     # HF models run TP without sequence parallel: the norms' activations are not divided by tp.
     rows = planner.search(ModelShape.from_hf_config(llama), cluster, planner.Workload(1024, 8), {"tp": 2}, hf_config=llama)
     assert rows and all(row.layout.tp == 2 for row in rows)

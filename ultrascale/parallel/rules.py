@@ -96,7 +96,6 @@ NOT_BUILT: dict[str, NotBuilt] = {
     "accelerate_ulysses_kernel": NotBuilt("Ulysses from accelerate with an attention kernel other than SDPA "
                                           "(`sp_attn_implementation`)", layout=False),
     "tied_embeddings_v_schedule": NotBuilt("tied embeddings under the V pipeline schedules (ZBVZeroBubble, DualPipeV)"),
-    "tied_embeddings_zero12_pipeline": NotBuilt("tied embeddings under ZeRO-1/2 with pipeline parallel (use ZeRO-3)"),
     "context_parallel_attention_dropout": NotBuilt("attention dropout under context parallel", layout=False),
     "context_parallel_non_causal": NotBuilt("non-causal attention under context parallel", layout=False),
     "context_parallel_device": NotBuilt("context parallel on devices other than CPU and CUDA", layout=False),
@@ -457,7 +456,7 @@ def model_problems(dims: ParallelDims, k: LayoutKnobs, facts: ModelFacts) -> lis
             problems.append(Problem(facts.pipeline_refusal))
         elif facts.n_layers is not None:
             if facts.tied_embeddings:
-                problems += _tied_stage_problems(k, name, dims.pp)
+                problems += _tied_stage_problems(k, name)
             problems += pipeline_problems(n_layers=facts.n_layers, pp=dims.pp, schedule=k.pipeline_schedule,
                                           virtual_stages=k.pipeline_virtual_stages, microbatches=k.pipeline_microbatches,
                                           layers_per_stage=k.pipeline_layers)
@@ -466,9 +465,10 @@ def model_problems(dims: ParallelDims, k: LayoutKnobs, facts: ModelFacts) -> lis
     return problems
 
 
-def _tied_stage_problems(k: LayoutKnobs, name: str, pp: int) -> list[Problem]:
+def _tied_stage_problems(k: LayoutKnobs, name: str) -> list[Problem]:
     """Tied embeddings under pipeline parallel: the first and the last pipeline rank each keep a copy of the
-    weight and sum its gradient halves every step (`ultrascale.parallel.pipeline.TiedStageWeights`)."""
+    weight and sum its gradient halves every step (`ultrascale.parallel.pipeline.TiedStageWeights`; under ZeRO-1/2
+    on their reduced slices, `ZeroEngine`'s `tied`)."""
     problems = []
     if k.pipeline_schedule in V_SCHEDULES:
         problems.append(Problem(
@@ -476,11 +476,6 @@ def _tied_stage_problems(k: LayoutKnobs, name: str, pp: int) -> list[Problem]:
             "stage on one rank, where each stage is its own FSDP unit and one weight cannot belong to both: choose a "
             "looped schedule (1F1B, Interleaved1F1B, ...) or untie them (`tie_word_embeddings=False`)",
             (f"pipeline_schedule={k.pipeline_schedule!r}",), not_built="tied_embeddings_v_schedule"))
-    if k.zero_stage in (1, 2):
-        problems.append(Problem(
-            f"{name} ties its input embedding to its output head; the two pipeline ends sum that weight's gradient "
-            "halves on the parameters, which ZeRO-1/2 have already reduced into their buckets: use zero_stage=3",
-            (f"zero_stage={k.zero_stage}", f"pipeline_parallel={pp}"), not_built="tied_embeddings_zero12_pipeline"))
     return problems
 
 

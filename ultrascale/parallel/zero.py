@@ -109,6 +109,7 @@ class _Bucket:
     accumulate_dtype: Optional[torch.dtype] = None
     master_is_view: bool = True
     split_over_tp: bool = False  # tp ranks hold different parts of these parameters
+    tied: bool = False  # a weight the other pipeline end holds too (tied embeddings): alone in its bucket
     ready: int = 0
     pending: Optional[tuple[Any, torch.Tensor]] = None
     views: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -139,6 +140,11 @@ class ZeroEngine(ZeroCheckpointing):
         norm_group: ranks holding other parameters (pipeline stages) whose gradients count in the global norm.
         state_mesh: with tensor-parallel (DTensor) parameters, the ((dp_replicate,) tp, dp) mesh their
             checkpointed state lives on (`ParallelMesh.zero_state_mesh`); unused otherwise.
+        tied: under pipeline parallel with tied embeddings, this rank's end of the tie (a `TiedStageWeights`:
+            `params`, `group`, `counted`). Each tied weight gets a bucket of its own, cut alike on both ends (the
+            same weight over the same dp ranks), so the two ends' reduced slices are the two halves of one
+            gradient, element by element: `reduce_gradients` sums them over `group` (1/N of the weight, not all
+            of it), both ends take the same step, and the norm counts the weight on the `counted` end only.
     """
 
     def __init__(
@@ -153,6 +159,7 @@ class ZeroEngine(ZeroCheckpointing):
         accumulate_dtype: Optional[torch.dtype] = None,
         norm_group: Optional[dist.ProcessGroup] = None,
         state_mesh: Optional[DeviceMesh] = None,
+        tied: Optional[Any] = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroEngine: `stage={stage}` must be 1 or 2 (stage 3 is FSDP)")
@@ -168,6 +175,8 @@ class ZeroEngine(ZeroCheckpointing):
             raise ValueError(f"ZeroEngine: `bucket_bytes={bucket_bytes}` must be positive")
         self.norm_group = norm_group
         """Ranks holding other parameters (pipeline stages) whose gradients count in the global norm."""
+        self.tied = tied
+        self._tied_ids = {id(p) for p in tied.params if p.requires_grad} if tied is not None else set()
         names = {id(p): name for name, p in module.named_parameters()}
         tp_meshes = set()
         for group in optimizer.param_groups:
@@ -245,9 +254,11 @@ class ZeroEngine(ZeroCheckpointing):
     # ------------------------------------------------------------------ layout
     def _build_buckets(self, named, bucket_bytes, compute_dtype, accumulate_dtype) -> list[_Bucket]:
         # Parameters split over tp and those every tp rank holds whole go to separate buckets: the
-        # global norm counts the second kind once (`grad_norm`).
+        # global norm counts the second kind once (`grad_norm`). A tied weight is a bucket alone.
+        tied = [[(n, p)] for n, p in named if id(p) in self._tied_ids]
+        named = [(n, p) for n, p in named if id(p) not in self._tied_ids]
         kinds = [[(n, p) for n, p in named if _split_over_tp(p)], [(n, p) for n, p in named if not _split_over_tp(p)]]
-        buckets = []
+        buckets = list(tied)
         for kind in kinds:
             current, size = [], 0
             for name, p in kind:
@@ -293,6 +304,7 @@ class ZeroEngine(ZeroCheckpointing):
         bucket.accumulate_dtype = accumulate_dtype or dtype
         bucket.master_is_view = master_is_view
         bucket.split_over_tp = split
+        bucket.tied = id(params[0]) in self._tied_ids
         return bucket
 
     def _grad_view(self, bucket: _Bucket, p: nn.Parameter) -> torch.Tensor:
@@ -386,7 +398,18 @@ class ZeroEngine(ZeroCheckpointing):
         """
         if self._unreduced:
             self._reduce_all()
+        if self.tied is not None and not self._reduced:
+            self._sum_tied()
         self._reduced = True
+
+    def _sum_tied(self) -> None:
+        """The two pipeline ends' reduced slices of each tied weight, summed (both ends call it once per step)."""
+        for bucket in self.buckets:
+            if bucket.tied:
+                if bucket.grad_shard is None:  # no gradient reached it this step on this end
+                    bucket.grad_shard = torch.zeros(bucket.shard, dtype=bucket.accumulate_dtype,
+                                                    device=bucket.param_buffer.device)
+                dist.all_reduce(bucket.grad_shard, group=self.tied.group)
 
     def _reduce_all(self) -> None:
         """Reduce-scatter (SUM) every bucket's local gradients and add them into this rank's slices."""
@@ -504,8 +527,9 @@ class ZeroEngine(ZeroCheckpointing):
         over the dp ranks, then the tp ranks (each adds its own shards; the parameters every tp rank
         holds whole count on tp rank 0 only), then `norm_group`'s ranks (the other pipeline stages)."""
         inf = math.isinf(norm_type)
-        counted = [b.grad_shard for b in self.buckets
-                   if b.grad_shard is not None and (inf or b.split_over_tp or self.tp_rank == 0)]
+        elsewhere = self.tied is not None and not self.tied.counted  # the other pipeline end counts the tied weight
+        counted = [b.grad_shard for b in self.buckets if b.grad_shard is not None
+                   and (inf or b.split_over_tp or self.tp_rank == 0) and not (b.tied and elsewhere)]
         has_shards = any(b.grad_shard is not None for b in self.buckets)
         if not counted:
             total = torch.zeros((), device=self.buckets[0].param_buffer.device if self.buckets

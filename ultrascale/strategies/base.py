@@ -512,7 +512,7 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         assert isinstance(precision, UltraScalePrecision) and self.model is not None
         return model_setup.make_zero_engine(self.model, optimizer, stage=self.zero_stage, mesh=self.parallel_mesh, dims=self.parallel_dims,
                                 device=self.root_device, precision=precision, bucket_mb=self.zero_bucket_mb,
-                                accumulate_in_fp32=self.accumulate_grads_in_fp32)
+                                accumulate_in_fp32=self.accumulate_grads_in_fp32, tied=self._tied_weights)
 
     @override
     def model_to_device(self) -> None:

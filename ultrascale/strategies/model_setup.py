@@ -135,6 +135,7 @@ def make_zero_engine(
     precision: UltraScalePrecision,
     bucket_mb: Optional[float],
     accumulate_in_fp32: bool,
+    tied: Optional[TiedStageWeights] = None,
 ) -> ZeroEngine:
     """The ZeRO-1/2 engine of one optimizer (`zero_stage` 1 or 2)."""
     bucket_mb = bucket_mb or (100.0 if device.type == "cuda" else 4.0)
@@ -149,6 +150,7 @@ def make_zero_engine(
         accumulate_dtype=torch.float32 if accumulate_in_fp32 else None,
         norm_group=mesh["pp"].get_group() if dims.pp_enabled else None,
         state_mesh=mesh.zero_state_mesh if dims.tp_enabled else None,
+        tied=tied,
     )
 
 

@@ -284,7 +284,7 @@ class StepRunner:
 
         `loss_divisor`: what Lightning divided each micro-batch's loss by (`accumulate_grad_batches`
         under automatic optimisation, else 1). Raises FloatingPointError where `nonfinite` says to stop."""
-        if self._tied is not None:
+        if self._tied is not None and engine is None:  # ZeRO-1/2: the engine sums the tie on its reduced slices
             self._tied.sync_gradients()
         if engine is not None:
             engine.reduce_gradients()
