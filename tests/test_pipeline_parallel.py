@@ -150,16 +150,19 @@ def test_tied_embeddings_parity(schedule, nonfinite):
     assert_parity(merged, reference, step_losses(results))
 
 
-@pytest.mark.parametrize("zero_stage, schedule", [(1, "1F1B"), (2, "Interleaved1F1B")])
-def test_tied_embeddings_zero12_parity(zero_stage, schedule):
-    """Tied embeddings under ZeRO-1/2, pp2 x dp2: each end keeps the tied weight in a bucket of its own, cut alike
-    over the same dp ranks, and the two ends sum their reduced slices of it (1/dp of the weight each); the clipping
-    norm (a clip that binds) counts it once. Accumulation 2, masked labels, buckets small enough to split the rest."""
+@pytest.mark.parametrize("zero_stage, schedule, dp, microbatches", [
+    (1, "1F1B", 2, 2), (2, "Interleaved1F1B", 2, 2), (1, "ZBVZeroBubble", 2, 2), (2, "DualPipeV", 1, 4)])
+def test_tied_embeddings_zero12_parity(zero_stage, schedule, dp, microbatches):
+    """Tied embeddings under ZeRO-1/2. Looped schedules: each end keeps the tied weight in a bucket of its own, cut
+    alike over the same dp ranks, and the two ends sum their reduced slices of it (1/dp of the weight each). V
+    schedules: one rank holds both ends, so the tie stays one weight whose two stages' gradients add up in its
+    bucket. The clipping norm (a clip that binds) counts it once. Accumulation 2, masked labels, buckets small
+    enough to split the rest."""
     reference = reference_run(make_llama(tie_embeddings=True), masked_data(), global_batch=BATCH, steps=STEPS,
                               accumulate=2, clip=0.05)
-    kwargs = {"pipeline_parallel": 2, "data_parallel_shard": 2, "zero_stage": zero_stage, "zero_bucket_mb": 0.02,
-              "pipeline_microbatches": 2, "pipeline_schedule": schedule}
-    results = run_ranks(_train, 4, kwargs, BATCH, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
+    kwargs = {"pipeline_parallel": 2, "data_parallel_shard": dp, "zero_stage": zero_stage, "zero_bucket_mb": 0.02,
+              "pipeline_microbatches": microbatches, "pipeline_schedule": schedule}
+    results = run_ranks(_train, 2 * dp, kwargs, BATCH, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
                         {"tie_embeddings": True})
     merged = merge_stages(results)
     assert "tok_embeddings.weight" in " ".join(merged["grads"]) and "output.weight" not in " ".join(merged["grads"])

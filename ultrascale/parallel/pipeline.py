@@ -110,6 +110,11 @@ class PipelineLayout:
             return (pp_rank, 2 * self.pp - 1 - pp_rank)
         return tuple(pp_rank + v * self.pp for v in range(self.virtual_stages))
 
+    @property
+    def ends_on_one_rank(self) -> bool:
+        """Whether the first and the last stage run on one rank (the V placement): tied embeddings then stay one weight."""
+        return self.num_stages - 1 in self.stage_ids(0)
+
     def layers_of(self, stage: int) -> range:
         start = sum(self.layers_per_stage[:stage])
         return range(start, start + self.layers_per_stage[stage])

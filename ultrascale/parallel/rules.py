@@ -95,7 +95,8 @@ NOT_BUILT: dict[str, NotBuilt] = {
     "async_tensor_parallel": NotBuilt("async TP (accelerate's `enable_async_tp`)"),
     "accelerate_ulysses_kernel": NotBuilt("Ulysses from accelerate with an attention kernel other than SDPA "
                                           "(`sp_attn_implementation`)", layout=False),
-    "tied_embeddings_v_schedule": NotBuilt("tied embeddings under the V pipeline schedules (ZBVZeroBubble, DualPipeV)"),
+    "tied_embeddings_v_schedule": NotBuilt("tied embeddings under the V pipeline schedules (ZBVZeroBubble, DualPipeV) "
+                                           "with ZeRO-3 (ZeRO-1/2 run them)"),
     "context_parallel_attention_dropout": NotBuilt("attention dropout under context parallel", layout=False),
     "context_parallel_non_causal": NotBuilt("non-causal attention under context parallel", layout=False),
     "context_parallel_device": NotBuilt("context parallel on devices other than CPU and CUDA", layout=False),
@@ -470,11 +471,12 @@ def _tied_stage_problems(k: LayoutKnobs, name: str) -> list[Problem]:
     weight and sum its gradient halves every step (`ultrascale.parallel.pipeline.TiedStageWeights`; under ZeRO-1/2
     on their reduced slices, `ZeroEngine`'s `tied`)."""
     problems = []
-    if k.pipeline_schedule in V_SCHEDULES:
+    if k.pipeline_schedule in V_SCHEDULES and k.zero_stage == 3:
         problems.append(Problem(
             f"{name} ties its input embedding to its output head, and the V placement puts the first and the last "
-            "stage on one rank, where each stage is its own FSDP unit and one weight cannot belong to both: choose a "
-            "looped schedule (1F1B, Interleaved1F1B, ...) or untie them (`tie_word_embeddings=False`)",
+            "stage on one rank, where each stage is its own FSDP unit and one weight cannot belong to both: choose "
+            "zero_stage=1 or 2 (one weight, no units), a looped schedule (1F1B, Interleaved1F1B, ...), or untie them "
+            "(`tie_word_embeddings=False`)",
             (f"pipeline_schedule={k.pipeline_schedule!r}",), not_built="tied_embeddings_v_schedule"))
     return problems
 

@@ -119,7 +119,7 @@ def shard_model(
     if pipeline is not None:
         runner = PipelineRunner(stages, pipeline[1], mesh["pp"].get_group(), device, loss=pipeline[0].loss)
         rank_zero_info(f"pipeline parallel: {pipeline[1].describe()}")
-        if ties:
+        if ties and not pipeline[1].ends_on_one_rank:
             tied = tie_stage_weights(pipeline[0], ties, mesh.world, mesh["pp"].get_local_rank())
     return ShardedModel(runner, routers, tied)
 
