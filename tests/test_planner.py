@@ -502,6 +502,8 @@ LIVE_LAYOUTS = {
     "zero3-dp2-cp2": ("small", 4, dict(context_parallel=2), 3),
     "zero3-ep2": ("tiny_moe", 2, dict(expert_parallel=2), 3),
     "zero3-dp4-ep2": ("tiny_moe", 4, dict(expert_parallel=2), 3),
+    "zero1-dp4-ep2": ("tiny_moe", 4, dict(expert_parallel=2), 1),  # experts' state over the 2 ranks holding them
+    "zero2-dp4-ep2": ("tiny_moe", 4, dict(expert_parallel=2), 2),
     "zero3-dp2-tp2-moe": ("tiny_moe", 4, dict(tensor_parallel=2), 3),  # expert tensor parallel
 }
 

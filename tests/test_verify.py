@@ -214,8 +214,8 @@ def test_matrix_world_2():
 
 
 # At world 4 the layouts that need it (hsdp, tp x dp, cp as 2 ring x 2 Ulysses) and those whose shape changes with it (tp 4, cp 4, the
-# pipelines over ZeRO-3 2, ep 4); the rest run their world-4 parity in their own tests (test_zero12.py, ...).
-WORLD_4 = ["hsdp", "tp_x_dp", "tp", "cp_ring", "cp_usp", "pp_zbv", "ep"]
+# pipelines over ZeRO-3 2, ep 4, ep 2 x ZeRO-1 over 4); the rest run their world-4 parity in their own tests (test_zero12.py, ...).
+WORLD_4 = ["hsdp", "tp_x_dp", "tp", "cp_ring", "cp_usp", "pp_zbv", "ep", "ep_zero1"]
 
 
 @pytest.mark.slow

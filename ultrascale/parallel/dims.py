@@ -245,6 +245,24 @@ class ParallelMesh:
             grid, names = grid[0], names[1:]
         return DeviceMesh(self.world.device_type, grid.contiguous(), mesh_dim_names=names, _init_backend=False)
 
+    @functools.cached_property
+    def expert_zero_state_mesh(self) -> DeviceMesh:
+        """Where ZeRO-1/2 checkpoints an expert's optimizer state under expert parallel: this stage's ranks of this
+        rank's tp coordinate as ((dp_replicate,) ep, ep_shard), ep *outside* the ranks holding the same experts,
+        because each ep rank's experts are split over those (placements (Shard(0), Shard(0)) nest in mesh order).
+        Only DCP reads it, as `zero_state_mesh`."""
+        if self.ep is None:
+            raise KeyError("the experts' state mesh exists under expert parallel only (ep > 1); this run has ep=1")
+        coordinate = self.world.get_coordinate()
+        stage = self.world.mesh[coordinate[0]][..., coordinate[-1]]  # (dp_replicate, dp_shard, cp)
+        ep = self.dims.ep
+        # dp_shard x cp unflattens to (ep_shard, ep), ep innermost (`build_mesh`).
+        grid = stage.reshape(self.dims.dp_replicate, self.dims.dp_shard_cp // ep, ep).permute(0, 2, 1)
+        names: tuple[str, ...] = ("dp_replicate", "ep", "ep_shard")
+        if self.fsdp.ndim == 1:
+            grid, names = grid[0], names[1:]
+        return DeviceMesh(self.world.device_type, grid.contiguous(), mesh_dim_names=names, _init_backend=False)
+
     def __getitem__(self, axis: str) -> DeviceMesh:
         if axis in MESH_AXES:
             return self.world[axis]

@@ -85,7 +85,6 @@ class NotBuilt:
 
 NOT_BUILT: dict[str, NotBuilt] = {
     "expert_parallel_with_tensor_parallel": NotBuilt("expert parallel and tensor parallel together (each works alone)"),
-    "expert_parallel_with_zero12": NotBuilt("ZeRO-1/2 with expert parallel (use ZeRO-3)"),
     "hf_sequence_parallel": NotBuilt("sequence parallel on Hugging Face Mixture-of-Experts models (dense ones run it; "
                                      "TP alone runs)"),
     "hf_sequence_parallel_pipeline": NotBuilt("sequence parallel with pipeline parallel on Hugging Face models (each "
@@ -273,11 +272,6 @@ class ModelFacts:
 def knob_problems(k: LayoutKnobs) -> list[Problem]:
     """What is wrong with the knobs alone, before any world size or model is known."""
     problems: list[Problem] = []
-    if k.ep != 1 and k.zero_stage != 3:
-        problems.append(Problem(
-            "expert parallel runs with zero_stage=3 (FSDP shards the experts over the ranks that hold the same ones); "
-            "ZeRO-1/2 would replicate every expert on every data rank",
-            (f"expert_parallel={k.ep}", f"zero_stage={k.zero_stage}"), not_built="expert_parallel_with_zero12"))
     if k.ep != 1 and k.tp != 1:
         problems.append(Problem(
             "expert parallel with tensor parallel is not implemented yet: choose one (tensor_parallel alone splits "

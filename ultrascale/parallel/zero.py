@@ -65,7 +65,7 @@ from torch.distributed.tensor import DTensor
 
 from ultrascale.parallel.device import all_gather_single, collective_device, reduce_scatter_single
 from ultrascale.parallel.grad import power_sum
-from ultrascale.parallel.zero_checkpoint import ZeroCheckpointing, _local
+from ultrascale.parallel.zero_checkpoint import ShardRanks, ZeroCheckpointing, _local
 
 # Optimizers whose update of element i reads only element i of the parameter, gradient and
 # state: stepping a slice equals slicing the full step. (LAMB/LARS-style trust ratios, Adafactor's
@@ -95,6 +95,17 @@ def engine_for(optimizer: Any, engines: Sequence["ZeroEngine"]) -> Optional["Zer
     return next((engine for engine in engines if engine.optimizer is optimizer), None)
 
 
+@dataclass(frozen=True)
+class ExpertMeshes:
+    """Expert parallel under ZeRO-1/2: the experts (DTensors `Shard(0)` on `ep`) are bucketed apart and cut over
+    `dp`, the ranks holding the same experts (`ParallelMesh.expert_fsdp`: ep_shard, or (dp_replicate, ep_shard));
+    their checkpointed state lives on `state` (`ParallelMesh.expert_zero_state_mesh`)."""
+
+    ep: DeviceMesh
+    dp: DeviceMesh
+    state: DeviceMesh
+
+
 @dataclass
 class _Bucket:
     names: list[str]
@@ -113,6 +124,7 @@ class _Bucket:
     ready: int = 0
     pending: Optional[tuple[Any, torch.Tensor]] = None
     views: dict[int, torch.Tensor] = field(default_factory=dict)
+    over: Optional[ShardRanks] = None  # the ranks it is cut over (the dense dp ranks, or the experts')
 
 
 class ZeroEngine(ZeroCheckpointing):
@@ -145,6 +157,9 @@ class ZeroEngine(ZeroCheckpointing):
             same weight over the same dp ranks), so the two ends' reduced slices are the two halves of one
             gradient, element by element: `reduce_gradients` sums them over `group` (1/N of the weight, not all
             of it), both ends take the same step, and the norm counts the weight on the `counted` end only.
+        experts: under expert parallel, the ep mesh the experts are split over and the meshes their buckets are
+            cut over and checkpointed on (`ExpertMeshes`). Each rank's slices of its experts are disjoint from every
+            other rank's of dp_shard x cp (= ep x ep_shard), so the global norm needs no collective of its own.
     """
 
     def __init__(
@@ -160,6 +175,7 @@ class ZeroEngine(ZeroCheckpointing):
         norm_group: Optional[dist.ProcessGroup] = None,
         state_mesh: Optional[DeviceMesh] = None,
         tied: Optional[Any] = None,
+        experts: Optional[ExpertMeshes] = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroEngine: `stage={stage}` must be 1 or 2 (stage 3 is FSDP)")
@@ -183,27 +199,24 @@ class ZeroEngine(ZeroCheckpointing):
             for p in group["params"]:
                 if id(p) not in names:
                     raise ValueError("ZeroEngine: the optimizer holds a parameter that is not in the module")
-                if isinstance(p, DTensor):
+                if isinstance(p, DTensor) and not (experts is not None and p.device_mesh == experts.ep):
                     tp_meshes.add(p.device_mesh)
         if len(tp_meshes) > 1 or any(m.ndim != 1 for m in tp_meshes):
             raise ValueError(
-                "ZeroEngine: DTensor parameters must all live on one 1-D (tensor-parallel) mesh; FSDP-sharded or "
-                "expert-parallel parameters are zero_stage=3's"
+                "ZeroEngine: DTensor parameters must all live on one 1-D (tensor-parallel) mesh, experts on the ep mesh "
+                "of `experts`; FSDP-sharded parameters are zero_stage=3's"
             )
         self.tp_mesh: Optional[DeviceMesh] = next(iter(tp_meshes), None)
         if self.tp_mesh is not None and state_mesh is None:
             raise ValueError("ZeroEngine: tensor-parallel parameters need `state_mesh` (ParallelMesh.zero_state_mesh)")
-        self.state_mesh = state_mesh
         self.tp_group = self.tp_mesh.get_group() if self.tp_mesh is not None and self.tp_mesh.size() > 1 else None
         self.tp_rank = self.tp_mesh.get_local_rank() if self.tp_mesh is not None else 0
-        if dp_mesh.ndim not in (1, 2):
-            raise ValueError(f"ZeroEngine: dp_mesh must be 1-D (shard) or 2-D (replicate, shard), got {dp_mesh.ndim}-D")
         self.stage = stage
         self.dp_mesh = dp_mesh
-        self.group = dp_mesh.get_group(dp_mesh.ndim - 1)
-        self.world = dp_mesh.size(dp_mesh.ndim - 1)
-        self.rank = dp_mesh.get_local_rank(dp_mesh.ndim - 1)
-        self.replicate_group = dp_mesh.get_group(0) if dp_mesh.ndim == 2 and dp_mesh.size(0) > 1 else None
+        self.dense = ShardRanks(dp_mesh, state_mesh)
+        self.group, self.world, self.rank = self.dense.group, self.dense.world, self.dense.rank
+        self.experts = experts
+        self.expert_ranks = ShardRanks(experts.dp, experts.state) if experts is not None else None
         self._sync = True
         self._backward_queued = False
         self._unreduced = False  # some backward since the last reduction left local gradients
@@ -223,6 +236,7 @@ class ZeroEngine(ZeroCheckpointing):
             self.buckets.extend(buckets)
             group["params"] = [b.master for b in buckets]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.ranks_of = {name: b.over for b in self.buckets for name in b.names}
         self._next_to_launch = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for b in self.buckets for p in b.params]
         # The optimizer's own step runs unchanged on the masters, through torch's step hooks: the pre-hook hands it
@@ -254,40 +268,48 @@ class ZeroEngine(ZeroCheckpointing):
     # ------------------------------------------------------------------ layout
     def _build_buckets(self, named, bucket_bytes, compute_dtype, accumulate_dtype) -> list[_Bucket]:
         # Parameters split over tp and those every tp rank holds whole go to separate buckets: the
-        # global norm counts the second kind once (`grad_norm`). A tied weight is a bucket alone.
+        # global norm counts the second kind once (`grad_norm`). A tied weight is a bucket alone; experts
+        # (expert parallel) are bucketed apart, cut over the ranks holding the same experts.
         tied = [[(n, p)] for n, p in named if id(p) in self._tied_ids]
         named = [(n, p) for n, p in named if id(p) not in self._tied_ids]
-        kinds = [[(n, p) for n, p in named if _split_over_tp(p)], [(n, p) for n, p in named if not _split_over_tp(p)]]
-        buckets = list(tied)
-        for kind in kinds:
+        experts = [(n, p) for n, p in named if self._is_expert(p)]
+        named = [(n, p) for n, p in named if not self._is_expert(p)]
+        kinds = [([(n, p) for n, p in named if _split_over_tp(p)], self.dense),
+                 ([(n, p) for n, p in named if not _split_over_tp(p)], self.dense),
+                 (experts, self.expert_ranks)]
+        buckets = [(chunk, self.dense) for chunk in tied]
+        for kind, over in kinds:
             current, size = [], 0
             for name, p in kind:
                 current.append((name, p))
                 size += _local(p).numel() * p.element_size()
                 if size >= bucket_bytes:
-                    buckets.append(current)
+                    buckets.append((current, over))
                     current, size = [], 0
             if current:
-                buckets.append(current)
-        return [self._make_bucket(chunk, compute_dtype, accumulate_dtype) for chunk in buckets]
+                buckets.append((current, over))
+        return [self._make_bucket(chunk, over, compute_dtype, accumulate_dtype) for chunk, over in buckets]
+
+    def _is_expert(self, p: torch.Tensor) -> bool:
+        return self.experts is not None and isinstance(p, DTensor) and p.device_mesh == self.experts.ep
 
     @torch.no_grad()
-    def _make_bucket(self, chunk, compute_dtype, accumulate_dtype) -> _Bucket:
+    def _make_bucket(self, chunk, over: ShardRanks, compute_dtype, accumulate_dtype) -> _Bucket:
         params = [p for _, p in chunk]
         offsets = [0]
         for p in params:
             offsets.append(offsets[-1] + _local(p).numel())
         numel = offsets.pop()
-        shard = math.ceil(numel / self.world)
+        shard = math.ceil(numel / over.world)
         master_dtype, device = params[0].dtype, _local(params[0]).device
         dtype = compute_dtype or master_dtype
-        param_buffer = torch.zeros(shard * self.world, dtype=dtype, device=device)
-        full_master = torch.zeros(shard * self.world, dtype=master_dtype, device=device)
+        param_buffer = torch.zeros(shard * over.world, dtype=dtype, device=device)
+        full_master = torch.zeros(shard * over.world, dtype=master_dtype, device=device)
         for p, offset in zip(params, offsets):
             local = _local(p)
             full_master[offset : offset + local.numel()].copy_(local.detach().reshape(-1))
         param_buffer.copy_(full_master)
-        mine = slice(self.rank * shard, (self.rank + 1) * shard)
+        mine = slice(over.rank * shard, (over.rank + 1) * shard)
         # Same dtype: the optimizer steps this rank's slice of the weights in place (no copy).
         master_is_view = dtype == master_dtype
         master = param_buffer[mine] if master_is_view else full_master[mine].clone()
@@ -299,8 +321,9 @@ class ZeroEngine(ZeroCheckpointing):
             else:
                 p.data = view
             p.grad = None
-        split = _split_over_tp(params[0])
-        bucket = _Bucket([n for n, _ in chunk], params, offsets, numel, shard, param_buffer, master.requires_grad_(True))
+        split = _split_over_tp(params[0]) and not self._is_expert(params[0])
+        bucket = _Bucket([n for n, _ in chunk], params, offsets, numel, shard, param_buffer, master.requires_grad_(True),
+                         over=over)
         bucket.accumulate_dtype = accumulate_dtype or dtype
         bucket.master_is_view = master_is_view
         bucket.split_over_tp = split
@@ -309,7 +332,8 @@ class ZeroEngine(ZeroCheckpointing):
 
     def _grad_view(self, bucket: _Bucket, p: nn.Parameter) -> torch.Tensor:
         if bucket.grad_buffer is None:
-            bucket.grad_buffer = torch.zeros(bucket.shard * self.world, dtype=bucket.accumulate_dtype, device=p.device)
+            bucket.grad_buffer = torch.zeros(bucket.shard * bucket.over.world, dtype=bucket.accumulate_dtype,
+                                             device=p.device)
             bucket.views = {}
         view = bucket.views.get(id(p))
         if view is None:
@@ -371,10 +395,10 @@ class ZeroEngine(ZeroCheckpointing):
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.grad_buffer is None:  # no gradient reached this bucket on this rank: it contributes zeros
             bucket.grad_buffer = torch.zeros(
-                bucket.shard * self.world, dtype=bucket.accumulate_dtype, device=bucket.param_buffer.device
+                bucket.shard * bucket.over.world, dtype=bucket.accumulate_dtype, device=bucket.param_buffer.device
             )
         out = torch.empty(bucket.shard, dtype=bucket.grad_buffer.dtype, device=bucket.grad_buffer.device)
-        work = _reduce_scatter(out, bucket.grad_buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        work = _reduce_scatter(out, bucket.grad_buffer, op=dist.ReduceOp.SUM, group=bucket.over.group, async_op=True)
         bucket.pending = (work, out)
 
     @torch.no_grad()
@@ -421,12 +445,12 @@ class ZeroEngine(ZeroCheckpointing):
             work, out = bucket.pending
             work.wait()
             bucket.pending = None
-            if self.replicate_group is not None:
-                dist.all_reduce(out, group=self.replicate_group)
+            if bucket.over.replicate_group is not None:
+                dist.all_reduce(out, group=bucket.over.replicate_group)
             if self.stage == 1:
                 # ZeRO-1 keeps the full gradients and reduces once per step: this rank's reduced
                 # slice lives in its own region of the gradient buffer (no extra memory).
-                region = bucket.grad_buffer[self.rank * bucket.shard : (self.rank + 1) * bucket.shard]
+                region = bucket.grad_buffer[bucket.over.rank * bucket.shard : (bucket.over.rank + 1) * bucket.shard]
                 region.copy_(out)
                 bucket.grad_shard = region
             else:
@@ -470,10 +494,10 @@ class ZeroEngine(ZeroCheckpointing):
     def _publish_masters(self) -> None:
         """Every rank's slice of the (updated or loaded) masters into the weights, all-gathered: each rank's full weights."""
         for bucket in self.buckets:
-            mine = bucket.param_buffer[self.rank * bucket.shard : (self.rank + 1) * bucket.shard]
+            mine = bucket.param_buffer[bucket.over.rank * bucket.shard : (bucket.over.rank + 1) * bucket.shard]
             if not bucket.master_is_view:
                 mine.copy_(bucket.master)
-            _all_gather(bucket.param_buffer, mine, group=self.group)
+            _all_gather(bucket.param_buffer, mine, group=bucket.over.group)
 
     @torch.no_grad()
     def _after_step(self) -> None:
@@ -585,8 +609,8 @@ class ZeroEngine(ZeroCheckpointing):
             if id(bucket) not in slices:
                 continue
             mine = slices[id(bucket)]
-            full = torch.empty(bucket.shard * self.world, dtype=mine.dtype, device=mine.device)
-            _gather_for_inspection(full, mine.contiguous(), group=self.group)
+            full = torch.empty(bucket.shard * bucket.over.world, dtype=mine.dtype, device=mine.device)
+            _gather_for_inspection(full, mine.contiguous(), group=bucket.over.group)
             for name, p, offset in zip(bucket.names, bucket.params, bucket.offsets):
                 local = full[offset : offset + _local(p).numel()].view(_local(p).shape)
                 if isinstance(p, DTensor):

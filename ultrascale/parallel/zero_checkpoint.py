@@ -7,8 +7,10 @@ bucket, derived alike on every rank), so the re-layout on save and on load sends
 one all-to-all per (state, bucket), whose buffers hold what changes rank. Extra memory per rank: the state in the
 checkpoint's layout (one copy, what DCP writes from or reads into) plus one bucket slice sent and received
 (measured: benchmarks/zero_checkpoint_memory.py). A tp parameter's state is parameter-shaped: its local shard
-split by dim-0 rows over the dp ranks, on `state_mesh`. ZeRO-3's parameter-shaped states are read in as well
-(`param_shaped_template`, `load_param_shaped_state_dict`).
+split by dim-0 rows over the dp ranks, on the dense ranks' `state_mesh`; an expert's (expert parallel) likewise:
+its ep rank's experts split by rows over the ranks holding the same experts, on the experts' state mesh
+((dp_replicate,) ep, ep_shard). ZeRO-3's parameter-shaped states are read in as well (`param_shaped_template`,
+`load_param_shaped_state_dict`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,25 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ultrascale.parallel.zero_layouts import _chunk_size, _saved_entries, _saved_groups, _saved_state_names, clean_name
+
+
+class ShardRanks:
+    """The data-parallel ranks a bucket is cut over: its `mesh`, 1-D (shard) or 2-D (replicate, shard), whose
+    last dim's ranks each hold one slice; `state_mesh`: where the checkpointed state of a DTensor parameter of
+    the bucket lives (parameter-shaped: its own placements, then dim-0 rows over the shard ranks).
+
+    The dense parameters are cut over the stage's dp_shard x cp ranks; under expert parallel the experts, of
+    which each ep rank holds its own, over the ranks holding the same experts (ep_shard)."""
+
+    def __init__(self, mesh: DeviceMesh, state_mesh: Optional[DeviceMesh] = None) -> None:
+        if mesh.ndim not in (1, 2):
+            raise ValueError(f"ZeroEngine: a dp mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D")
+        self.mesh = mesh
+        self.state_mesh = state_mesh
+        self.group = mesh.get_group(mesh.ndim - 1)
+        self.world = mesh.size(mesh.ndim - 1)
+        self.rank = mesh.get_local_rank(mesh.ndim - 1)
+        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 and mesh.size(0) > 1 else None
 
 
 @dataclass(frozen=True)
@@ -47,10 +68,13 @@ class ZeroCheckpointing:
     group_buckets: list[list[Any]]
     optimizer: torch.optim.Optimizer
     dp_mesh: DeviceMesh
-    state_mesh: Optional[DeviceMesh]
-    group: Any
     world: int
     rank: int
+
+    names: dict[int, str]
+    """Parameter id -> name."""
+    ranks_of: dict[str, ShardRanks]
+    """Parameter name -> the ranks its bucket is cut over."""
 
     def _publish_masters(self) -> None:
         raise NotImplementedError
@@ -62,7 +86,7 @@ class ZeroCheckpointing:
         """Elements of rank `rank`'s chunk of `p`'s state in the checkpoint: the flattened parameter (a tp
         parameter: its local shard) split like DTensor Shard(0), in whole dim-0 rows for a tp parameter."""
         row = _row_numel(p)
-        return _chunk_size(_local(p).numel() // row, self.world, rank) * row
+        return _chunk_size(_local(p).numel() // row, self.ranks_of[name].world, rank) * row
 
     def _runs(self) -> list[list[_Run]]:
         """Per bucket, the contiguous runs of elements that one rank's bucket slice and one rank's checkpoint
@@ -74,7 +98,7 @@ class ZeroCheckpointing:
             runs = []
             for name, p, offset in zip(bucket.names, bucket.params, bucket.offsets):
                 numel = _local(p).numel()
-                chunk = math.ceil(numel / rows[name] / self.world) * rows[name]
+                chunk = math.ceil(numel / rows[name] / bucket.over.world) * rows[name]
                 for chunk_rank in range(math.ceil(numel / chunk) if chunk else 0):
                     start, end = offset + chunk_rank * chunk, offset + min((chunk_rank + 1) * chunk, numel)
                     while start < end:  # the chunk may straddle the slices of several ranks
@@ -86,25 +110,25 @@ class ZeroCheckpointing:
             per_bucket.append(runs)
         return per_bucket
 
-    def _move(self, runs: list[_Run], to_chunks: bool, read: Any, write: Any, dtype: torch.dtype) -> None:
-        """Move every run from the rank holding it on one side (bucket slices, or checkpoint chunks when not
-        `to_chunks`) to the rank holding it on the other: `write(run, values)` on the receiver gets what
-        `read(run)` gave on the sender. One all-to-all whose buffers hold only what changes rank; runs
-        that stay are copied. Every rank calls it with the same `runs`."""
+    def _move(self, over: ShardRanks, runs: list[_Run], to_chunks: bool, read: Any, write: Any, dtype: torch.dtype) -> None:
+        """Move every run of one bucket (cut over `over`) from the rank holding it on one side (bucket slices, or
+        checkpoint chunks when not `to_chunks`) to the rank holding it on the other: `write(run, values)` on the
+        receiver gets what `read(run)` gave on the sender. One all-to-all whose buffers hold only what changes
+        rank; runs that stay are copied. Every rank of `over` calls it with the same `runs`."""
         def source(run: _Run) -> int:
             return run.slice_rank if to_chunks else run.chunk_rank
 
         def target(run: _Run) -> int:
             return run.chunk_rank if to_chunks else run.slice_rank
 
-        outgoing: list[list[_Run]] = [[] for _ in range(self.world)]
-        incoming: list[list[_Run]] = [[] for _ in range(self.world)]
+        outgoing: list[list[_Run]] = [[] for _ in range(over.world)]
+        incoming: list[list[_Run]] = [[] for _ in range(over.world)]
         for run in runs:
-            if source(run) == self.rank and target(run) == self.rank:
+            if source(run) == over.rank and target(run) == over.rank:
                 write(run, read(run))
-            elif source(run) == self.rank:
+            elif source(run) == over.rank:
                 outgoing[target(run)].append(run)
-            elif target(run) == self.rank:
+            elif target(run) == over.rank:
                 incoming[source(run)].append(run)
         if all(source(run) == target(run) for run in runs):  # the same answer on every rank: all skip the collective
             return
@@ -115,7 +139,7 @@ class ZeroCheckpointing:
         send_sizes = [sum(run.length for run in group) for group in outgoing]
         recv_sizes = [sum(run.length for run in group) for group in incoming]
         received = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
-        dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=self.group)
+        dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=over.group)
         del send
         at = 0
         for group in incoming:
@@ -129,13 +153,14 @@ class ZeroCheckpointing:
 
     def _state_dtensor(self, p: torch.Tensor, chunk: torch.Tensor) -> DTensor:
         """This rank's chunk of a state of parameter `p` as the checkpoint holds it: 1-D over the dp ranks,
-        or, for a tp parameter, parameter-shaped on `state_mesh` (tp's placement, then dp rows)."""
+        or, for a tp or expert parameter, parameter-shaped on its ranks' `state_mesh` (its own placement, then dp rows)."""
         if not isinstance(p, DTensor):
             return self._to_dtensor(chunk, p.numel())
-        assert self.state_mesh is not None
+        state_mesh = self.ranks_of[self.names[id(p)]].state_mesh
+        assert state_mesh is not None
         local = chunk.view(-1, *_local(p).shape[1:])
-        placements = [*([Replicate()] * (self.state_mesh.ndim - 2)), *p.placements, Shard(0)]
-        return DTensor.from_local(local, self.state_mesh, placements, run_check=False, shape=p.shape,
+        placements = [*([Replicate()] * (state_mesh.ndim - 2)), *p.placements, Shard(0)]
+        return DTensor.from_local(local, state_mesh, placements, run_check=False, shape=p.shape,
                                   stride=_contiguous_stride(p.shape))
 
     def _in_saved_layout(self, p: torch.Tensor, value: Any) -> bool:
@@ -143,11 +168,12 @@ class ZeroCheckpointing:
         if not isinstance(value, DTensor):
             return False
         if isinstance(p, DTensor):
-            return value.device_mesh is self.state_mesh and value.shape == p.shape
+            return value.device_mesh is self.ranks_of[self.names[id(p)]].state_mesh and value.shape == p.shape
         return value.device_mesh is self.dp_mesh and value.dim() == 1
 
     def _params_by_name(self) -> dict[str, torch.Tensor]:
         return {name: p for b in self.buckets for name, p in zip(b.names, b.params)}
+
 
     def _state_keys(self) -> dict[str, torch.dtype]:
         """The elementwise optimizer states (and "master" when the masters are copies), with their dtypes."""
@@ -172,7 +198,7 @@ class ZeroCheckpointing:
     def _empty_state_dict(self) -> dict[str, Any]:
         """`sharded_state_dict`'s layout, zero-filled (what DCP reads a checkpoint into)."""
         device = self.buckets[0].param_buffer.device if self.buckets else None
-        state = {name: {key: self._state_dtensor(p, torch.zeros(self._chunk_numel(name, p, self.rank), dtype=dtype,
+        state = {name: {key: self._state_dtensor(p, torch.zeros(self._chunk_numel(name, p, self.ranks_of[name].rank), dtype=dtype,
                                                                 device=device))
                         for key, dtype in self._state_keys().items()}
                  for name, p in self._params_by_name().items()}
@@ -195,8 +221,8 @@ class ZeroCheckpointing:
             def write(run: _Run, values: torch.Tensor, chunks: dict[str, torch.Tensor] = chunks) -> None:
                 chunks[run.name][run.chunk_at : run.chunk_at + run.length].copy_(values)
 
-            for bucket_runs in runs:
-                self._move(bucket_runs, True, read, write, dtype)
+            for bucket, bucket_runs in zip(self.buckets, runs):
+                self._move(bucket.over, bucket_runs, True, read, write, dtype)
         return saved
 
     @torch.no_grad()
@@ -226,7 +252,7 @@ class ZeroCheckpointing:
                 def write(run: _Run, values: torch.Tensor, target: torch.Tensor = target) -> None:
                     target[run.slice_at : run.slice_at + run.length].copy_(values)
 
-                self._move(bucket_runs, False, read, write, target.dtype)
+                self._move(bucket.over, bucket_runs, False, read, write, target.dtype)
                 del chunks
         for group, buckets, saved_group in zip(self.optimizer.param_groups, self.group_buckets, saved["param_groups"]):
             group.update(saved_group["hyper"])
@@ -248,12 +274,13 @@ class ZeroCheckpointing:
         if self._in_saved_layout(p, value) and (dtype is None or value.dtype == dtype):
             return value
         full = (value.full_tensor() if isinstance(value, DTensor) else value)
-        if isinstance(p, DTensor):  # this tp rank's shard, then its dp rows
+        if isinstance(p, DTensor):  # this tp (or ep) rank's shard, then its dp rows
             full = distribute_tensor(full.reshape(p.shape), p.device_mesh, p.placements, src_data_rank=None).to_local()
         flat = full.reshape(-1)
         row = _row_numel(p)
-        start = min(flat.numel(), self.rank * math.ceil(flat.numel() / row / self.world) * row)
-        local = flat[start : start + _chunk_size(flat.numel() // row, self.world, self.rank) * row]
+        over = self.ranks_of[self.names[id(p)]]
+        start = min(flat.numel(), over.rank * math.ceil(flat.numel() / row / over.world) * row)
+        local = flat[start : start + _chunk_size(flat.numel() // row, over.world, over.rank) * row]
         return self._state_dtensor(p, local.to(dtype or local.dtype).clone())
 
     def _param_shaped_dtensor(self, shape: torch.Size, dtype: torch.dtype) -> DTensor:

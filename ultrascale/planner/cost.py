@@ -217,8 +217,10 @@ def _model_state(shape: ModelShape, layout: Layout, work: Workload, layers: int,
     n = layout.zero_ranks
     dense, experts = _stage_params(shape, layout, layers, first, last)
     # ZeRO-0 runs as unsharded HSDP (`runs_as`); with cp it is refused but still priced: everything replicated.
-    div = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[layout.zero_stage]
-    expert_div = (max(n // layout.ep, 1),) * 3 if layout.zero_stage == 3 else div
+    def shards(ranks: int) -> tuple[int, int, int]:
+        return {0: (1, 1, 1), 1: (1, 1, ranks), 2: (1, ranks, ranks), 3: (ranks, ranks, ranks)}[layout.zero_stage]
+
+    div, expert_div = shards(n), shards(max(n // layout.ep, 1))
     return {
         "params": dense * w_bytes / div[0] + experts * w_bytes / expert_div[0],
         "grads": dense * g_bytes / div[1] + experts * g_bytes / expert_div[1],
@@ -507,14 +509,17 @@ def _communication(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workl
         hidden_comm += fsdp * (1 - 1 / max(layers, 1))
         exposed += fsdp / max(layers, 1)  # the first gather and the last reduce-scatter wait
     elif n_shard > 1:  # ZeRO-1/2: reduce-scatter grads, all-gather the updated params after the step
-        grads_rs = _ring("reduce_scatter", dense * g_bytes, n_shard, bw_fsdp)
+        grads_rs = (_ring("reduce_scatter", dense * g_bytes, n_shard, bw_fsdp)
+                    + _ring("reduce_scatter", experts * g_bytes, n_expert_shard, bw_fsdp))
         if lay.zero_stage == 2:
             hidden_comm += grads_rs
         else:
             exposed += grads_rs
-        exposed += _ring("all_gather", dense * w_bytes, n_shard, bw_fsdp)
+        exposed += (_ring("all_gather", dense * w_bytes, n_shard, bw_fsdp)
+                    + _ring("all_gather", experts * w_bytes, n_expert_shard, bw_fsdp))
     if lay.dp_replicate > 1:  # HSDP / replicas: all-reduce of each shard's fp32 gradient, half hidden
-        replicas = _ring("all_reduce", (dense + experts) * 4 / max(n_shard, 1), lay.dp_replicate, bw_dpr)
+        shard = dense / max(n_shard, 1) + experts / n_expert_shard
+        replicas = _ring("all_reduce", shard * 4, lay.dp_replicate, bw_dpr)
         hidden_comm += replicas * 0.5
         exposed += replicas * 0.5
     if lay.tp > 1:  # per layer and micro-batch: 4 collectives of s·b·h forward and 4 backward

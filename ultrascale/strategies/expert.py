@@ -1,4 +1,4 @@
-"""Expert parallel strategy: the experts of a Mixture-of-Experts model split over ranks, ZeRO-3 over the rest."""
+"""Expert parallel strategy: the experts of a Mixture-of-Experts model split over ranks, ZeRO over the rest."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from ultrascale.strategies.base import ShardingKnobs, UltraScaleStrategy, checke
 
 class ExpertParallelStrategy(UltraScaleStrategy):
     """Each MoE layer's experts split over `expert_parallel` ranks (tokens travel to their experts by
-    all-to-all), every weight sharded by FSDP2: dense weights over all data ranks, expert weights over
-    the ranks holding the same experts (world / expert_parallel of them).
+    all-to-all), every weight sharded by FSDP2 (or the optimizer state by ZeRO-1/2): dense weights over all data
+    ranks, expert weights over the ranks holding the same experts (world / expert_parallel of them).
 
     Registered as ``"ultrascale_ep"``. For the built-in Llama with `n_experts` (preset "tiny_moe")
     and Hugging Face Mixtral / Qwen2-MoE / Qwen3-MoE checkpoints.
@@ -24,6 +24,8 @@ class ExpertParallelStrategy(UltraScaleStrategy):
             devices of a node.
         context_parallel: ranks that split each sequence (ep may borrow them); 1 means off.
         data_parallel_replicate: HSDP replicas; 1 means off.
+        zero_stage: 3 (FSDP2), or 1/2 (each rank holds its experts whole, their optimizer state cut over the
+            ranks holding the same experts).
     """
 
     strategy_name = "ultrascale_ep"
@@ -33,6 +35,7 @@ class ExpertParallelStrategy(UltraScaleStrategy):
         expert_parallel: Union[int, Literal["auto"]] = "auto",
         context_parallel: int = 1,
         data_parallel_replicate: int = 1,
+        zero_stage: int = 3,
         **knobs: Unpack[ShardingKnobs],
     ) -> None:
         raise_first(auto_degree_problems(expert_parallel=expert_parallel), type(self).__name__)
@@ -41,7 +44,7 @@ class ExpertParallelStrategy(UltraScaleStrategy):
             data_parallel_shard=-1,
             context_parallel=context_parallel,
             expert_parallel=2 if expert_parallel == "auto" else expert_parallel,  # resolved in `resolve_dims`
-            zero_stage=3,
+            zero_stage=zero_stage,
             **checked_knobs(type(self).__name__, knobs, ShardingKnobs),
         )
         self.expert_parallel = expert_parallel

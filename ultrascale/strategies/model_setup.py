@@ -27,7 +27,7 @@ from ultrascale.parallel.init import broadcast_module_state, has_meta_tensors, m
 from ultrascale.parallel.parallelize import parallelize
 from ultrascale.parallel.pipeline import PipelineRunner, TiedStageWeights, split_model, tie_stage_weights
 from ultrascale.parallel.transforms import ModelTransform
-from ultrascale.parallel.zero import ZeroEngine
+from ultrascale.parallel.zero import ExpertMeshes, ZeroEngine
 from ultrascale.strategies.precision import UltraScalePrecision
 
 
@@ -151,6 +151,7 @@ def make_zero_engine(
         norm_group=mesh["pp"].get_group() if dims.pp_enabled else None,
         state_mesh=mesh.zero_state_mesh if dims.tp_enabled else None,
         tied=tied,
+        experts=ExpertMeshes(mesh["ep"], mesh["expert_fsdp"], mesh.expert_zero_state_mesh) if dims.ep_enabled else None,
     )
 
 
