@@ -202,6 +202,8 @@ COMBINATIONS: dict[tuple[str, str], dict[str, Any]] = {
                                                           "data_parallel_shard": 1, "sequence_parallel": True},
     ("GLM-4-MoE", "TP 2 x PP 2"): {"tensor_parallel": 2, "pipeline_parallel": 2, "data_parallel_shard": 1,
                                    "pipeline_microbatches": 2},
+    # EP x TP: MLA and the shared expert split over tp, each routed expert whole on its ep rank.
+    ("DeepSeek-V3", "EP 2 x TP 2"): {"expert_parallel": 2, "tensor_parallel": 2, "data_parallel_shard": 2},
     # Tied embeddings: the first and the last stage each shard their copy (FSDP, vocab-parallel) and sum its gradients.
     ("Gemma3, tied", "ZeRO-3 2 x PP 2"): {"pipeline_parallel": 2, "data_parallel_shard": 2, "pipeline_microbatches": 2},
     ("Gemma3, tied", "TP 2 x PP 2"): {"tensor_parallel": 2, "pipeline_parallel": 2, "data_parallel_shard": 1,

@@ -140,7 +140,6 @@ def _fork_launcher_second_fit() -> None:
 
 
 PROBES: dict[str, Callable[[Path], None]] = {
-    "expert_parallel_with_tensor_parallel": lambda _: ultrascale.UltraScaleStrategy(expert_parallel=2, tensor_parallel=2),
     "hf_sequence_parallel": lambda _: _hf_sequence_parallel(),
     "hf_sequence_parallel_pipeline": lambda _: _hf_sequence_parallel_pipeline(),
     "float8_rowwise_with_tensor_parallel": lambda _: _float8_rowwise_with_tensor_parallel(),

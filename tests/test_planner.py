@@ -382,8 +382,7 @@ def test_constraints():
         planner.layout_problems(lay, moe, planner.Cluster(planner.GPU_SPECS["h100"], 6), 256, 6))
     four = planner.Cluster(planner.GPU_SPECS["h100"], 4)
     assert planner.layout_problems(planner.Layout(dp_shard=2, tp=2), moe, four, 256, 2) == []  # expert tensor parallel
-    assert "expert parallel with tensor parallel is not implemented" in " ".join(
-        planner.layout_problems(planner.Layout(dp_shard=2, tp=2, ep=2), moe, four, 256, 2))
+    assert planner.layout_problems(planner.Layout(dp_shard=2, tp=2, ep=2), moe, four, 256, 2) == []  # EP x TP
 
 
 def test_search_ranks_fitting_layouts_by_throughput():
@@ -505,6 +504,7 @@ LIVE_LAYOUTS = {
     "zero1-dp4-ep2": ("tiny_moe", 4, dict(expert_parallel=2), 1),  # experts' state over the 2 ranks holding them
     "zero2-dp4-ep2": ("tiny_moe", 4, dict(expert_parallel=2), 2),
     "zero3-dp2-tp2-moe": ("tiny_moe", 4, dict(tensor_parallel=2), 3),  # expert tensor parallel
+    "zero3-dp2-tp2-ep2": ("tiny_moe", 4, dict(tensor_parallel=2, expert_parallel=2), 3),  # EP x TP: experts whole
 }
 
 

@@ -208,12 +208,13 @@ def test_accepted_layouts_parallelise_on_the_meta_device():
 
 
 def test_rules_explain_with_the_knob_names():
-    problem = rules.knob_problems(LayoutKnobs(tp=2, ep=2))[0]
-    assert problem.not_built == "expert_parallel_with_tensor_parallel" and problem.knobs == ("expert_parallel=2", "tensor_parallel=2")
+    problem = rules.knob_problems(LayoutKnobs(accumulate_unsharded_grads=True, zero_stage=1))[0]
+    assert problem.knobs == ("accumulate_unsharded_grads=True", "zero_stage=1")
     assert problem.text("UltraScaleStrategy").startswith(
-        "UltraScaleStrategy(`expert_parallel=2`, `tensor_parallel=2`): expert parallel with tensor parallel")
-    with pytest.raises(NotImplementedError, match="expert parallel with tensor parallel is not implemented"):
+        "UltraScaleStrategy(`accumulate_unsharded_grads=True`, `zero_stage=1`): accumulate_unsharded_grads chooses")
+    with pytest.raises(ValueError, match="accumulate_unsharded_grads chooses how ZeRO-3"):
         rules.raise_first([problem], "X")
+    assert rules.knob_problems(LayoutKnobs(tp=2, ep=2)) == []  # EP x TP
     assert rules.knob_problems(LayoutKnobs(tp=2, zero_stage=1)) == []  # ZeRO-1/2 over the tp shards
     dims, problems = rules.resolve(LayoutKnobs(dp_shard=3), 4)
     assert dims is None and "dp_shard(3)" in problems[0].text()

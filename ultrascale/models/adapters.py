@@ -575,6 +575,10 @@ def plan_model(module: nn.Module, dims: Any, knobs: Any, *, tp_plan: Optional[di
                 loss_parallel_default and not dims.pp_enabled)
             assert adapter.tp_plan is not None  # model_problems refused a model without one
             plan = adapter.tp_plan(sequence_parallel=sequence_parallel_of(knobs, facts), loss_parallel=loss_parallel)
+            if dims.ep_enabled:  # EP x TP: the experts split over ep, not over tp (`ExpertParallel.dispatch`)
+                from ultrascale.parallel.tensor_styles import ExpertTensorParallel
+
+                plan = {path: style for path, style in plan.items() if not isinstance(style, ExpertTensorParallel)}
     return ModelPlan(adapter, pipeline, plan, loss_parallel)
 
 

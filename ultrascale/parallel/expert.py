@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from ultrascale.parallel.device import grouped_mm_supported
+from ultrascale.parallel.device import all_gather_single, grouped_mm_supported
+from ultrascale.parallel.tensor_styles import grad_summed_over
 
 EXPERT_PARALLEL_ATTRIBUTE = "_ultrascale_expert_parallel"
 """Set on an experts module whose experts are split over an ep group (an `ExpertParallel`)."""
@@ -119,13 +120,41 @@ def run_experts(
 
 
 class ExpertParallel:
-    """All-to-all token dispatch over the ranks of an ep mesh, each holding E / ep experts."""
+    """All-to-all token dispatch over the ranks of an ep mesh, each holding E / ep experts.
 
-    def __init__(self, mesh: DeviceMesh) -> None:
+    With tensor parallel on the rest of the model (`tp`, the tp mesh: EP x TP, Megatron's usual MoE layout), the
+    tp ranks of a layer hold the same tokens (replicated activations), route them alike, and hold the same experts
+    whole. Each dispatches only its 1/tp share of the token copies (`dispatch`), so no expert computes a token
+    twice; the shares' outputs are all-gathered over tp, and the experts' gradients, each tp rank's from its
+    share, are summed over tp (`tp_summed`: one all-reduce of the local experts' gradients per backward)."""
+
+    def __init__(self, mesh: DeviceMesh, tp: Optional[DeviceMesh] = None) -> None:
         self.mesh = mesh
         self.group = mesh.get_group()
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
+        self.tp_group = tp.get_group() if tp is not None and tp.size() > 1 else None
+        self.tp_size = tp.size() if self.tp_group is not None else 1
+        self.tp_rank = tp.get_local_rank() if self.tp_group is not None else 0
+
+    def dispatch(
+        self, x: torch.Tensor, counts: torch.Tensor, compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """The experts' outputs (S, H) for ``x`` (S, H, sorted by expert; ``counts`` (E,)): under tp, this rank
+        dispatches rows [r·c, (r+1)·c) of them (c = ceil(S / tp)) and the shares are all-gathered."""
+        if self.tp_group is None:
+            return self(x, counts, compute)
+        rows = x.shape[0]
+        share = math.ceil(rows / self.tp_size)
+        start, stop = min(rows, self.tp_rank * share), min(rows, (self.tp_rank + 1) * share)
+        ends = counts.cumsum(0)  # the share's count of expert e: its rows within [start, stop) (no host sync)
+        share_counts = ends.clamp(start, stop) - (ends - counts).clamp(start, stop)
+        out = self(_TakeShare.apply(x, share, start, stop, self.tp_group), share_counts, compute)
+        return _GatherShares.apply(out, rows, share, start, stop, self.tp_group)
+
+    def tp_summed(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``t`` (a local expert weight), whose gradient is summed over the tp ranks in backward."""
+        return t if self.tp_group is None or t is None else grad_summed_over(t, self.tp_group)
 
     def __call__(
         self, x: torch.Tensor, counts: torch.Tensor, compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -152,6 +181,44 @@ class ExpertParallel:
         return all_to_all_single_autograd(out[back], send_splits, recv_splits, self.group)  # (S, H)
 
 
+def _gather_shares(share: torch.Tensor, rows: int, size: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """The tp ranks' shares (at most `size` rows each), all-gathered in rank order: the first `rows`."""
+    padded = share.new_zeros(size, *share.shape[1:])
+    padded[: share.shape[0]] = share
+    gathered = share.new_empty(dist.get_world_size(group) * size, *share.shape[1:])
+    all_gather_single(gathered, padded, group=group)
+    return gathered[:rows]
+
+
+class _GatherShares(torch.autograd.Function):
+    """Forward: the tp ranks' shares of rows, all-gathered. Backward: this rank's share of the gradient, which every
+    tp rank holds whole and alike (what follows is replicated over tp)."""
+
+    @staticmethod
+    def forward(ctx: Any, share: torch.Tensor, rows: int, size: int, start: int, stop: int,
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.start, ctx.stop = start, stop
+        return _gather_shares(share, rows, size, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        return grad[ctx.start : ctx.stop], None, None, None, None, None
+
+
+class _TakeShare(torch.autograd.Function):
+    """Forward: this rank's share of rows replicated over tp. Backward: the shares' gradients all-gathered, so every
+    tp rank holds the whole (replicated) gradient: each row's comes from the one rank that dispatched it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, size: int, start: int, stop: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.rows, ctx.size, ctx.group = x.shape[0], size, group
+        return x[start:stop]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        return _gather_shares(grad.contiguous(), ctx.rows, ctx.size, ctx.group), None, None, None, None
+
+
 # Under `compile=True` the routed experts are the block's one graph break: how many tokens each expert gets
 # decides the shapes (the all-to-all's split sizes and the expert loop read the counts on the host), and torch
 # 2.13's meta kernel of `_grouped_mm` takes only bf16. Router, attention and norms compile around it.
@@ -174,6 +241,8 @@ def experts_forward(
     n_tokens, top_k = top_k_index.shape
     ep: Optional[ExpertParallel] = getattr(experts, EXPERT_PARALLEL_ATTRIBUTE, None)
     gate_up, down = local_tensor(experts.gate_up_proj), local_tensor(experts.down_proj)
+    if ep is not None:  # EP x TP: each tp rank's experts see its share of the tokens
+        gate_up, down = ep.tp_summed(gate_up), ep.tp_summed(down)
     n_experts = gate_up.shape[0] * (ep.size if ep is not None else 1)
     flat = top_k_index.reshape(-1)  # (N k,)
     order = torch.argsort(flat, stable=True)  # token copies by expert, dropped ones (id E) last
@@ -185,12 +254,14 @@ def experts_forward(
     has_bias = bool(getattr(experts, "has_bias", False))
     gate_up_bias = local_tensor(experts.gate_up_proj_bias) if has_bias else None
     down_bias = local_tensor(experts.down_proj_bias) if has_bias else None
+    if ep is not None:
+        gate_up_bias, down_bias = ep.tp_summed(gate_up_bias), ep.tp_summed(down_bias)
 
     def compute(tokens: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
         return run_experts(tokens, local_counts, gate_up, down, act, transposed=bool(getattr(experts, "is_transposed", False)),
                            gate_up_bias=gate_up_bias, down_bias=down_bias, apply_gate=getattr(experts, "_apply_gate", None))
 
-    y = ep(x, counts, compute) if ep is not None else compute(x, counts)  # (S, H)
+    y = ep.dispatch(x, counts, compute) if ep is not None else compute(x, counts)  # (S, H)
     weights = top_k_weights.reshape(-1)[kept].unsqueeze(-1)  # (S, 1)
     weighted = y.float() * weights.float()  # (S, H)
     out = torch.zeros(flat.numel(), hidden.shape[-1], dtype=weighted.dtype, device=hidden.device)

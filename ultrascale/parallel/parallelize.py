@@ -72,7 +72,8 @@ def parallelize(
     if dims.ep_enabled:
         if enable_expert_parallel is None:
             raise ValueError(f"ep={dims.ep} needs the model's expert dispatch hook for {type(module).__name__}")
-        enable_expert_parallel(ExpertParallel(mesh["ep"]))
+        # Under tp too (EP x TP) the experts stay whole on each tp rank, which dispatches 1/tp of the tokens.
+        enable_expert_parallel(ExpertParallel(mesh["ep"], tp=mesh["tp"] if dims.tp_enabled else None))
         expert_units = list(experts())
     if dims.cp_enabled:
         # CP has no parameters of its own: attention is routed through `context_parallel`, and the

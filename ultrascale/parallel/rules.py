@@ -84,7 +84,6 @@ class NotBuilt:
 
 
 NOT_BUILT: dict[str, NotBuilt] = {
-    "expert_parallel_with_tensor_parallel": NotBuilt("expert parallel and tensor parallel together (each works alone)"),
     "hf_sequence_parallel": NotBuilt("sequence parallel on Hugging Face Mixture-of-Experts models (dense ones run it; "
                                      "TP alone runs)"),
     "hf_sequence_parallel_pipeline": NotBuilt("sequence parallel with pipeline parallel on Hugging Face models (each "
@@ -272,11 +271,6 @@ class ModelFacts:
 def knob_problems(k: LayoutKnobs) -> list[Problem]:
     """What is wrong with the knobs alone, before any world size or model is known."""
     problems: list[Problem] = []
-    if k.ep != 1 and k.tp != 1:
-        problems.append(Problem(
-            "expert parallel with tensor parallel is not implemented yet: choose one (tensor_parallel alone splits "
-            "every expert's intermediate width over the tp ranks, expert_parallel splits the experts over data ranks)",
-            (f"expert_parallel={k.ep}", f"tensor_parallel={k.tp}"), not_built="expert_parallel_with_tensor_parallel"))
     problems += choice_problems("context_parallel_method", k.context_parallel_method, CONTEXT_PARALLEL_METHODS)
     if k.context_parallel_method == "usp" or k.context_parallel_ulysses is not None:
         problems += ulysses_problems(None, k.context_parallel_method, k.context_parallel_ulysses)

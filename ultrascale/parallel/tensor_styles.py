@@ -131,6 +131,11 @@ class _AllReduceBackward(torch.autograd.Function):
         return grad, None
 
 
+def grad_summed_over(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """`x`, whose gradient is all-reduced (summed) over `group` in backward (`_AllReduceBackward`)."""
+    return _AllReduceBackward.apply(x, group)
+
+
 class MlaKvAProjParallel(ParallelStyle):
     """DeepSeek-V2-style MLA `kv_a_proj_with_mqa` (replicated): its output (..., kv_lora_rank + rope_dim)
     splits into a latent part that feeds the column-parallel `kv_b_proj` (whose input gradient is

@@ -195,8 +195,14 @@ def _count_stage_params(shape: ModelShape, t: int, ep: int, layers: int, first: 
     dense += layers * (1 - moe_fraction) * shape.dense_mlp_params / t
     shared = 3 * shape.hidden * shape.shared_expert_hidden  # split by tp like a dense MLP
     dense += layers * moe_fraction * (shape.router_params - shared + shared / t)
-    experts = layers * moe_fraction * shape.expert_params / (ep * t)  # ep or tp (expert tensor parallel)
+    experts = layers * moe_fraction * shape.expert_params / expert_split(ep, t)
     return dense, experts
+
+
+def expert_split(ep: int, tp: int) -> int:
+    """The ranks one layer's routed experts are split over: ep (each expert whole on one, also beside tp: EP x TP),
+    else tp (expert tensor parallel splits each expert's intermediate width)."""
+    return ep if ep > 1 else tp
 
 
 def stage_model_state(shape: ModelShape, layout: Layout, work: Workload, layers: int, first: bool, last: bool) -> dict[str, float]:
@@ -394,7 +400,7 @@ def _peak_memory(shape: ModelShape, lay: Layout, work: Workload, acts: Activatio
     # Under PP nothing is resharded: the stage's whole gathered copy and its unsharded
     # gradients, reduce-scattered (fp32) one unit at a time. ZeRO-1/2: two buckets.
     layer_unit = (shape.attention_params / lay.tp + shape.norm_params + (1 - moe_fraction) * shape.dense_mlp_params / lay.tp
-                  + moe_fraction * (shape.router_params + shape.expert_params / (lay.ep * lay.tp)))
+                  + moe_fraction * (shape.router_params + shape.expert_params / expert_split(lay.ep, lay.tp)))
     counts = shape.param_counts()
     if lay.zero_stage == 3 and n_shard > 1 and lay.pp > 1:
         buffers = 2 * c * (dense + experts) + 4 * layer_unit
@@ -548,8 +554,13 @@ def _communication(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workl
             exposed += m * layers * (max(ring - attention_time, 0.0) + 3 * (ring_ranks - 1) * lat)
             hidden_comm += m * layers * min(ring, attention_time)
     if lay.ep > 1 and shape.moe_layers:  # dispatch and combine, forward and backward, not overlapped
-        routed = tokens_mb * shape.top_k * shape.hidden * c
-        exposed += m * layers * moe_fraction * 4 * (_ring("all_to_all", routed, lay.ep, bw_ep) + lat)
+        routed = tokens_mb * shape.top_k * shape.hidden * c  # the token copies of a micro-batch
+        # EP x TP: each tp rank dispatches 1/tp of them; the outputs (and in backward the inputs' gradients) are
+        # all-gathered over tp, and the local experts' gradients all-reduced over tp in every backward.
+        exposed += m * layers * moe_fraction * 4 * (_ring("all_to_all", routed / lay.tp, lay.ep, bw_ep) + lat)
+        if lay.tp > 1:
+            exposed += m * layers * moe_fraction * 2 * (_ring("all_gather", routed, lay.tp, bw_tp) + lat)
+            exposed += m * _ring("all_reduce", experts * c, lay.tp, bw_tp)
     if pipe is not None:  # boundary sends: on the critical path while the pipeline fills and drains, every stage
         boundary = tokens_mb * shape.hidden * c / (lay.tp if acts.sequence_parallel else 1)
         exposed += 2 * (pipe.num_stages - 1) * (_ring("p2p", boundary, 2, bw_pp) + lat)
