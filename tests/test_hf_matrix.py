@@ -204,6 +204,8 @@ COMBINATIONS: dict[tuple[str, str], dict[str, Any]] = {
                                    "pipeline_microbatches": 2},
     # EP x TP: MLA and the shared expert split over tp, each routed expert whole on its ep rank.
     ("DeepSeek-V3", "EP 2 x TP 2"): {"expert_parallel": 2, "tensor_parallel": 2, "data_parallel_shard": 2},
+    ("Qwen3-MoE", "EP 2 x TP 2 sequence parallel"): {"expert_parallel": 2, "tensor_parallel": 2, "data_parallel_shard": 2,
+                                                       "sequence_parallel": True},
     # Tied embeddings: the first and the last stage each shard their copy (FSDP, vocab-parallel) and sum its gradients.
     ("Gemma3, tied", "ZeRO-3 2 x PP 2"): {"pipeline_parallel": 2, "data_parallel_shard": 2, "pipeline_microbatches": 2},
     ("Gemma3, tied", "TP 2 x PP 2"): {"tensor_parallel": 2, "pipeline_parallel": 2, "data_parallel_shard": 1,
@@ -229,9 +231,11 @@ def test_combination(architecture, layout, checkpoints, tmp_path):
 # --------------------------------------------------------------------------- sequence parallel
 
 SEQUENCE_PARALLEL = {"tensor_parallel": 2, "data_parallel_shard": 1, "sequence_parallel": True}
-SEQUENCE_PARALLEL_ARCHITECTURES = ("Qwen3", "Gemma3", "Phi3", "OLMo2")
+SEQUENCE_PARALLEL_ARCHITECTURES = ("Qwen3", "Gemma3", "Phi3", "OLMo2", "Qwen3-MoE", "GLM-4-MoE")
 """Qwen3's and Gemma 3's q/k norms inside attention, Gemma 3's four norms per layer and sliding layer, Phi3's fused
-projections gathered then split (`rowwise_split_input`), OLMo2's norms after each branch."""
+projections gathered then split (`rowwise_split_input`), OLMo2's norms after each branch, Qwen3-MoE's experts block
+(gathered in, sliced out) and GLM-4-MoE's: a dense first layer and a shared expert whose row-parallel layer
+keeps its all-reduce inside the block."""
 
 
 @pytest.mark.parametrize("architecture", SEQUENCE_PARALLEL_ARCHITECTURES)

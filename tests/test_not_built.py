@@ -44,12 +44,6 @@ def _hf_facts(model_type: str, **fields: Any) -> ModelFacts:
         return model_facts(transformers.AutoModelForCausalLM.from_config(config))
 
 
-def _hf_sequence_parallel() -> None:
-    dims = ParallelDims.resolve(2, dp_shard=1, tp=2)
-    facts = _hf_facts("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    raise_first(model_problems(dims, LayoutKnobs(tp=2, dp_shard=1, sequence_parallel=True), facts))
-
-
 def _hf_sequence_parallel_pipeline() -> None:
     dims = ParallelDims.resolve(4, dp_shard=1, tp=2, pp=2)
     facts = _hf_facts("qwen3")
@@ -140,7 +134,6 @@ def _fork_launcher_second_fit() -> None:
 
 
 PROBES: dict[str, Callable[[Path], None]] = {
-    "hf_sequence_parallel": lambda _: _hf_sequence_parallel(),
     "hf_sequence_parallel_pipeline": lambda _: _hf_sequence_parallel_pipeline(),
     "float8_rowwise_with_tensor_parallel": lambda _: _float8_rowwise_with_tensor_parallel(),
     "async_tensor_parallel": lambda _: ultrascale.UltraScaleStrategy.from_accelerate(

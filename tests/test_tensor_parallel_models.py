@@ -131,14 +131,19 @@ def _llama(**overrides):
         (lambda: HFCausalLMModule(_gpt2_config()), 2, {},
          "tensor parallel has no plan for GPT2LMHeadModel: ultrascale has one for the built-in Llama and runs the plan "
          "a Hugging Face causal LM's config ships"),
-        (lambda: HFCausalLMModule(transformers.MixtralConfig(
+        # MoE models run it; DeepSeek-V3's multi-head latent attention is outside transformers' plan (ultrascale's own
+        # styles split it), so the stream cannot be sliced around it yet.
+        (lambda: HFCausalLMModule(transformers.DeepseekV3Config(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)), 2, {"sequence_parallel": True},
-         "sequence parallel on MixtralForCausalLM: its Mixture-of-Experts layers route whole tokens"),
+            num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1,
+            topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4,
+            qk_nope_head_dim=8, v_head_dim=4)), 2, {"sequence_parallel": True},
+         "sequence parallel on DeepseekV3ForCausalLM: layer 0's `self_attn` (DeepseekV3Attention) holds parameters "
+         "outside the tp plan"),
         (lambda: PlainTransformerLM(), 2, {"tp_plan": {"layers.*.mlp.0": "colwise"}}, "plan entries match no submodule"),
         (lambda: PlainTransformerLM(), 2, {"tp_plan": {"blocks.*.mlp.0": "diagonal"}}, "unknown tensor-parallel style 'diagonal'"),
     ],
-    ids=["kv-heads", "hidden-and-vocab", "no-plan", "hf-no-plan", "hf-moe-sp", "unmatched-plan", "unknown-style"],
+    ids=["kv-heads", "hidden-and-vocab", "no-plan", "hf-no-plan", "hf-mla-sp", "unmatched-plan", "unknown-style"],
 )
 def test_tp_errors(make_module, tp, kwargs, expected):
     if "diagonal" in str(kwargs.get("tp_plan", {})):  # a bad style name fails at construction, on one process
@@ -308,11 +313,11 @@ def test_sequence_parallel_refuses_a_piece_it_cannot_slice_by_name():
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     model = transformers.AutoModelForCausalLM.from_config(config)
     plan = model.config.base_model_tp_plan
-    assert hf_sequence_parallel_problem(model, plan, "Qwen3ForCausalLM", 0) is None
+    assert hf_sequence_parallel_problem(model, plan, "Qwen3ForCausalLM") is None
     model.model.layers[1].adapter = torch.nn.Linear(32, 32)
-    problem = hf_sequence_parallel_problem(model, plan, "Qwen3ForCausalLM", 0)
+    problem = hf_sequence_parallel_problem(model, plan, "Qwen3ForCausalLM")
     assert problem is not None and "layer 1's `adapter` (Linear)" in problem, problem
     del model.model.layers[1].adapter
     model.model.projector = torch.nn.Linear(32, 32)
-    problem = hf_sequence_parallel_problem(model, plan, "Qwen3ForCausalLM", 0)
+    problem = hf_sequence_parallel_problem(model, plan, "Qwen3ForCausalLM")
     assert problem is not None and "the base model's `projector` (Linear)" in problem, problem

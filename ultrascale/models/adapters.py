@@ -232,7 +232,7 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
     context_refusal = _hf_context_parallel_problems(hf, name)
     pipeline_refusal = _hf_pipeline_problem(hf, name)
     n_experts = hf_num_experts(config)
-    sequence_refusal = hf_sequence_parallel_problem(hf, base_plan, name, n_experts) if base_plan else None
+    sequence_refusal = hf_sequence_parallel_problem(hf, base_plan, name) if base_plan else None
     expert_refusal = _hf_expert_parallel_problem(hf, name) if n_experts else None
     return ModelAdapter(
         **common,

@@ -13,11 +13,15 @@ transformers' `base_model_tp_plan` places only the branches' linears. The rest c
   child with parameters must be a norm over the hidden size (input, post-attention, Gemma's pre/post-feedforward,
   OLMo2's post norms), which runs on the slice (`SequenceParallel`: its weight's gradient summed over tp);
 - the row-parallel layers of the plan return the slice (reduce-scatter instead of all-reduce);
+- a Mixture-of-Experts block (a branch holding fused experts) runs whole on its gathered input, as under tensor
+  parallel alone: its router routes every token on every tp rank, its output is whole (the experts' sums
+  all-reduced, or under EP x TP gathered; a shared expert's row-parallel layer keeps its all-reduce), and the
+  stream takes this rank's slice of it;
 - the base model's final norm runs on the slice, and the head gathers it (or keeps the vocabulary sharded for
   loss parallel).
 
-What does not fit (a layer child with other parameters, experts, another layout of the base model) is refused,
-naming the piece.
+What does not fit (a layer child with other parameters, another layout of the base model) is refused, naming the
+piece.
 """
 
 from __future__ import annotations
@@ -45,13 +49,16 @@ def _is_hidden_norm(module: nn.Module, hidden: int) -> bool:
 def _pieces(hf: nn.Module, base_plan: Mapping[str, str]) -> Iterator[tuple[str, Optional[int], nn.Module, str]]:
     """What sequence parallel does with each child of the base model's layers and of the base model itself, as
     (name, layer index or None for the base model's own, module, role): "branch" (the plan places linears in it:
-    gathers its input), "norm" (parameters only over the hidden size: runs on the slice) or "other" (parameters
-    of another kind: refused). Children without parameters are left out; so are the layers and the embedding."""
+    gathers its input), "experts" (a branch holding fused experts: gathers its input and slices its output), "norm"
+    (parameters only over the hidden size: runs on the slice) or "other" (parameters of another kind: refused).
+    Children without parameters are left out; so are the layers and the embedding."""
+    from ultrascale.models.moe import hf_experts_modules
+
     base, hidden, branches = hf.base_model, hf.config.hidden_size, _branches(base_plan)
     for index, layer in enumerate(base.layers):
         for name, child in layer.named_children():
             if name in branches:
-                yield name, index, child, "branch"
+                yield name, index, child, "experts" if hf_experts_modules(child) else "branch"
             elif any(True for _ in child.parameters()):
                 yield name, index, child, "norm" if _is_hidden_norm(child, hidden) else "other"
     embedding = hf.get_input_embeddings()
@@ -60,12 +67,9 @@ def _pieces(hf: nn.Module, base_plan: Mapping[str, str]) -> Iterator[tuple[str, 
             yield name, None, child, "norm" if _is_hidden_norm(child, hidden) else "other"
 
 
-def hf_sequence_parallel_problem(hf: nn.Module, base_plan: Mapping[str, str], name: str, n_experts: int) -> Optional[str]:
+def hf_sequence_parallel_problem(hf: nn.Module, base_plan: Mapping[str, str], name: str) -> Optional[str]:
     """Why `hf`'s residual stream cannot be sharded on the sequence between its plan's branches; None: it can."""
     where = f"sequence parallel on {name}"
-    if n_experts:
-        return (f"{where}: its Mixture-of-Experts layers route whole tokens on every tp rank (expert tensor parallel); "
-                "sequence parallel runs on the dense Hugging Face decoders. Set `sequence_parallel=False`")
     layers = getattr(hf.base_model, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0 or not _branches(base_plan):
         return f"{where}: its base model has no `layers` list the tp plan places its linears in"
@@ -88,16 +92,22 @@ def hf_sequence_parallel_styles(hf: nn.Module, styles: Mapping[str, ParallelStyl
 
     result: dict[str, ParallelStyle] = {}
     layers_path = f"{base}layers."
+    pieces = list(_pieces(hf, base_plan))
+    experts_blocks = {id(child) for _, _, child, role in pieces if role == "experts"}
     for key, style in styles.items():
-        if key.startswith(layers_path) and type(style) is RowwiseParallel:  # a branch's last layer: reduce-scatter
+        # A branch's last layer reduce-scatters, unless it sits in an experts block (a shared expert's: the block
+        # adds it to the routed experts' whole output).
+        if (key.startswith(layers_path) and type(style) is RowwiseParallel
+                and not _inside(hf.base_model.layers, key[len(layers_path):], experts_blocks)):
             style = RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=Shard(1))
         result[key] = style
     # The model's forward made the stream whole: the first layer takes this rank's slice.
     result[f"{layers_path}0"] = HiddenStatesLayout(Replicate(), Shard(1))
-    for child_name, index, _, role in _pieces(hf, base_plan):
+    for child_name, index, _, role in pieces:
         path = f"{base}{child_name}" if index is None else f"{layers_path}{index}.{child_name}"  # None: the final norm
-        result[path] = (HiddenStatesLayout(Shard(1), Replicate()) if role == "branch"
-                        else SequenceParallel(use_local_output=True))
+        result[path] = {"branch": HiddenStatesLayout(Shard(1), Replicate()),
+                        "experts": HiddenStatesLayout(Shard(1), Replicate(), output=(Replicate(), Shard(1)))
+                        }.get(role, SequenceParallel(use_local_output=True))
     head = hf.get_output_embeddings()
     paths = {id(module): name for name, module in hf.named_modules()}
     if head is not None and id(head) in paths:
@@ -105,3 +115,22 @@ def hf_sequence_parallel_styles(hf: nn.Module, styles: Mapping[str, ParallelStyl
             input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel)
     return result
+
+
+def _inside(layers: nn.ModuleList, path: str, blocks: set[int]) -> bool:
+    """Whether every module `path` ("*.mlp.shared_experts.down_proj", below the layers) reaches lies inside one of
+    `blocks` (and it reaches one)."""
+    index, _, rest = path.partition(".")
+    found = []
+    for number, layer in enumerate(layers):
+        if index not in ("*", str(number)):
+            continue
+        module, holders = layer, []
+        for part in rest.split("."):
+            module = getattr(module, part, None)
+            if module is None:
+                break
+            holders.append(id(module))
+        if module is not None:
+            found.append(any(holder in blocks for holder in holders[:-1]))
+    return bool(found) and all(found)

@@ -84,8 +84,6 @@ class NotBuilt:
 
 
 NOT_BUILT: dict[str, NotBuilt] = {
-    "hf_sequence_parallel": NotBuilt("sequence parallel on Hugging Face Mixture-of-Experts models (dense ones run it; "
-                                     "TP alone runs)"),
     "hf_sequence_parallel_pipeline": NotBuilt("sequence parallel with pipeline parallel on Hugging Face models (each "
                                               "alone runs)"),
     "float8_rowwise_with_tensor_parallel": NotBuilt("FP8's rowwise recipe with tensor parallel (torchao's float8 TP "
@@ -510,7 +508,7 @@ def _tensor_parallel_problems(tp: int, k: LayoutKnobs, facts: ModelFacts, pp: in
     if k.sequence_parallel and not facts.sequence_parallel:
         return [Problem(facts.sequence_parallel_refusal or (
             f"sequence parallel is not implemented for {name}; set `sequence_parallel=False`."),
-            ("sequence_parallel=True",), not_built="hf_sequence_parallel")]
+            ("sequence_parallel=True",))]
     if k.sequence_parallel and pp > 1 and not facts.sequence_parallel_pipeline:
         return [Problem(
             f"sequence parallel on {name} shards the stream from its first layer on, and a later pipeline stage would "

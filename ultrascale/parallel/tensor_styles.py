@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -93,14 +93,18 @@ class HiddenStatesLayout(ParallelStyle):
     (DTensor's): the branch's input gradient, whole on every rank once its column-parallel layers reduced it, is cut
     to this rank's slice; the slices' gradients are gathered."""
 
-    def __init__(self, source: Placement, target: Placement) -> None:
+    def __init__(self, source: Placement, target: Placement, output: Optional[tuple[Placement, Placement]] = None) -> None:
         super().__init__()
         self.source, self.target = source, target
+        self.output = output
+        """(from, to) of the module's output, e.g. (Replicate, Shard(1)): a Mixture-of-Experts block, whose output
+        is whole on every rank, hands the stream this rank's slice; None: left as the module returns it."""
 
-    def _redistribute(self, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    def _redistribute(self, x: torch.Tensor, mesh: DeviceMesh, source: Optional[Placement] = None,
+                      target: Optional[Placement] = None) -> torch.Tensor:
         if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, (self.source,), run_check=False)
-        return x.redistribute(mesh, (self.target,)).to_local()
+            x = DTensor.from_local(x, mesh, (source or self.source,), run_check=False)
+        return x.redistribute(mesh, (target or self.target,)).to_local()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -112,6 +116,15 @@ class HiddenStatesLayout(ParallelStyle):
             return args, {**kwargs, "hidden_states": self._redistribute(kwargs["hidden_states"], device_mesh)}
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        if self.output is not None:
+            source, target = self.output
+
+            def post_hook(_module: nn.Module, args: tuple, output: Any) -> Any:
+                if isinstance(output, tuple):  # (hidden states, router logits, ...): the first is the stream's
+                    return (self._redistribute(output[0], device_mesh, source, target), *output[1:])
+                return self._redistribute(output, device_mesh, source, target)
+
+            module.register_forward_hook(post_hook)
         return module
 
 

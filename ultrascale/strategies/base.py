@@ -95,11 +95,11 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
             remainder going to the first stages.
         expert_parallel: ranks that split the experts of a Mixture-of-Experts model (the built-in Llama with `n_experts`, Hugging
             Face Mixtral/Qwen2-MoE/Qwen3-MoE); 1 means off. Borrows its ranks from dp_shard x cp (must divide it, and the experts
-            per layer): tokens travel to their experts' ranks by all-to-all. Needs zero_stage=3; not with tensor_parallel yet (which
-            on its own splits every expert's width instead).
+            per layer): tokens travel to their experts' ranks by all-to-all. With tensor_parallel each expert stays whole on its
+            ep rank (EP x TP); tensor_parallel alone splits every expert's width instead.
         sequence_parallel: shard norms and the residual stream on the sequence dim between TP regions (activations 1/tp, same
             communication volume). None: on where the model's plan supports it (built-in Llama), off otherwise; True also runs it
-            on dense Hugging Face decoders (`ultrascale.models.hf_sequence_parallel`).
+            on Hugging Face decoders, dense and MoE (`ultrascale.models.hf_sequence_parallel`).
         loss_parallel: keep the logits vocab-sharded into the cross-entropy instead of all-gathering (B, T, V). None: on if the
             LightningModule sets `supports_loss_parallel = True` (its loss code accepts DTensor logits, as `LlamaLM`'s does), off
             otherwise.
