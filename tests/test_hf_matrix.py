@@ -204,6 +204,12 @@ COMBINATIONS: dict[tuple[str, str], dict[str, Any]] = {
                                    "pipeline_microbatches": 2},
     # EP x TP: MLA and the shared expert split over tp, each routed expert whole on its ep rank.
     ("DeepSeek-V3", "EP 2 x TP 2"): {"expert_parallel": 2, "tensor_parallel": 2, "data_parallel_shard": 2},
+    # Sequence parallel across pipeline stages: the stream crosses each boundary whole (the next stage's forward
+    # builds its masks from the whole sequence); Gemma 3's sliding and full layers on different stages.
+    ("Qwen3", "TP 2 sequence parallel x PP 2"): {"tensor_parallel": 2, "sequence_parallel": True, "pipeline_parallel": 2,
+                                                  "data_parallel_shard": 1, "pipeline_microbatches": 2},
+    ("Gemma3", "TP 2 sequence parallel x PP 2"): {"tensor_parallel": 2, "sequence_parallel": True, "pipeline_parallel": 2,
+                                                   "data_parallel_shard": 1, "pipeline_microbatches": 2},
     ("Qwen3-MoE", "EP 2 x TP 2 sequence parallel"): {"expert_parallel": 2, "tensor_parallel": 2, "data_parallel_shard": 2,
                                                        "sequence_parallel": True},
     # Tied embeddings: the first and the last stage each shard their copy (FSDP, vocab-parallel) and sum its gradients.

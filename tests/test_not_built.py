@@ -44,12 +44,6 @@ def _hf_facts(model_type: str, **fields: Any) -> ModelFacts:
         return model_facts(transformers.AutoModelForCausalLM.from_config(config))
 
 
-def _hf_sequence_parallel_pipeline() -> None:
-    dims = ParallelDims.resolve(4, dp_shard=1, tp=2, pp=2)
-    facts = _hf_facts("qwen3")
-    raise_first(model_problems(dims, LayoutKnobs(tp=2, pp=2, dp_shard=1, sequence_parallel=True), facts))
-
-
 def _float8_rowwise_with_tensor_parallel() -> None:
     from ultrascale.callbacks import Float8Training
 
@@ -134,7 +128,6 @@ def _fork_launcher_second_fit() -> None:
 
 
 PROBES: dict[str, Callable[[Path], None]] = {
-    "hf_sequence_parallel_pipeline": lambda _: _hf_sequence_parallel_pipeline(),
     "float8_rowwise_with_tensor_parallel": lambda _: _float8_rowwise_with_tensor_parallel(),
     "async_tensor_parallel": lambda _: ultrascale.UltraScaleStrategy.from_accelerate(
         {"tp_size": 2, "tp_handler": {"enable_async_tp": True}}),

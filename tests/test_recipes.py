@@ -157,8 +157,8 @@ BROKEN = {
     "seq_past_the_rope_table": ("llama3_405b.yaml", ["--model.max_seq_len", "8192"], "set `model.init_args.max_seq_len`"),
     "batch_not_split_by_dp": ("llama3_70b.yaml", ["--data.global_batch_size", "12"], "global_batch_size=12"),
     "microbatches_not_dividing": ("tiny_cpu_pp.yaml", [f"{STRATEGY}.pipeline_microbatches", "3"], "pipeline_microbatches=3"),
-    "ep_with_tp": ("moe.yaml", [f"{STRATEGY}.tensor_parallel", "2", f"{STRATEGY}.data_parallel_shard", "16"],
-                   "`expert_parallel=8`, `tensor_parallel=2`"),
+    "ep_not_dividing_the_experts": ("moe.yaml", [f"{STRATEGY}.expert_parallel", "16"],
+                                    "8 experts per layer, which ep=16 does not divide"),
     "tp_across_nodes": ("tiny_cpu_2d.yaml", ["--gpus-per-node", "1"], "spans nodes"),
 }
 

@@ -8,7 +8,7 @@ ZeRO/HSDP (it only needs the repeated blocks).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from typing import Any, Optional
@@ -34,13 +34,12 @@ class ModelAdapter:
     attention_heads: Optional[int] = None
     """Query heads per layer (what Ulysses context parallel splits over cp); None where unknown."""
     tp_plan: Optional[Callable[..., dict[str, ParallelStyle]]] = None
-    """`tp_plan(sequence_parallel=..., loss_parallel=...)` -> plan keyed by module path; None: no TP support."""
+    """`tp_plan(sequence_parallel=..., loss_parallel=..., stage_layers=...)` -> plan keyed by module path; None: no TP
+    support. `stage_layers`: under pipeline parallel, each stage's layers in model order."""
     supports_sequence_parallel: bool = False
     """Whether `tp_plan(sequence_parallel=True)` is implemented for this architecture."""
     sequence_parallel_default: bool = True
     """Whether sequence parallel runs when `sequence_parallel` is left unset (Hugging Face models: only when asked)."""
-    sequence_parallel_pipeline: bool = True
-    """Whether the sequence-parallel plan also runs split into pipeline stages."""
     sequence_parallel_refusal: Optional[str] = None
     """Without `supports_sequence_parallel`: the piece the model lacks."""
     tp_refusal: Optional[str] = None
@@ -83,7 +82,6 @@ class ModelAdapter:
             tp_refusal=self.tp_refusal,
             sequence_parallel=self.supports_sequence_parallel,
             sequence_parallel_default=self.sequence_parallel_default,
-            sequence_parallel_pipeline=self.sequence_parallel_pipeline,
             sequence_parallel_refusal=self.sequence_parallel_refusal,
             context_parallel=self.enable_context_parallel is not None,
             context_parallel_refusal=self.context_parallel_refusal,
@@ -152,7 +150,7 @@ def _llama_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> Mode
                else {"ffn_hidden_dim": config.resolved_ffn_hidden_dim}),
             "vocab_size": config.vocab_size,
         },
-        tp_plan=lambda *, sequence_parallel, loss_parallel: llama_tp_plan(
+        tp_plan=lambda *, sequence_parallel, loss_parallel, stage_layers=(): llama_tp_plan(  # the stream crosses stages sliced
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, prefix=_prefix(path),
             experts=bool(config.n_experts), shared_experts=bool(config.n_experts and config.n_shared_experts),
         ),
@@ -212,11 +210,11 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
     prefix = _prefix(path)
     base = _prefix(prefix + hf.base_model_prefix)
 
-    def plan(*, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
+    def plan(*, sequence_parallel: bool, loss_parallel: bool, stage_layers: Sequence[range] = ()) -> dict[str, ParallelStyle]:
         styles = hf_tp_plan(hf, base_plan, base=base, prefix=prefix, loss_parallel=loss_parallel)
         if sequence_parallel:
             styles = hf_sequence_parallel_styles(hf, styles, base_plan, base=base, prefix=prefix,
-                                                 loss_parallel=loss_parallel)
+                                                 loss_parallel=loss_parallel, stage_layers=stage_layers)
         return styles
 
     sizes = {
@@ -242,7 +240,6 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
         tp_refusal=_hf_tp_refusal(hf, base_plan, name) if base_plan else None,
         supports_sequence_parallel=bool(base_plan) and sequence_refusal is None,
         sequence_parallel_default=False,
-        sequence_parallel_pipeline=False,
         sequence_parallel_refusal=sequence_refusal,
         enable_context_parallel=(lambda cp: _hf_context_parallel(hf, cp)) if context_refusal is None else None,
         context_parallel_refusal=context_refusal,
@@ -574,7 +571,9 @@ def plan_model(module: nn.Module, dims: Any, knobs: Any, *, tp_plan: Optional[di
             loss_parallel = knobs.loss_parallel if knobs.loss_parallel is not None else (
                 loss_parallel_default and not dims.pp_enabled)
             assert adapter.tp_plan is not None  # model_problems refused a model without one
-            plan = adapter.tp_plan(sequence_parallel=sequence_parallel_of(knobs, facts), loss_parallel=loss_parallel)
+            stage_layers = [pipeline[1].layers_of(stage) for stage in range(pipeline[1].num_stages)] if pipeline else []
+            plan = adapter.tp_plan(sequence_parallel=sequence_parallel_of(knobs, facts), loss_parallel=loss_parallel,
+                                   stage_layers=stage_layers)
             if dims.ep_enabled:  # EP x TP: the experts split over ep, not over tp (`ExpertParallel.dispatch`)
                 from ultrascale.parallel.tensor_styles import ExpertTensorParallel
 

@@ -18,7 +18,9 @@ transformers' `base_model_tp_plan` places only the branches' linears. The rest c
   all-reduced, or under EP x TP gathered; a shared expert's row-parallel layer keeps its all-reduce), and the
   stream takes this rank's slice of it;
 - the base model's final norm runs on the slice, and the head gathers it (or keeps the vocabulary sharded for
-  loss parallel).
+  loss parallel);
+- under pipeline parallel the stream crosses a stage boundary whole: the stage's last layer gathers it, the next
+  stage's first layer takes the slice again (the next stage runs the model's own forward, its masks and positions).
 
 What does not fit (a layer child with other parameters, another layout of the base model) is refused, naming the
 piece.
@@ -26,7 +28,7 @@ piece.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Optional
 
 from torch import nn
@@ -84,7 +86,8 @@ def hf_sequence_parallel_problem(hf: nn.Module, base_plan: Mapping[str, str], na
 
 
 def hf_sequence_parallel_styles(hf: nn.Module, styles: Mapping[str, ParallelStyle], base_plan: Mapping[str, str], *,
-                                base: str, prefix: str, loss_parallel: bool) -> dict[str, ParallelStyle]:
+                                base: str, prefix: str, loss_parallel: bool,
+                                stage_layers: Sequence[range] = ()) -> dict[str, ParallelStyle]:
     """`styles` (the plan `hf_tp_plan` made, keyed from the LightningModule: `prefix` is `hf`'s path, `base` its base
     model's) with the residual stream sharded on the sequence between the branches (`hf_sequence_parallel_problem`
     has found nothing in the way)."""
@@ -101,8 +104,14 @@ def hf_sequence_parallel_styles(hf: nn.Module, styles: Mapping[str, ParallelStyl
                 and not _inside(hf.base_model.layers, key[len(layers_path):], experts_blocks)):
             style = RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=Shard(1))
         result[key] = style
-    # The model's forward made the stream whole: the first layer takes this rank's slice.
-    result[f"{layers_path}0"] = HiddenStatesLayout(Replicate(), Shard(1))
+    # The model's forward made the stream whole: the first layer takes this rank's slice. Under pipeline parallel
+    # each stage's first layer does, and each stage's last layer (but the model's) gathers the stream whole again:
+    # the next stage runs the model's own forward, which builds its masks and positions from the whole sequence.
+    starts = {0} | {layers[0] for layers in stage_layers[1:] if len(layers)}
+    ends = {layers[-1] for layers in stage_layers[:-1] if len(layers)}
+    for index in sorted(starts | ends):
+        result[f"{layers_path}{index}"] = HiddenStatesLayout(
+            Replicate() if index in starts else Shard(1), Shard(1), output=(Shard(1), Replicate()) if index in ends else None)
     for child_name, index, _, role in pieces:
         path = f"{base}{child_name}" if index is None else f"{layers_path}{index}.{child_name}"  # None: the final norm
         result[path] = {"branch": HiddenStatesLayout(Shard(1), Replicate()),

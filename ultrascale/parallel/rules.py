@@ -84,8 +84,6 @@ class NotBuilt:
 
 
 NOT_BUILT: dict[str, NotBuilt] = {
-    "hf_sequence_parallel_pipeline": NotBuilt("sequence parallel with pipeline parallel on Hugging Face models (each "
-                                              "alone runs)"),
     "float8_rowwise_with_tensor_parallel": NotBuilt("FP8's rowwise recipe with tensor parallel (torchao's float8 TP "
                                                     "styles scale tensorwise)"),
     "async_tensor_parallel": NotBuilt("async TP (accelerate's `enable_async_tp`)"),
@@ -240,8 +238,6 @@ class ModelFacts:
     """Its plan can shard norms and the residual stream on the sequence."""
     sequence_parallel_default: bool = True
     """With `sequence_parallel` left unset, it runs where the plan can (False: only when asked)."""
-    sequence_parallel_pipeline: bool = True
-    """Its sequence-parallel plan also runs split into pipeline stages."""
     sequence_parallel_refusal: Optional[str] = None
     """Without `sequence_parallel`: the piece the model lacks, named by the adapter; None: the generic message."""
     context_parallel: bool = False
@@ -402,8 +398,7 @@ def sequence_parallel_of(k: LayoutKnobs, facts: ModelFacts) -> bool:
     """Whether sequence parallel runs: as asked, else wherever the model's own plan supports it."""
     if k.sequence_parallel is not None:
         return k.sequence_parallel
-    return facts.sequence_parallel and facts.sequence_parallel_default and not k.tp_plan_given and (
-        k.pp == 1 or facts.sequence_parallel_pipeline)
+    return facts.sequence_parallel and facts.sequence_parallel_default and not k.tp_plan_given
 
 
 def model_problems(dims: ParallelDims, k: LayoutKnobs, facts: ModelFacts) -> list[Problem]:
@@ -448,7 +443,7 @@ def model_problems(dims: ParallelDims, k: LayoutKnobs, facts: ModelFacts) -> lis
                                           virtual_stages=k.pipeline_virtual_stages, microbatches=k.pipeline_microbatches,
                                           layers_per_stage=k.pipeline_layers)
     if dims.tp_enabled:
-        problems += _tensor_parallel_problems(dims.tp, k, facts, pp=dims.pp)
+        problems += _tensor_parallel_problems(dims.tp, k, facts)
     return problems
 
 
@@ -491,7 +486,7 @@ def _alltoall_problems(dims: ParallelDims, k: LayoutKnobs, facts: ModelFacts) ->
         (f"context_parallel={dims.cp}", "context_parallel_method='alltoall'"))]
 
 
-def _tensor_parallel_problems(tp: int, k: LayoutKnobs, facts: ModelFacts, pp: int = 1) -> list[Problem]:
+def _tensor_parallel_problems(tp: int, k: LayoutKnobs, facts: ModelFacts) -> list[Problem]:
     name = facts.name
     if k.tp_plan_given:  # the user's plan replaces the model's; each rank still needs whole heads
         divides = tp_divides_problem(tp, facts.tp_head_sizes, name) if facts.tp_head_sizes else None
@@ -509,12 +504,6 @@ def _tensor_parallel_problems(tp: int, k: LayoutKnobs, facts: ModelFacts, pp: in
         return [Problem(facts.sequence_parallel_refusal or (
             f"sequence parallel is not implemented for {name}; set `sequence_parallel=False`."),
             ("sequence_parallel=True",))]
-    if k.sequence_parallel and pp > 1 and not facts.sequence_parallel_pipeline:
-        return [Problem(
-            f"sequence parallel on {name} shards the stream from its first layer on, and a later pipeline stage would "
-            "hand the model's own forward a slice of the sequence to build its masks from: set "
-            "`sequence_parallel=False` under pipeline parallel", ("sequence_parallel=True", f"pipeline_parallel={pp}"),
-            not_built="hf_sequence_parallel_pipeline")]
     divides = tp_divides_problem(tp, facts.tp_sizes, name)
     return [divides] if divides else []
 
