@@ -49,9 +49,9 @@ def test_invalid_layout_fails_at_trainer_construction(strategy, devices, match):
 
 
 def test_not_yet_built_combinations_fail_clearly():
-    with pytest.raises(NotImplementedError, match=r"`expert_parallel=2`, `tensor_parallel=2`\): expert parallel with tensor "
-                       "parallel is not implemented yet"):
-        UltraScaleStrategy(expert_parallel=2, tensor_parallel=2)
+    with pytest.raises(NotImplementedError, match=r"enable_async_tp"):
+        UltraScaleStrategy.from_accelerate({"tp_size": 2, "tp_handler": {"enable_async_tp": True}})
+    UltraScaleStrategy(expert_parallel=2, tensor_parallel=2, zero_stage=1)  # EP x TP and ZeRO-1 x EP are built
 
 
 def test_zero_stage():
