@@ -213,10 +213,10 @@ def test_matrix_world_2():
     assert statuses["hsdp"].startswith("skipped")
 
 
-# At world 4 the layouts that need it (hsdp, tp x dp, cp as 2 ring x 2 Ulysses, tp 2 x ep 2) and those whose shape
-# changes with it (tp 4, cp 4, the pipelines over ZeRO-3 2, ep 4, ep 2 x ZeRO-1 over 4); the rest run their world-4
-# parity in their own tests (test_zero12.py, ...).
-WORLD_4 = ["hsdp", "tp_x_dp", "tp", "cp_ring", "cp_usp", "pp_zbv", "ep", "ep_zero1", "ep_x_tp"]
+# At world 4 the layouts that need it (hsdp, tp x dp, cp as 2 ring x 2 Ulysses) and those whose shape changes with it
+# (tp 4, cp 4, the pipelines over ZeRO-3 2, ep 4); the rest run their world-4 parity in their own tests (test_zero12.py;
+# ep_zero1 and ep_x_tp: test_expert_parallel.py's ZeRO-1/2 x EP and EP x TP cases, against the inline reference).
+WORLD_4 = ["hsdp", "tp_x_dp", "tp", "cp_ring", "cp_usp", "pp_zbv", "ep"]
 
 
 @pytest.mark.slow
