@@ -44,13 +44,6 @@ def _hf_facts(model_type: str, **fields: Any) -> ModelFacts:
         return model_facts(transformers.AutoModelForCausalLM.from_config(config))
 
 
-def _float8_rowwise_with_tensor_parallel() -> None:
-    from ultrascale.callbacks import Float8Training
-
-    trainer = SimpleNamespace(strategy=SimpleNamespace(parallel_dims=ParallelDims.resolve(2, dp_shard=1, tp=2)))
-    Float8Training(recipe="rowwise").setup(trainer, None, "fit")
-
-
 def _cp_module(**attributes: Any) -> torch.nn.Module:
     from ultrascale.parallel.context import CONTEXT_PARALLEL_ATTRIBUTE
 
@@ -128,7 +121,6 @@ def _fork_launcher_second_fit() -> None:
 
 
 PROBES: dict[str, Callable[[Path], None]] = {
-    "float8_rowwise_with_tensor_parallel": lambda _: _float8_rowwise_with_tensor_parallel(),
     "async_tensor_parallel": lambda _: ultrascale.UltraScaleStrategy.from_accelerate(
         {"tp_size": 2, "tp_handler": {"enable_async_tp": True}}),
     "tied_embeddings_v_schedule": lambda _: _tied_model_problems(pipeline_schedule="ZBVZeroBubble"),

@@ -17,7 +17,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ultrascale.callbacks._common import ModelTransformCallback, parallel_dims_of
 from ultrascale.parallel.device import float8_matmul_support
-from ultrascale.parallel.rules import not_built
 
 __all__ = ["FP8_RECIPES", "Float8Training", "float8_module_filter"]
 
@@ -121,11 +120,6 @@ class Float8Training(ModelTransformCallback):
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         dims = parallel_dims_of(trainer.strategy)
-        if dims is not None and dims.tp > 1 and self.recipe != "tensorwise":
-            raise not_built("float8_rowwise_with_tensor_parallel",
-                            f"Float8Training(recipe={self.recipe!r}) with `tensor_parallel={dims.tp}`: torchao's float8 "
-                            "TP styles (Float8ColwiseParallel / Float8RowwiseParallel) scale tensorwise only; use "
-                            "recipe='tensorwise' or tensor_parallel=1")
         device = trainer.strategy.root_device
         refusal, caution = float8_matmul_support(device, self.recipe)
         if refusal is not None:

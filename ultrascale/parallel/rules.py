@@ -84,8 +84,6 @@ class NotBuilt:
 
 
 NOT_BUILT: dict[str, NotBuilt] = {
-    "float8_rowwise_with_tensor_parallel": NotBuilt("FP8's rowwise recipe with tensor parallel (torchao's float8 TP "
-                                                    "styles scale tensorwise)"),
     "async_tensor_parallel": NotBuilt("async TP (accelerate's `enable_async_tp`)"),
     "accelerate_ulysses_kernel": NotBuilt("Ulysses from accelerate with an attention kernel other than SDPA "
                                           "(`sp_attn_implementation`)", layout=False),

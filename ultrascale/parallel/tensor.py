@@ -168,10 +168,11 @@ def lora_entries(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[s
     return result
 
 
-def _is_float8_linear(module: nn.Module) -> bool:
-    """torchao's `Float8Linear` (FP8 training), recognised by its type so that `parallel/` imports torchao only
-    for a model that has one."""
-    return type(module).__name__ == "Float8Linear" and type(module).__module__.startswith("torchao.float8")
+def _is_tensorwise_float8_linear(module: nn.Module) -> bool:
+    """torchao's `Float8Linear` (recognised by its type, so that `parallel/` imports torchao only for a model that
+    has one) whose casts scale tensorwise: the only recipe torchao's float8 TP styles cast with."""
+    return (type(module).__name__ == "Float8Linear" and type(module).__module__.startswith("torchao.float8")
+            and module.config.cast_config_input.scaling_granularity.name == "TENSORWISE")
 
 
 def float8_entries(module: nn.Module, plan: Mapping[str, ParallelStyle], device: torch.device) -> dict[str, ParallelStyle]:
@@ -181,13 +182,15 @@ def float8_entries(module: nn.Module, plan: Mapping[str, ParallelStyle], device:
     whose every linear is fp8 becomes `PrepareFloat8ModuleInput`, so a sequence-parallel input is cast once and
     all-gathered in fp8 (where the collectives carry float8: `device.collectives_carry_float8`; on gloo the input is
     gathered first and cast by each linear, the same fp8 values). Each cast's scale is the amax over the whole
-    DTensor (one all-reduce of a scalar), so the fp8 numerics are one process's; torchao's styles scale tensorwise
-    only. An entry matching fp8 and high-precision layers (FP8 keeps the first and last blocks) is split into one
-    entry per layer."""
+    DTensor (one all-reduce of a scalar), so the fp8 numerics are one process's. torchao's styles cast tensorwise
+    only, so rowwise layers keep torch's styles (torchtitan's choice): their gathers move the training precision,
+    and each row's scale is still its amax over the whole row, reduced by DTensor across the tp shards. An entry
+    matching fp8 and high-precision layers (FP8 keeps the first and last blocks) is split into one entry per
+    layer."""
     from fnmatch import fnmatch
 
     names = dict(module.named_modules())
-    if not collectives_carry_float8(device) or not any(_is_float8_linear(m) for m in names.values()):
+    if not collectives_carry_float8(device) or not any(_is_tensorwise_float8_linear(m) for m in names.values()):
         return dict(plan)
     from torch.distributed.tensor.parallel import PrepareModuleInput
     from torchao.float8.float8_tensor_parallel import (
@@ -197,14 +200,14 @@ def float8_entries(module: nn.Module, plan: Mapping[str, ParallelStyle], device:
     )
 
     def in_float8(style: ParallelStyle, target: nn.Module) -> ParallelStyle:
-        if type(style) is ColwiseParallel and _is_float8_linear(target):
+        if type(style) is ColwiseParallel and _is_tensorwise_float8_linear(target):
             return Float8ColwiseParallel(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
                                          use_local_output=style.use_local_output)
-        if type(style) is RowwiseParallel and _is_float8_linear(target):
+        if type(style) is RowwiseParallel and _is_tensorwise_float8_linear(target):
             return Float8RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
                                          use_local_output=style.use_local_output)
         linears = [m for m in target.children() if isinstance(m, nn.Linear)]
-        if type(style) is PrepareModuleInput and linears and all(map(_is_float8_linear, linears)):
+        if type(style) is PrepareModuleInput and linears and all(map(_is_tensorwise_float8_linear, linears)):
             return PrepareFloat8ModuleInput(
                 input_layouts=style.input_layouts, desired_input_layouts=style.desired_input_layouts,
                 input_kwarg_layouts=style.input_kwarg_layouts if style.with_kwargs else None,
