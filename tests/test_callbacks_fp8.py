@@ -185,11 +185,12 @@ def _tp_data(dp: int = 1):
 
 def _fp8_reference(fp8: bool = True, dp: int = 1, recipe: str = "tensorwise", backward_on_sum: bool = False) -> dict:
     """One process, plain torch + torchao: the same model, blocks 1 and 2's linears converted with `recipe`, each
-    optimizer step `TP_ACCUMULATE` x `dp` forwards of `TP_BATCH` rows (an activation's fp8 scale is its forward's amax, so the forwards must be the ones each data-parallel rank runs, in the rows it gets), the
-    loss every step's token mean over its valid labels. `backward_on_sum`: each backward runs on the micro-batch's
-    token sum and the step's gradients are divided by the valid count after (the strategies' formulation,
-    docs/exact-loss.md): the same gradients in exact arithmetic, but rowwise fp8 rounds its scales to powers of 2,
-    so its casts of the gradients round differently unless the backward is scaled alike."""
+    optimizer step `TP_ACCUMULATE` x `dp` forwards of `TP_BATCH` rows (an activation's fp8 scale is its forward's
+    amax, so the forwards must be the ones each data-parallel rank runs, in the rows it gets), the loss every step's
+    token mean over its valid labels. `backward_on_sum`: each backward runs on the micro-batch's token sum and the
+    step's gradients are divided by the valid count after (the strategies' formulation, docs/exact-loss.md): the
+    same gradients in exact arithmetic, but rowwise fp8 rounds its scales to powers of 2, so its casts of the
+    gradients round differently unless the backward is scaled alike."""
     import copy
 
     import torchao.float8 as float8
