@@ -329,6 +329,7 @@ SCHEDULES: dict[str, dict[str, Any]] = {
 SCHEDULE_CELLS = [(a, schedule) for a in ("Gemma2", "Granite", "GPT-OSS") for schedule in ("Interleaved1F1B", "ZBVZeroBubble")]
 SCHEDULE_CELLS.append(("Gemma3, tied", "Interleaved1F1B"))  # the tied ends on stage 0 (rank 0) and stage 3 (rank 1)
 SCHEDULE_CELLS.append(("Gemma3, tied", "ZBVZeroBubble, ZeRO-1"))  # both ends on rank 0 (the V): one weight there
+SCHEDULE_CELLS.append(("Gemma3, tied", "ZBVZeroBubble"))  # ZeRO-3: two FSDP units on rank 0, the head holds a copy
 
 
 @pytest.mark.slow

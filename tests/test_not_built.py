@@ -20,16 +20,9 @@ import ultrascale
 from ultrascale.launch import init_gloo, run_ranks
 from ultrascale.models.hf import lora_config
 from ultrascale.parallel.attention_kernels import attention_kernel
-from ultrascale.parallel.dims import ParallelDims
-from ultrascale.parallel.rules import NOT_BUILT, LayoutKnobs, LayoutNotImplemented, ModelFacts, model_problems, raise_first
+from ultrascale.parallel.rules import NOT_BUILT, LayoutNotImplemented, ModelFacts
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _tied_model_problems(**knobs: Any) -> None:
-    dims = ParallelDims.resolve(2, dp_shard=1, pp=2)
-    facts = ModelFacts("tied", n_layers=4, pipeline=True, tied_embeddings=True)
-    raise_first(model_problems(dims, LayoutKnobs(pp=2, **knobs), facts))
 
 
 def _hf_facts(model_type: str, **fields: Any) -> ModelFacts:
@@ -123,7 +116,6 @@ def _fork_launcher_second_fit() -> None:
 PROBES: dict[str, Callable[[Path], None]] = {
     "async_tensor_parallel": lambda _: ultrascale.UltraScaleStrategy.from_accelerate(
         {"tp_size": 2, "tp_handler": {"enable_async_tp": True}}),
-    "tied_embeddings_v_schedule": lambda _: _tied_model_problems(pipeline_schedule="ZBVZeroBubble"),
     "context_parallel_attention_dropout": lambda _: _cp_attention(_cp_module(training=True), dropout=0.1),
     "context_parallel_non_causal": lambda _: _cp_attention(_cp_module(is_causal=False), dropout=0.0),
     "context_parallel_device": lambda _: attention_kernel(torch.device("meta")),

@@ -87,7 +87,6 @@ class ModelAdapter:
             context_parallel_refusal=self.context_parallel_refusal,
             pipeline=parts is not None,
             pipeline_refusal=refusal,
-            tied_embeddings=bool(parts.tied_weights()) if parts is not None and refusal is None else False,
             n_experts=self.num_experts,
             expert_parallel=self.enable_expert_parallel is not None,
             expert_parallel_refusal=self.expert_parallel_refusal,

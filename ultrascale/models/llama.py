@@ -22,6 +22,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ultrascale.estimate import ModelFlops, active_params, matmul_params
 from ultrascale.models.moe import FeedForward, MoE
@@ -432,16 +433,26 @@ class Llama(nn.Module):
         variance stays O(1) with depth (GPT-2, torchtitan); norms are ones.
         On the meta device only the re-tying runs: torch decomposes `normal_` on meta tensors op by op (about 6 ms
         a call, seconds for a 405B layout that the planner builds only to read its structure).
+        Under pipeline parallel only the parts this rank holds are initialised (a part another stage holds is a
+        placeholder without weights), so their values differ from one device's with the same seed.
         """
         config = self.config
-        # `to_empty` creates new Parameters per module, which silently unties a shared weight.
-        if config.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
-            self.output.weight = self.tok_embeddings.weight
-        if self.output.weight.is_meta:
+        embedding = self.tok_embeddings if isinstance(self.tok_embeddings, nn.Embedding) else None
+        head = self.output if isinstance(self.output, nn.Linear) else None
+        # `to_empty` creates new Parameters per module, which silently unties a shared weight. A sharded one
+        # (DTensor) is the strategy's: it keeps its ties itself, and under a V pipeline schedule with ZeRO-3 the
+        # head holds a copy of the embedding's on purpose (`ultrascale.parallel.pipeline.TiedStageWeights`).
+        if (config.tie_embeddings and embedding is not None and head is not None and head.weight is not embedding.weight
+                and not isinstance(head.weight, DTensor)):
+            head.weight = embedding.weight
+        if any(p.is_meta for p in self.parameters()):
             return
         residual_std = config.init_std / math.sqrt(2 * config.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=config.init_std)
+        if embedding is not None:
+            nn.init.normal_(embedding.weight, mean=0.0, std=config.init_std)
         for layer in self.layers:
+            if not isinstance(layer, TransformerBlock):
+                continue
             attention, ffn = layer.attention, layer.feed_forward
             dense = [ffn] if isinstance(ffn, FeedForward) else [f for f in [ffn.shared_experts] if f is not None]
             for linear in (attention.wq, attention.wk, attention.wv, *(f.w1 for f in dense), *(f.w3 for f in dense)):
@@ -455,9 +466,10 @@ class Llama(nn.Module):
                 nn.init.normal_(ffn.experts.down_proj, mean=0.0, std=residual_std)
             layer.attention_norm.reset_parameters()
             layer.ffn_norm.reset_parameters()
-        self.norm.reset_parameters()
-        if not config.tie_embeddings:
-            nn.init.normal_(self.output.weight, mean=0.0, std=config.init_std)
+        if isinstance(self.norm, RMSNorm):
+            self.norm.reset_parameters()
+        if head is not None and not config.tie_embeddings:
+            nn.init.normal_(head.weight, mean=0.0, std=config.init_std)
         cos, sin = precompute_rope(config.head_dim, config.max_seq_len, config.rope_theta, self.rope_cos.device)
         self.rope_cos, self.rope_sin = cos, sin
 

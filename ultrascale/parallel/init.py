@@ -37,11 +37,20 @@ def materialize_meta_module(module: nn.Module, device: torch.device) -> None:
 
     Only modules holding meta tensors are re-allocated: `module.to_empty` would also hand uninitialised memory
     to tensors that hold values already, a LightningModule's torchmetrics states among them (a `MeanMetric`
-    for `val_loss` then starts from garbage).
+    for `val_loss` then starts from garbage). `to_empty` gives each module a Parameter of its own, so a weight
+    two modules share (tied embeddings) is shared again afterwards, before any initialisation.
     """
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, param in sub.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((sub, name))
     for sub in module.modules():
         if any(t.is_meta for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False))):
             sub.to_empty(device=device, recurse=False)
+    for shared in (places for places in owners.values() if len(places) > 1):
+        first, name = shared[0]
+        for sub, attribute in shared[1:]:
+            setattr(sub, attribute, getattr(first, name))
     covered: set[int] = set()
     for sub in module.modules():
         if id(sub) in covered:

@@ -250,38 +250,94 @@ class TiedStageWeights:
 
     Each of the two ranks holds its own copy. Their gradients are the two halves of one gradient,
     dL/dW = (embedding's) + (head's): `sync_gradients` sums them on both ranks, so both copies take
-    the same optimizer step and stay equal. The norm counts the first stage's copy only."""
+    the same optimizer step and stay equal. The norm counts the first stage's copy only.
+
+    Under a V schedule with ZeRO-3 both ends are stages of one rank, each its own FSDP unit, and one
+    Parameter cannot belong to two units: the head then holds `mirrors`, copies of `params` sharded
+    alike. A mirror takes no optimizer step (`leave_out_of`): its gradient is added to its weight's
+    (`sync_gradients`) and the stepped weight copied back into it (`copy_to_mirrors`)."""
 
     params: list[nn.Parameter]
-    group: dist.ProcessGroup
-    """This rank and the other end of its pipeline (the same dp, cp and tp coordinates)."""
+    group: Optional[dist.ProcessGroup]
+    """This rank and the other end of its pipeline (the same dp, cp and tp coordinates); None when this rank holds
+    both ends (`mirrors`)."""
     counted: bool
     """Whether this rank's copy counts in the global gradient norm (the first stage's does)."""
+    mirrors: list[nn.Parameter] = field(default_factory=list)
+    """Both ends on this rank: the head's copies of `params`, in the same order."""
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
         """Once per optimizer step, after the last backward; both ranks call it."""
+        if self.group is None:
+            for param, mirror in zip(self.params, self.mirrors):
+                if mirror.grad is not None and param.requires_grad:
+                    if param.grad is None:
+                        param.grad = mirror.grad
+                    else:  # cut alike (`_check_same_layout`), so the local blocks add up element by element
+                        _local(param.grad).add_(_local(mirror.grad))
+                mirror.grad = None
+            return
         for param in self.params:
             if not param.requires_grad:
                 continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            grad = param.grad
             # Both ends shard the weight alike (FSDP over the same dp ranks, the same tp layout: checked in
             # `tie_stage_weights`), so the local blocks add up element by element.
-            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+            dist.all_reduce(_local(param.grad), group=self.group)
+
+    @torch.no_grad()
+    def copy_to_mirrors(self) -> None:
+        """After each optimizer step (and once the weights are in place): the head's copies take the weights' values."""
+        for param, mirror in zip(self.params, self.mirrors):
+            _local(mirror).copy_(_local(param))
+
+    def leave_out_of(self, optimizer: torch.optim.Optimizer) -> None:
+        """Take the mirrors out of `optimizer`'s parameter groups (before its first step): it then holds the tied weight
+        once, as under every other layout, and so does its checkpoint."""
+        mirrors = {id(m) for m in self.mirrors}
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) not in mirrors]
 
     def not_counted(self) -> list[torch.Tensor]:
         """The gradients a norm over this rank's parameters must leave out (another rank counts them)."""
         return [] if self.counted else [p.grad for p in self.params if p.grad is not None]
 
 
-def tie_stage_weights(parts: PipelineParts, ties: Sequence[tuple[str, str]], world: Any, pp_rank: int) -> Optional[TiedStageWeights]:
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def untie_stage_weights(parts: PipelineParts, ties: Sequence[tuple[str, str]]) -> None:
+    """Give the head its own copy of each weight it shares with the embedding (before sharding, on a rank holding
+    both ends; a no-op elsewhere); `tie_stage_weights` then makes them its mirrors."""
+    embed, head = parts.root.get_submodule(parts.embed), parts.root.get_submodule(parts.head)
+    if isinstance(embed, PipelineGap) or isinstance(head, PipelineGap):
+        return
+    for embed_attribute, head_attribute in ties:
+        weight = getattr(embed, embed_attribute)
+        setattr(head, head_attribute, nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad))
+
+
+def tie_stage_weights(parts: PipelineParts, ties: Sequence[tuple[str, str]], world: Any, pp_rank: int,
+                      ends_on_one_rank: bool = False) -> Optional[TiedStageWeights]:
     """After sharding, for a model whose embedding and head share `ties` (`PipelineParts.tied_weights()`, read
     before the split): the `TiedGap` of the rank holding the head shares the head's new Parameters, and the
     first and last pipeline ranks of every (dp, cp, tp) coordinate get a process group for their tied
     gradients. Every rank calls it (it creates process groups); returns None on a rank holding neither end.
-    `world`: the device mesh, pipeline axis first."""
+    `world`: the device mesh, pipeline axis first. `ends_on_one_rank`: the V placement, after
+    `untie_stage_weights` on the rank holding both ends: no process group; the head's copies become mirrors,
+    equal to the weights from here on."""
+    if ends_on_one_rank:
+        embed, head = parts.root.get_submodule(parts.embed), parts.root.get_submodule(parts.head)
+        if isinstance(embed, PipelineGap):
+            return None
+        tied = TiedStageWeights([getattr(embed, name) for name, _ in ties], None, counted=True,
+                                mirrors=[getattr(head, name) for _, name in ties])
+        _check_same_layout(tied)
+        tied.copy_to_mirrors()
+        return tied
     if world.mesh_dim_names[0] != "pp":
         raise ValueError(f"tie_stage_weights needs the pipeline axis first; the mesh has {world.mesh_dim_names}")
     ranks = world.mesh.reshape(world.mesh.shape[0], -1)  # (pp, every other coordinate)
@@ -294,16 +350,23 @@ def tie_stage_weights(parts: PipelineParts, ties: Sequence[tuple[str, str]], wor
     assert group is not None
     tied = TiedStageWeights([getattr(embed, name) for name, _ in ties], group, counted=pp_rank == 0)
     _check_same_layout(tied)
+    with torch.no_grad():  # the two ends start equal, whichever way each was initialised (meta init draws per rank)
+        for param in tied.params:
+            dist.broadcast(_local(param), src=dist.get_global_rank(group, 0), group=group)
     return tied
 
 
 def _check_same_layout(tied: TiedStageWeights) -> None:
     """The two copies must be cut alike (FSDP over the same dp ranks; the embedding's and the head's tensor-parallel
     layouts, which the plan chooses separately, the same), or their local gradients do not add up."""
-    mine = [(tuple(p.placements) if isinstance(p, DTensor) else None, tuple(p.to_local().shape) if isinstance(p, DTensor)
-             else tuple(p.shape)) for p in tied.params]
+    def layout(params: Sequence[nn.Parameter]) -> list[tuple[str, tuple[int, ...]]]:
+        return [(str(tuple(p.placements)) if isinstance(p, DTensor) else "None", tuple(_local(p).shape)) for p in params]
+
     both: list[Any] = [None, None]
-    dist.all_gather_object(both, [(str(placements), shape) for placements, shape in mine], group=tied.group)
+    if tied.group is None:
+        both = [layout(tied.params), layout(tied.mirrors)]
+    else:
+        dist.all_gather_object(both, layout(tied.params), group=tied.group)
     if both[0] != both[1]:
         raise ValueError(
             "pipeline parallel with tied embeddings: the first stage's embedding and the last stage's head lay out their "

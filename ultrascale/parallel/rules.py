@@ -87,8 +87,6 @@ NOT_BUILT: dict[str, NotBuilt] = {
     "async_tensor_parallel": NotBuilt("async TP (accelerate's `enable_async_tp`)"),
     "accelerate_ulysses_kernel": NotBuilt("Ulysses from accelerate with an attention kernel other than SDPA "
                                           "(`sp_attn_implementation`)", layout=False),
-    "tied_embeddings_v_schedule": NotBuilt("tied embeddings under the V pipeline schedules (ZBVZeroBubble, DualPipeV) "
-                                           "with ZeRO-3 (ZeRO-1/2 run them)"),
     "context_parallel_attention_dropout": NotBuilt("attention dropout under context parallel", layout=False),
     "context_parallel_non_causal": NotBuilt("non-causal attention under context parallel", layout=False),
     "context_parallel_device": NotBuilt("context parallel on devices other than CPU and CUDA", layout=False),
@@ -247,8 +245,6 @@ class ModelFacts:
     """It can be split into stages (an adapter's or the module's own `pipeline_parts`)."""
     pipeline_refusal: Optional[str] = None
     """Why its stage split cannot run (a missing part, no pp plan); None: it can."""
-    tied_embeddings: bool = False
-    """Its input embedding and output head share one weight (the first and the last stage each hold a copy)."""
     n_experts: int = 0
     """Routed experts per MoE layer; 0: dense."""
     expert_parallel: bool = False
@@ -435,28 +431,11 @@ def model_problems(dims: ParallelDims, k: LayoutKnobs, facts: ModelFacts) -> lis
         elif facts.pipeline_refusal is not None:
             problems.append(Problem(facts.pipeline_refusal))
         elif facts.n_layers is not None:
-            if facts.tied_embeddings:
-                problems += _tied_stage_problems(k, name)
             problems += pipeline_problems(n_layers=facts.n_layers, pp=dims.pp, schedule=k.pipeline_schedule,
                                           virtual_stages=k.pipeline_virtual_stages, microbatches=k.pipeline_microbatches,
                                           layers_per_stage=k.pipeline_layers)
     if dims.tp_enabled:
         problems += _tensor_parallel_problems(dims.tp, k, facts)
-    return problems
-
-
-def _tied_stage_problems(k: LayoutKnobs, name: str) -> list[Problem]:
-    """Tied embeddings under pipeline parallel: the first and the last pipeline rank each keep a copy of the
-    weight and sum its gradient halves every step (`ultrascale.parallel.pipeline.TiedStageWeights`; under ZeRO-1/2
-    on their reduced slices, `ZeroEngine`'s `tied`)."""
-    problems = []
-    if k.pipeline_schedule in V_SCHEDULES and k.zero_stage == 3:
-        problems.append(Problem(
-            f"{name} ties its input embedding to its output head, and the V placement puts the first and the last "
-            "stage on one rank, where each stage is its own FSDP unit and one weight cannot belong to both: choose "
-            "zero_stage=1 or 2 (one weight, no units), a looped schedule (1F1B, Interleaved1F1B, ...), or untie them "
-            "(`tie_word_embeddings=False`)",
-            (f"pipeline_schedule={k.pipeline_schedule!r}",), not_built="tied_embeddings_v_schedule"))
     return problems
 
 

@@ -213,7 +213,8 @@ def stage_model_state(shape: ModelShape, layout: Layout, work: Workload, layers:
     ultrascale's (`STATE_BYTES`). Experts are split over ep first, and their shards over the
     n/ep ranks that hold the same experts."""
     layout = runs_as(layout)
-    key = (layout.zero_stage, layout.dp_shard, layout.cp, layout.tp, layout.ep, work.precision, layers, first, last)
+    key = (layout.zero_stage, layout.dp_shard, layout.cp, layout.tp, layout.ep, work.precision, layers, first, last,
+           layout.pp > 1)
     return dict(_memoised(shape, "model_state", key, lambda: _model_state(shape, layout, work, layers, first, last)))
 
 
@@ -227,9 +228,14 @@ def _model_state(shape: ModelShape, layout: Layout, work: Workload, layers: int,
         return {0: (1, 1, 1), 1: (1, 1, ranks), 2: (1, ranks, ranks), 3: (ranks, ranks, ranks)}[layout.zero_stage]
 
     div, expert_div = shards(n), shards(max(n // layout.ep, 1))
+    # Both ends of tied embeddings on one pipeline rank (a V schedule) under ZeRO-3: each stage is its own FSDP
+    # unit, so the head holds a copy of the weight, sharded alike, and its gradient until the step sums it in
+    # (`TiedStageWeights.mirrors`); no optimizer state.
+    mirror = (shape.param_counts()["embedding"] / layout.tp
+              if shape.tied_embeddings and layout.zero_stage == 3 and layout.pp > 1 and first and last else 0.0)
     return {
-        "params": dense * w_bytes / div[0] + experts * w_bytes / expert_div[0],
-        "grads": dense * g_bytes / div[1] + experts * g_bytes / expert_div[1],
+        "params": (dense + mirror) * w_bytes / div[0] + experts * w_bytes / expert_div[0],
+        "grads": (dense + mirror) * g_bytes / div[1] + experts * g_bytes / expert_div[1],
         "optimizer": dense * o_bytes / div[2] + experts * o_bytes / expert_div[2],
     }
 

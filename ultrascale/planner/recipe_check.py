@@ -211,8 +211,7 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
     # HF RoPE extends past max_position_embeddings: only the built-in Llama's table is a limit.
     max_positions, vocab = (config.max_seq_len, config.vocab_size) if shape.builtin else (None, hf_config.vocab_size)
 
-    # The strategy's own checks (`UltraScaleStrategy.check_model`, what `setup` runs), on the meta-built model
-    # (tied embeddings under PP included: `rules._tied_stage_problems`).
+    # The strategy's own checks (`UltraScaleStrategy.check_model`, what `setup` runs), on the meta-built model.
     owner = type(strategy).__name__
     checked = strategy.check_model(module, dims=dims)  # the degrees for this world, not the Trainer's
     adapter, sequence_parallel = checked.adapter, checked.sequence_parallel

@@ -466,6 +466,9 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         if trainer.state.fn == TrainerFn.FITTING:
             self.reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
+            if self._tied_weights is not None:  # the head's copies of tied weights follow their weight, not a step
+                for optimizer in self.optimizers:
+                    self._tied_weights.leave_out_of(optimizer)
             if self.zero_stage in (1, 2):
                 for engine in self._zero_engines:  # a second fit: the old engines' hooks must go
                     engine.detach()
@@ -481,6 +484,29 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
         self.checkpoint_publisher.open(fitting=trainer.state.fn == TrainerFn.FITTING)
+
+    # The head's copy of a tied weight (ZeRO-3 under a V schedule: `TiedStageWeights.mirrors`) takes the weight's
+    # values once all that writes weights has run: a Hugging Face model's load after sharding (its `on_fit_start`), a
+    # restored checkpoint. Validation before training (the sanity check) runs before `on_train_start`.
+    @override
+    def on_train_start(self) -> None:
+        self._copy_tied_weights()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._copy_tied_weights()
+
+    @override
+    def on_test_start(self) -> None:
+        self._copy_tied_weights()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._copy_tied_weights()
+
+    def _copy_tied_weights(self) -> None:
+        if self._tied_weights is not None:
+            self._tied_weights.copy_to_mirrors()
 
     def _parallelize(self, module: torch.nn.Module) -> None:
         shape = model_setup.moe_shape(module)  # before any pipeline split: the whole model's routers

@@ -25,7 +25,7 @@ from ultrascale.parallel.expert import iter_routers, router_loads
 from ultrascale.parallel.fsdp import is_fsdp_sharded, set_gradient_sync
 from ultrascale.parallel.init import broadcast_module_state, has_meta_tensors, materialize_meta_module
 from ultrascale.parallel.parallelize import parallelize
-from ultrascale.parallel.pipeline import PipelineRunner, TiedStageWeights, split_model, tie_stage_weights
+from ultrascale.parallel.pipeline import PipelineRunner, TiedStageWeights, split_model, tie_stage_weights, untie_stage_weights
 from ultrascale.parallel.transforms import ModelTransform
 from ultrascale.parallel.zero import ExpertMeshes, ZeroEngine
 from ultrascale.strategies.precision import UltraScalePrecision
@@ -83,8 +83,13 @@ def shard_model(
             f"{type(module).__name__}; sharding it as one FSDP unit per top-level child"
         )
     ties = pipeline[0].tied_weights() if pipeline is not None else []  # read while this rank holds both ends
+    # Under ZeRO-3 each stage is its own FSDP unit, and a V schedule puts both tied ends on one rank: the head takes
+    # a copy (`TiedStageWeights.mirrors`). ZeRO-1/2 have no units and keep the one weight.
+    mirrored = bool(ties) and pipeline is not None and pipeline[1].ends_on_one_rank and zero_stage == 3
     if pipeline is not None:  # before weights move: the parts other ranks hold never reach this device
         split_model(*pipeline, mesh["pp"].get_local_rank())
+        if mirrored:
+            untie_stage_weights(pipeline[0], ties)
     meta = has_meta_tensors(module)
     if not meta:
         # Real weights move to this rank's device first: NCCL broadcasts only device tensors,
@@ -119,8 +124,8 @@ def shard_model(
     if pipeline is not None:
         runner = PipelineRunner(stages, pipeline[1], mesh["pp"].get_group(), device, loss=pipeline[0].loss)
         rank_zero_info(f"pipeline parallel: {pipeline[1].describe()}")
-        if ties and not pipeline[1].ends_on_one_rank:
-            tied = tie_stage_weights(pipeline[0], ties, mesh.world, mesh["pp"].get_local_rank())
+        if ties and (mirrored or not pipeline[1].ends_on_one_rank):
+            tied = tie_stage_weights(pipeline[0], ties, mesh.world, mesh["pp"].get_local_rank(), ends_on_one_rank=mirrored)
     return ShardedModel(runner, routers, tied)
 
 

@@ -19,7 +19,7 @@ from ultrascale.contract import user_class_name
 from ultrascale.parallel.compile import BlockCompiler, CompileStats
 from ultrascale.parallel.context import ContextParallel
 from ultrascale.parallel.loss import NUM_TOKENS_KEY
-from ultrascale.parallel.pipeline import PipelineLayout, PipelineRunner
+from ultrascale.parallel.pipeline import PipelineLayout, PipelineRunner, TiedStageWeights
 from ultrascale.parallel.rules import batch_problems, raise_first
 from ultrascale.parallel.tensor import maybe_loss_parallel, synchronize_dropout_rng
 from ultrascale.parallel.zero import ZeroEngine, engine_for
@@ -178,6 +178,7 @@ class StepHooks:
     _pipeline_layout: Optional[PipelineLayout]
     _pipeline_grads: PipelineGradientStash
     _zero_engines: list[ZeroEngine]
+    _tied_weights: Optional[TiedStageWeights]
     _step: StepRunner
     _step_groups: Optional[StepGroups]
     _step_caller: StepCaller
@@ -279,11 +280,14 @@ class StepHooks:
         then Lightning's `on_before_optimizer_step` hooks and clipping (by the norm the step computed),
         then the optimizer (`guarded_optimizer_step`)."""
         lightning_step = super().optimizer_step
-        return guarded_optimizer_step(
+        result = guarded_optimizer_step(
             self._step.guard.policy, closure, lambda: self._finish_step(optimizer),
             lambda closure: lightning_step(optimizer, closure, model, **kwargs),
             lambda: self._step.discard(optimizer, engine_for(optimizer, self._zero_engines)), self._roll_back,
         )
+        if self._tied_weights is not None:
+            self._tied_weights.copy_to_mirrors()
+        return result
 
     def _finish_step(self, optimizer: torch.optim.Optimizer) -> StepResult:
         """The step's gradients finished (`StepRunner.finish`) and its numbers logged (`log_step`)."""
