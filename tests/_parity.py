@@ -136,8 +136,14 @@ class Recorder(L.Callback):
     def losses(self) -> list[float]:
         return [metrics["train_loss"] for _, metrics in sorted(self.logger.steps.items()) if "train_loss" in metrics]
 
+    @property
+    def grad_norms(self) -> list[float]:
+        """The logged global gradient norm of every step (before clipping); empty under `nonfinite="off"`."""
+        return [metrics["grad_norm"] for _, metrics in sorted(self.logger.steps.items()) if "grad_norm" in metrics]
+
     def result(self) -> dict[str, Any]:
-        return {"losses": self.losses, "grads": self.first_grads, "params": self.first_params}
+        return {"losses": self.losses, "grads": self.first_grads, "params": self.first_params,
+                "grad_norms": self.grad_norms}
 
 
 def parity_trainer(world_size: int, strategy: Any, recorder: Recorder, steps: int, **kwargs: Any) -> L.Trainer:
@@ -187,6 +193,7 @@ def reference_run(
         optimizer = configured
     batches = iter(DataLoader(dataset, batch_size=global_batch * accumulate, shuffle=False, drop_last=True))
     losses: list[float] = []
+    norms: list[float] = []
     out: dict[str, Any] = {"grads": None, "params": None}
     for step in range(steps):
         batch = next(batches)
@@ -196,6 +203,8 @@ def reference_run(
         losses.append(float(loss.detach()))
         if step == 0:
             out["grads"] = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
         if clip is not None and clip_algorithm == "norm":
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
         elif clip is not None:
@@ -207,13 +216,15 @@ def reference_run(
         if step == 0:
             out["params"] = {n: p.detach().clone() for n, p in module.named_parameters()}
     out["losses"] = losses
+    out["grad_norms"] = norms
     out["final_params"] = {n: p.detach().clone() for n, p in module.named_parameters()}
     return out
 
 
-def merge_stages(results: list[dict[str, Any]], strip: str = "") -> dict[str, dict[str, torch.Tensor]]:
+def merge_stages(results: list[dict[str, Any]], strip: str = "") -> dict[str, Any]:
     """Each rank records the gradients and weights of the parameters it holds; together they are the model's.
-    A parameter several ranks hold (a tied weight's two pipeline ends) must be recorded equal on each.
+    A parameter several ranks hold (a tied weight's two pipeline ends) must be recorded equal on each, and so must
+    the logged gradient norms (one global number a step).
     `strip`: a wrapper's name part to drop (activation checkpointing's)."""
     from torch.testing import assert_close
 
@@ -225,12 +236,23 @@ def merge_stages(results: list[dict[str, Any]], strip: str = "") -> dict[str, di
                 if name in merged[key]:
                     assert_close(value, merged[key][name], rtol=0, atol=0, msg=lambda m: f"{key} {name} differs: {m}")
                 merged[key][name] = value
-    return merged
+    norms = [result.get("grad_norms") for result in results]
+    assert all(n == norms[0] for n in norms), f"ranks logged different gradient norms: {norms}"
+    return {**merged, "grad_norms": norms[0]}
 
 
 def assert_parity(result: dict[str, Any], reference: dict[str, Any], losses: list[float], param_atol: float = 5e-5) -> None:
-    """fp32 parity: first-step loss and every gradient, weights after step 1, the whole loss curve."""
+    """fp32 parity: first-step loss and every gradient, weights after step 1, the whole loss curve, and the logged
+    global gradient norm of every step (where the run logged it: not under `nonfinite="off"`). The norm is compared
+    on its own because a clip's coefficient hardly shows in Adam's update: an EP run whose norm missed the experts
+    passed every other check here."""
     from torch.testing import assert_close
+
+    if result.get("grad_norms"):
+        norms, expected = torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"])
+        assert len(norms) == len(expected), f"{len(norms)} logged gradient norms, {len(expected)} steps"
+        assert_close(norms[0], expected[0], rtol=1e-5, atol=0, msg=lambda m: f"first step's gradient norm: {m}")
+        assert_close(norms, expected, rtol=1e-3, atol=0, msg=lambda m: f"gradient norms: {m}")
 
     assert len(losses) == len(reference["losses"]), f"{len(losses)} logged step losses, {len(reference['losses'])} steps"
     assert_close(losses[0], reference["losses"][0], rtol=1e-5, atol=1e-6)
