@@ -170,6 +170,12 @@ def inline_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return (token_losses * valid).sum() / valid.sum().clamp(min=1)
 
 
+def grad_norm(params: Any) -> float:
+    """The global L2 norm of `params`' gradients, what the strategies log as `grad_norm` (before clipping)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+
 def reference_run(
     module: L.LightningModule,
     dataset: Dataset,
@@ -203,8 +209,7 @@ def reference_run(
         losses.append(float(loss.detach()))
         if step == 0:
             out["grads"] = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
-        grads = [p.grad for p in module.parameters() if p.grad is not None]
-        norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+        norms.append(grad_norm(module.parameters()))
         if clip is not None and clip_algorithm == "norm":
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
         elif clip is not None:

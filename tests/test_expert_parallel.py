@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 import ultrascale
 from tests._dist import run_ranks
-from tests._parity import ParityData, Recorder, TokenDataset, assert_parity, parity_trainer, step_losses
+from tests._parity import ParityData, Recorder, TokenDataset, assert_parity, grad_norm, parity_trainer, step_losses
 from ultrascale.models.llama import LlamaConfig
 from ultrascale.models.lm import LlamaLM
 
@@ -99,8 +99,9 @@ def reference_moe_run(module, dataset, *, global_batch, steps, clip=None):
         out["aux"].append(float(aux.detach() / valid))
         if step == 0:
             out["grads"] = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+        out["grad_norms"].append(grad_norm(module.parameters()))
         if clip is not None:
-            out["grad_norms"].append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), clip)))
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
         with torch.no_grad():  # aux-loss-free balancing: the step's counts over the global batch
@@ -353,6 +354,7 @@ def reference_hf_moe_run(path, dataset, *, global_batch, steps, aux_coef):
         out["aux"].append(float(aux.detach() / valid))
         if step == 0:
             out["grads"] = {f"model.{n}": p.grad.detach().clone() for n, p in model.named_parameters()}
+        out["grad_norms"].append(grad_norm(model.parameters()))
         optimizer.step()
         optimizer.zero_grad()
         if step == 0:
