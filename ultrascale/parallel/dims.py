@@ -231,6 +231,9 @@ class ParallelMesh:
     expert_fsdp: Optional[DeviceMesh] = None
     """Expert parallel: FSDP's mesh for expert weights, `ep_shard` (1-D) or (dp_replicate, ep_shard) for HSDP:
     the ranks that hold the same experts, over which their gradients are reduced."""
+    expert_grid: Optional[DeviceMesh] = None
+    """Expert parallel: this rank's (dp_replicate,) ep_shard x ep ranks, the mesh `ep`, `ep_shard` and `expert_fsdp`
+    were cut from (`build_mesh`)."""
 
     @functools.cached_property
     def zero_state_mesh(self) -> DeviceMesh:
@@ -251,17 +254,12 @@ class ParallelMesh:
         rank's tp coordinate as ((dp_replicate,) ep, ep_shard), ep *outside* the ranks holding the same experts,
         because each ep rank's experts are split over those (placements (Shard(0), Shard(0)) nest in mesh order).
         Only DCP reads it, as `zero_state_mesh`."""
-        if self.ep is None:
+        grid = self.expert_grid
+        if grid is None:
             raise KeyError("the experts' state mesh exists under expert parallel only (ep > 1); this run has ep=1")
-        coordinate = self.world.get_coordinate()
-        stage = self.world.mesh[coordinate[0]][..., coordinate[-1]]  # (dp_replicate, dp_shard, cp)
-        ep = self.dims.ep
-        # dp_shard x cp unflattens to (ep_shard, ep), ep innermost (`build_mesh`).
-        grid = stage.reshape(self.dims.dp_replicate, self.dims.dp_shard_cp // ep, ep).permute(0, 2, 1)
-        names: tuple[str, ...] = ("dp_replicate", "ep", "ep_shard")
-        if self.fsdp.ndim == 1:
-            grid, names = grid[0], names[1:]
-        return DeviceMesh(self.world.device_type, grid.contiguous(), mesh_dim_names=names, _init_backend=False)
+        names = tuple(name for name in ("dp_replicate", "ep", "ep_shard") if name in grid.mesh_dim_names)
+        ranks = grid.mesh.permute(*(grid.mesh_dim_names.index(name) for name in names))
+        return DeviceMesh(self.world.device_type, ranks.contiguous(), mesh_dim_names=names, _init_backend=False)
 
     def __getitem__(self, axis: str) -> DeviceMesh:
         if axis in MESH_AXES:
@@ -302,7 +300,7 @@ def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
         else:
             split = flat["dp_shard_cp"]._unflatten(0, shard_ep, ("ep_shard", "ep"))
             experts["expert_fsdp"] = split["ep_shard"]
-        experts["ep"], experts["ep_shard"] = split["ep"], split["ep_shard"]
+        experts["ep"], experts["ep_shard"], experts["expert_grid"] = split["ep"], split["ep_shard"], split
     mesh = ParallelMesh(dims=dims, world=world, fsdp=fsdp, **flat, **experts)
     for axis in (*MESH_AXES, *FLAT_AXES, *(("ep",) if dims.ep_enabled else ())):
         if mesh[axis].size() != getattr(dims, axis):
