@@ -214,7 +214,6 @@ class ZeroEngine(ZeroCheckpointing):
         self.stage = stage
         self.dp_mesh = dp_mesh
         self.dense = ShardRanks(dp_mesh, state_mesh)
-        self.group, self.world, self.rank = self.dense.group, self.dense.world, self.dense.rank
         self.experts = experts
         self.expert_ranks = ShardRanks(experts.dp, experts.state) if experts is not None else None
         self._sync = True
@@ -557,14 +556,14 @@ class ZeroEngine(ZeroCheckpointing):
         has_shards = any(b.grad_shard is not None for b in self.buckets)
         if not counted:
             total = torch.zeros((), device=self.buckets[0].param_buffer.device if self.buckets
-                                else collective_device(self.group))
+                                else collective_device(self.dense.group))
         elif inf:
             total = torch.stack([s.abs().max().float() for s in counted]).max()
         else:
             total = torch.stack([power_sum(s, norm_type) for s in counted]).sum()
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         if has_shards:
-            dist.all_reduce(total, op=op, group=self.group)
+            dist.all_reduce(total, op=op, group=self.dense.group)
             if self.tp_group is not None:
                 dist.all_reduce(total, op=op, group=self.tp_group)
         if self.norm_group is not None:

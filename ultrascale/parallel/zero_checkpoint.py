@@ -68,8 +68,8 @@ class ZeroCheckpointing:
     group_buckets: list[list[Any]]
     optimizer: torch.optim.Optimizer
     dp_mesh: DeviceMesh
-    world: int
-    rank: int
+    dense: ShardRanks
+    """The ranks the dense (non-expert) buckets are cut over."""
 
     names: dict[int, str]
     """Parameter id -> name."""
@@ -285,7 +285,7 @@ class ZeroCheckpointing:
 
     def _param_shaped_dtensor(self, shape: torch.Size, dtype: torch.dtype) -> DTensor:
         """An empty DTensor of `shape`, dim 0 sharded over the dp ranks (a DCP read target)."""
-        rows = _chunk_size(shape[0], self.world, self.rank)
+        rows = _chunk_size(shape[0], self.dense.world, self.dense.rank)
         local = torch.zeros((rows, *shape[1:]), dtype=dtype, device=self.buckets[0].param_buffer.device)
         placements = [Shard(0)] if self.dp_mesh.ndim == 1 else [Replicate(), Shard(0)]
         return DTensor.from_local(local, self.dp_mesh, placements, run_check=False, shape=shape, stride=_contiguous_stride(shape))
@@ -306,7 +306,7 @@ class ZeroCheckpointing:
                     continue
                 if tuple(md.size) == (p.numel(),):
                     numel = p.numel()
-                    chunk = torch.zeros(_chunk_size(numel, self.world, self.rank), dtype=md.properties.dtype,
+                    chunk = torch.zeros(_chunk_size(numel, self.dense.world, self.dense.rank), dtype=md.properties.dtype,
                                         device=self.buckets[0].param_buffer.device)
                     entry[key] = self._to_dtensor(chunk, numel)
                 elif tuple(md.size) == tuple(p.shape):
