@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -45,9 +45,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ultrascale.parallel.device import all_gather_single, grouped_mm_supported
+from ultrascale.parallel.device import grouped_mm_supported
 from ultrascale.parallel.tensor_styles import grad_summed_over
 
 EXPERT_PARALLEL_ATTRIBUTE = "_ultrascale_expert_parallel"
@@ -133,24 +133,28 @@ class ExpertParallel:
         self.group = mesh.get_group()
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
-        self.tp_group = tp.get_group() if tp is not None and tp.size() > 1 else None
-        self.tp_size = tp.size() if self.tp_group is not None else 1
-        self.tp_rank = tp.get_local_rank() if self.tp_group is not None else 0
+        self.tp = tp if tp is not None and tp.size() > 1 else None
+        self.tp_group = self.tp.get_group() if self.tp is not None else None
 
     def dispatch(
         self, x: torch.Tensor, counts: torch.Tensor, compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
         """The experts' outputs (S, H) for ``x`` (S, H, sorted by expert; ``counts`` (E,)): under tp, this rank
-        dispatches rows [r·c, (r+1)·c) of them (c = ceil(S / tp)) and the shares are all-gathered."""
-        if self.tp_group is None:
+        dispatches rows [r·c, (r+1)·c) of them (c = ceil(S / tp), DTensor's Shard(0) of the replicated rows) and the
+        shares are all-gathered. In backward the shares' input gradients are all-gathered (every tp rank holds the
+        whole), and each share takes its rows of the output's gradient (held alike by every tp rank)."""
+        if self.tp is None:
             return self(x, counts, compute)
         rows = x.shape[0]
-        share = math.ceil(rows / self.tp_size)
-        start, stop = min(rows, self.tp_rank * share), min(rows, (self.tp_rank + 1) * share)
+        share = DTensor.from_local(x, self.tp, [Replicate()], run_check=False).redistribute(self.tp, [Shard(0)]).to_local()
+        start = min(rows, self.tp.get_local_rank() * math.ceil(rows / self.tp.size()))  # Shard(0): torch.chunk's pieces
+        stop = start + share.shape[0]
         ends = counts.cumsum(0)  # the share's count of expert e: its rows within [start, stop) (no host sync)
         share_counts = ends.clamp(start, stop) - (ends - counts).clamp(start, stop)
-        out = self(_TakeShare.apply(x, share, start, stop, self.tp_group), share_counts, compute)
-        return _GatherShares.apply(out, rows, share, start, stop, self.tp_group)
+        out = self(share, share_counts, compute).contiguous()  # (stop - start, H)
+        shares = DTensor.from_local(out, self.tp, [Shard(0)], run_check=False, shape=(rows, out.shape[1]),
+                                    stride=(out.shape[1], 1))
+        return shares.redistribute(self.tp, [Replicate()]).to_local()
 
     def tp_summed(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """``t`` (a local expert weight), whose gradient is summed over the tp ranks in backward."""
@@ -179,44 +183,6 @@ class ExpertParallel:
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         return all_to_all_single_autograd(out[back], send_splits, recv_splits, self.group)  # (S, H)
-
-
-def _gather_shares(share: torch.Tensor, rows: int, size: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """The tp ranks' shares (at most `size` rows each), all-gathered in rank order: the first `rows`."""
-    padded = share.new_zeros(size, *share.shape[1:])
-    padded[: share.shape[0]] = share
-    gathered = share.new_empty(dist.get_world_size(group) * size, *share.shape[1:])
-    all_gather_single(gathered, padded, group=group)
-    return gathered[:rows]
-
-
-class _GatherShares(torch.autograd.Function):
-    """Forward: the tp ranks' shares of rows, all-gathered. Backward: this rank's share of the gradient, which every
-    tp rank holds whole and alike (what follows is replicated over tp)."""
-
-    @staticmethod
-    def forward(ctx: Any, share: torch.Tensor, rows: int, size: int, start: int, stop: int,
-                group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.start, ctx.stop = start, stop
-        return _gather_shares(share, rows, size, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        return grad[ctx.start : ctx.stop], None, None, None, None, None
-
-
-class _TakeShare(torch.autograd.Function):
-    """Forward: this rank's share of rows replicated over tp. Backward: the shares' gradients all-gathered, so every
-    tp rank holds the whole (replicated) gradient: each row's comes from the one rank that dispatched it."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, size: int, start: int, stop: int, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.rows, ctx.size, ctx.group = x.shape[0], size, group
-        return x[start:stop]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        return _gather_shares(grad.contiguous(), ctx.rows, ctx.size, ctx.group), None, None, None, None
 
 
 # Under `compile=True` the routed experts are the block's one graph break: how many tokens each expert gets
