@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ultrascale.estimate import ModelShape
 from ultrascale.models.hf_sequence_parallel import hf_sequence_parallel_problem, hf_sequence_parallel_styles
-from ultrascale.parallel.rules import ModelFacts
+from ultrascale.parallel.rules import ModelFacts, experts_over_tp
 
 
 @dataclass(frozen=True)
@@ -573,7 +573,7 @@ def plan_model(module: nn.Module, dims: Any, knobs: Any, *, tp_plan: Optional[di
             stage_layers = [pipeline[1].layers_of(stage) for stage in range(pipeline[1].num_stages)] if pipeline else []
             plan = adapter.tp_plan(sequence_parallel=sequence_parallel_of(knobs, facts), loss_parallel=loss_parallel,
                                    stage_layers=stage_layers)
-            if dims.ep_enabled:  # EP x TP: the experts split over ep, not over tp (`ExpertParallel.dispatch`)
+            if not experts_over_tp(dims.ep):  # EP x TP: the experts split over ep (`ExpertParallel.dispatch`)
                 from ultrascale.parallel.tensor_styles import ExpertTensorParallel
 
                 plan = {path: style for path, style in plan.items() if not isinstance(style, ExpertTensorParallel)}

@@ -33,7 +33,8 @@ __all__ = [
     "CONTEXT_PARALLEL_METHODS",
     "LayoutError", "LayoutKnobs", "LayoutNotImplemented", "ModelFacts", "NOT_BUILT", "NotBuilt", "Problem", "SCHEDULES",
     "SINGLE_STAGE_SCHEDULES", "V_SCHEDULES",
-    "batch_problems", "choice_problems", "knob_problems", "model_problems", "not_built", "pipeline_problems", "raise_first", "resolve",
+    "batch_problems", "choice_problems", "expert_split", "experts_over_tp", "knob_problems", "model_problems",
+    "not_built", "pipeline_problems", "raise_first", "resolve",
     "tp_divides_problem", "ulysses_problems",
 ]
 
@@ -393,6 +394,18 @@ def sequence_parallel_of(k: LayoutKnobs, facts: ModelFacts) -> bool:
     if k.sequence_parallel is not None:
         return k.sequence_parallel
     return facts.sequence_parallel and facts.sequence_parallel_default and not k.tp_plan_given
+
+
+def experts_over_tp(ep: int) -> bool:
+    """Whether tp splits each routed expert's intermediate width (expert tensor parallel): only when ep does not
+    split the experts. Under ep > 1, beside tp too (EP x TP), each expert stays whole on its ep rank and the TP
+    plans' expert entries are dropped."""
+    return ep == 1
+
+
+def expert_split(ep: int, tp: int) -> int:
+    """The ranks one layer's routed experts are split over (`experts_over_tp`)."""
+    return tp if experts_over_tp(ep) else ep
 
 
 def model_problems(dims: ParallelDims, k: LayoutKnobs, facts: ModelFacts) -> list[Problem]:

@@ -11,6 +11,7 @@ from typing import Any
 from ultrascale.estimate import STATE_BYTES, ActivationModel, ModelShape
 from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, Cluster
 from ultrascale.parallel.pipeline import PipelineLayout, even_layers
+from ultrascale.parallel.rules import expert_split
 from ultrascale.planner.calibration import family_ratio
 from ultrascale.planner.layouts import Layout, layout_problems, model_facts_of, runs_as
 from ultrascale.planner.pipeline import PipelinePlay, held_layers, play, timeline
@@ -197,12 +198,6 @@ def _count_stage_params(shape: ModelShape, t: int, ep: int, layers: int, first: 
     dense += layers * moe_fraction * (shape.router_params - shared + shared / t)
     experts = layers * moe_fraction * shape.expert_params / expert_split(ep, t)
     return dense, experts
-
-
-def expert_split(ep: int, tp: int) -> int:
-    """The ranks one layer's routed experts are split over: ep (each expert whole on one, also beside tp: EP x TP),
-    else tp (expert tensor parallel splits each expert's intermediate width)."""
-    return ep if ep > 1 else tp
 
 
 def stage_model_state(shape: ModelShape, layout: Layout, work: Workload, layers: int, first: bool, last: bool) -> dict[str, float]:
