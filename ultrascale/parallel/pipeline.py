@@ -309,6 +309,13 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def head_holds_tied_copy(zero_stage: int, both_ends_here: bool) -> bool:
+    """Whether the head holds its own copy of a weight it shares with the embedding (`TiedStageWeights.mirrors`):
+    under ZeRO-3 on a rank holding both the first and the last stage (a V schedule), where each stage is its own
+    FSDP unit and one Parameter cannot belong to two. ZeRO-1/2 have no units and keep the one weight."""
+    return zero_stage == 3 and both_ends_here
+
+
 def untie_stage_weights(parts: PipelineParts, ties: Sequence[tuple[str, str]]) -> None:
     """Give the head its own copy of each weight it shares with the embedding (before sharding, on a rank holding
     both ends; a no-op elsewhere); `tie_stage_weights` then makes them its mirrors."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from ultrascale.estimate import STATE_BYTES, ActivationModel, ModelShape
 from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, Cluster
-from ultrascale.parallel.pipeline import PipelineLayout, even_layers
+from ultrascale.parallel.pipeline import PipelineLayout, even_layers, head_holds_tied_copy
 from ultrascale.parallel.rules import expert_split
 from ultrascale.planner.calibration import family_ratio
 from ultrascale.planner.layouts import Layout, layout_problems, model_facts_of, runs_as
@@ -223,11 +223,11 @@ def _model_state(shape: ModelShape, layout: Layout, work: Workload, layers: int,
         return {0: (1, 1, 1), 1: (1, 1, ranks), 2: (1, ranks, ranks), 3: (ranks, ranks, ranks)}[layout.zero_stage]
 
     div, expert_div = shards(n), shards(max(n // layout.ep, 1))
-    # Both ends of tied embeddings on one pipeline rank (a V schedule) under ZeRO-3: each stage is its own FSDP
-    # unit, so the head holds a copy of the weight, sharded alike, and its gradient until the step sums it in
-    # (`TiedStageWeights.mirrors`); no optimizer state.
+    # The head's copy of a tied weight, sharded alike: its weight, and its gradient until the step sums it in; no
+    # optimizer state.
     mirror = (shape.param_counts()["embedding"] / layout.tp
-              if shape.tied_embeddings and layout.zero_stage == 3 and layout.pp > 1 and first and last else 0.0)
+              if shape.tied_embeddings and head_holds_tied_copy(layout.zero_stage, layout.pp > 1 and first and last)
+              else 0.0)
     return {
         "params": (dense + mirror) * w_bytes / div[0] + experts * w_bytes / expert_div[0],
         "grads": (dense + mirror) * g_bytes / div[1] + experts * g_bytes / expert_div[1],

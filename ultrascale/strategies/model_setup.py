@@ -25,7 +25,14 @@ from ultrascale.parallel.expert import iter_routers, router_loads
 from ultrascale.parallel.fsdp import is_fsdp_sharded, set_gradient_sync
 from ultrascale.parallel.init import broadcast_module_state, has_meta_tensors, materialize_meta_module
 from ultrascale.parallel.parallelize import parallelize
-from ultrascale.parallel.pipeline import PipelineRunner, TiedStageWeights, split_model, tie_stage_weights, untie_stage_weights
+from ultrascale.parallel.pipeline import (
+    PipelineRunner,
+    TiedStageWeights,
+    head_holds_tied_copy,
+    split_model,
+    tie_stage_weights,
+    untie_stage_weights,
+)
 from ultrascale.parallel.transforms import ModelTransform
 from ultrascale.parallel.zero import ExpertMeshes, ZeroEngine
 from ultrascale.strategies.precision import UltraScalePrecision
@@ -83,9 +90,7 @@ def shard_model(
             f"{type(module).__name__}; sharding it as one FSDP unit per top-level child"
         )
     ties = pipeline[0].tied_weights() if pipeline is not None else []  # read while this rank holds both ends
-    # Under ZeRO-3 each stage is its own FSDP unit, and a V schedule puts both tied ends on one rank: the head takes
-    # a copy (`TiedStageWeights.mirrors`). ZeRO-1/2 have no units and keep the one weight.
-    mirrored = bool(ties) and pipeline is not None and pipeline[1].ends_on_one_rank and zero_stage == 3
+    mirrored = bool(ties) and pipeline is not None and head_holds_tied_copy(zero_stage, pipeline[1].ends_on_one_rank)
     if pipeline is not None:  # before weights move: the parts other ranks hold never reach this device
         split_model(*pipeline, mesh["pp"].get_local_rank())
         if mirrored:
