@@ -151,34 +151,21 @@ def test_tied_embeddings_parity(schedule, nonfinite):
 
 
 @pytest.mark.parametrize("zero_stage, schedule, dp, microbatches", [
-    (1, "1F1B", 2, 2), (2, "Interleaved1F1B", 2, 2), (1, "ZBVZeroBubble", 2, 2), (2, "DualPipeV", 1, 4)])
-def test_tied_embeddings_zero12_parity(zero_stage, schedule, dp, microbatches):
-    """Tied embeddings under ZeRO-1/2. Looped schedules: each end keeps the tied weight in a bucket of its own, cut
-    alike over the same dp ranks, and the two ends sum their reduced slices of it (1/dp of the weight each). V
-    schedules: one rank holds both ends, so the tie stays one weight whose two stages' gradients add up in its
-    bucket. The clipping norm (a clip that binds) counts it once. Accumulation 2, masked labels, buckets small
-    enough to split the rest."""
+    (1, "1F1B", 2, 2), (2, "Interleaved1F1B", 2, 2), (1, "ZBVZeroBubble", 2, 2), (2, "DualPipeV", 1, 4),
+    (3, "ZBVZeroBubble", 2, 2), (3, "DualPipeV", 1, 4)])
+def test_tied_embeddings_zero_parity(zero_stage, schedule, dp, microbatches):
+    """Tied embeddings under each ZeRO stage. ZeRO-1/2 under looped schedules: each end keeps the tied weight in a
+    bucket of its own, cut alike over the same dp ranks, and the two ends sum their reduced slices of it (1/dp of
+    the weight each); under V schedules one rank holds both ends, so the tie stays one weight whose two stages'
+    gradients add up in its bucket. ZeRO-3 under V schedules: the two end stages are FSDP units of one rank, so the
+    head holds a copy, sharded alike, whose gradient is added to the weight's; the optimizer steps the weight alone
+    and the copy takes its values after each step. The clipping norm (a clip that binds) counts the weight once.
+    Accumulation 2, masked labels, ZeRO-1/2 buckets small enough to split the rest."""
     reference = reference_run(make_llama(tie_embeddings=True), masked_data(), global_batch=BATCH, steps=STEPS,
                               accumulate=2, clip=0.05)
-    kwargs = {"pipeline_parallel": 2, "data_parallel_shard": dp, "zero_stage": zero_stage, "zero_bucket_mb": 0.02,
-              "pipeline_microbatches": microbatches, "pipeline_schedule": schedule}
-    results = run_ranks(_train, 2 * dp, kwargs, BATCH, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
-                        {"tie_embeddings": True})
-    merged = merge_stages(results)
-    assert "tok_embeddings.weight" in " ".join(merged["grads"]) and "output.weight" not in " ".join(merged["grads"])
-    assert_parity(merged, reference, step_losses(results))
-
-
-@pytest.mark.parametrize("schedule, dp, microbatches", [("ZBVZeroBubble", 2, 2), ("DualPipeV", 1, 4)])
-def test_tied_embeddings_zero3_v_schedule_parity(schedule, dp, microbatches):
-    """Tied embeddings under ZeRO-3 and a V schedule: rank 0 holds the first and the last stage, each its own FSDP
-    unit, so the head holds a copy of the tied weight, sharded alike. The copy's gradient is added to the weight's,
-    the optimizer steps the weight alone, and the copy takes its values after each step. The clipping norm (a clip
-    that binds) counts the weight once. Accumulation 2, masked labels."""
-    reference = reference_run(make_llama(tie_embeddings=True), masked_data(), global_batch=BATCH, steps=STEPS,
-                              accumulate=2, clip=0.05)
-    kwargs = {"pipeline_parallel": 2, "data_parallel_shard": dp, "zero_stage": 3,
-              "pipeline_microbatches": microbatches, "pipeline_schedule": schedule}
+    kwargs = {"pipeline_parallel": 2, "data_parallel_shard": dp, "zero_stage": zero_stage,
+              "pipeline_microbatches": microbatches, "pipeline_schedule": schedule,
+              **({"zero_bucket_mb": 0.02} if zero_stage < 3 else {})}
     results = run_ranks(_train, 2 * dp, kwargs, BATCH, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
                         {"tie_embeddings": True})
     merged = merge_stages(results)

@@ -490,23 +490,10 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
     # restored checkpoint. Validation before training (the sanity check) runs before `on_train_start`.
     @override
     def on_train_start(self) -> None:
-        self._copy_tied_weights()
-
-    @override
-    def on_validation_start(self) -> None:
-        self._copy_tied_weights()
-
-    @override
-    def on_test_start(self) -> None:
-        self._copy_tied_weights()
-
-    @override
-    def on_predict_start(self) -> None:
-        self._copy_tied_weights()
-
-    def _copy_tied_weights(self) -> None:
         if self._tied_weights is not None:
             self._tied_weights.copy_to_mirrors()
+
+    on_validation_start = on_test_start = on_predict_start = on_train_start
 
     def _parallelize(self, module: torch.nn.Module) -> None:
         shape = model_setup.moe_shape(module)  # before any pipeline split: the whole model's routers
