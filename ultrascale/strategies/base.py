@@ -485,16 +485,6 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
             optimizers_to_device(self.optimizers, self.root_device)
         self.checkpoint_publisher.open(fitting=trainer.state.fn == TrainerFn.FITTING)
 
-    # The head's copy of a tied weight (ZeRO-3 under a V schedule: `TiedStageWeights.mirrors`) takes the weight's
-    # values once all that writes weights has run: a Hugging Face model's load after sharding (its `on_fit_start`), a
-    # restored checkpoint. Validation before training (the sanity check) runs before `on_train_start`.
-    @override
-    def on_train_start(self) -> None:
-        if self._tied_weights is not None:
-            self._tied_weights.copy_to_mirrors()
-
-    on_validation_start = on_test_start = on_predict_start = on_train_start
-
     def _parallelize(self, module: torch.nn.Module) -> None:
         shape = model_setup.moe_shape(module)  # before any pipeline split: the whole model's routers
         checked = self.check_model(module)

@@ -289,6 +289,16 @@ class StepHooks:
             self._tied_weights.copy_to_mirrors()
         return result
 
+    # The head's copy of a tied weight (ZeRO-3 under a V schedule: `TiedStageWeights.mirrors`) takes the weight's
+    # values once all that writes weights has run: a Hugging Face model's load after sharding (its `on_fit_start`), a
+    # restored checkpoint. Validation before training (the sanity check) runs before `on_train_start`.
+    @override
+    def on_train_start(self) -> None:
+        if self._tied_weights is not None:
+            self._tied_weights.copy_to_mirrors()
+
+    on_validation_start = on_test_start = on_predict_start = on_train_start
+
     def _finish_step(self, optimizer: torch.optim.Optimizer) -> StepResult:
         """The step's gradients finished (`StepRunner.finish`) and its numbers logged (`log_step`)."""
         module = self.lightning_module
