@@ -219,6 +219,10 @@ COMBINATIONS: dict[tuple[str, str], dict[str, Any]] = {
     # ZeRO-2: each end keeps the tied weight in a bucket of its own and the two sum their reduced slices of it.
     ("Gemma3, tied", "ZeRO-2 2 x PP 2"): {"pipeline_parallel": 2, "data_parallel_shard": 2, "zero_stage": 2,
                                           "pipeline_microbatches": 2},
+    # Built on the meta device although tied (`meta_init=True` overrides `prefers_meta_init`): each stage
+    # materialises its part, the checkpoint is loaded into both ends, and they train as one weight.
+    ("Gemma3, tied", "ZeRO-3 2 x PP 2, meta init"): {"pipeline_parallel": 2, "data_parallel_shard": 2,
+                                                     "pipeline_microbatches": 2, "meta_init": True},
 }
 
 

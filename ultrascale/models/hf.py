@@ -146,8 +146,10 @@ class HFCausalLM(CausalLMModule):
     def prefers_meta_init(self) -> bool:
         """Ask ultrascale strategies to build the model on the meta device (weights are loaded after sharding).
 
-        Tied input/output embeddings would be untied by materialising after sharding, so
-        those models are built for real (then sharded, then loaded)."""
+        Models with tied input/output embeddings are built for real (then sharded, then loaded) unless the
+        strategy's `meta_init=True` asks for meta: materialising re-shares a tie within a rank
+        (`parallel.init.materialize_meta_module`), and that path is tested under ZeRO-3 x pipeline parallel only
+        (tests/test_hf_matrix.py), not yet under every layout."""
         return not bool(getattr(self.config, "tie_word_embeddings", False))
 
     def attention_implementation(self) -> str:
