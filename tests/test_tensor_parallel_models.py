@@ -233,8 +233,8 @@ HF_PLAN_CELLS = [(arch, "tp2xdp2") for arch in HF_PLAN_ARCHS] + [("granite_swa",
 
 @pytest.mark.parametrize("arch, layout", HF_PLAN_CELLS)
 def test_hf_plan_styles_parity(tmp_path, arch, layout):
-    """A checkpoint of each architecture, trained through HFCausalLM at tp=2 (and tp=2 x dp_shard=2 under
-    FSDP), equals one plain-torch process: first loss, every gradient, weights after step 1, the loss curve."""
+    """A checkpoint of each architecture, trained through HFCausalLM at tp=2 x dp_shard=2 under FSDP (Granite with
+    sinks at tp=2 alone too), equals one plain-torch process: first loss, every gradient, weights after step 1, the loss curve."""
     world, kwargs = HF_PLAN_LAYOUTS[layout]
     path = make_hf_checkpoint(tmp_path / "ckpt", arch, vocab_size=VOCAB, head_dim=16)
     dataset = TokenDataset(STEPS * BATCH, SEQ, VOCAB, seed=11, masked=True)
