@@ -213,16 +213,14 @@ COMBINATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("Qwen3-MoE", "EP 2 x TP 2 sequence parallel"): {"expert_parallel": 2, "tensor_parallel": 2, "data_parallel_shard": 2,
                                                        "sequence_parallel": True},
     # Tied embeddings: the first and the last stage each shard their copy (FSDP, vocab-parallel) and sum its gradients.
+    # Built on the meta device like every Hugging Face model: each stage materialises its part, the checkpoint is
+    # loaded into both ends (the last stage keeps the head under the embedding's name), and they train as one weight.
     ("Gemma3, tied", "ZeRO-3 2 x PP 2"): {"pipeline_parallel": 2, "data_parallel_shard": 2, "pipeline_microbatches": 2},
     ("Gemma3, tied", "TP 2 x PP 2"): {"tensor_parallel": 2, "pipeline_parallel": 2, "data_parallel_shard": 1,
                                       "pipeline_microbatches": 2},
     # ZeRO-2: each end keeps the tied weight in a bucket of its own and the two sum their reduced slices of it.
     ("Gemma3, tied", "ZeRO-2 2 x PP 2"): {"pipeline_parallel": 2, "data_parallel_shard": 2, "zero_stage": 2,
                                           "pipeline_microbatches": 2},
-    # Built on the meta device although tied (`meta_init=True` overrides `prefers_meta_init`): each stage
-    # materialises its part, the checkpoint is loaded into both ends, and they train as one weight.
-    ("Gemma3, tied", "ZeRO-3 2 x PP 2, meta init"): {"pipeline_parallel": 2, "data_parallel_shard": 2,
-                                                     "pipeline_microbatches": 2, "meta_init": True},
 }
 
 

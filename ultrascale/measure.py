@@ -312,8 +312,9 @@ def _build(model: str, seq_len: int, fake_mode: Any) -> tuple[Any, int, bool]:
     """(the model, its vocabulary size, whether it is on the meta device).
 
     On the meta device, as the strategy builds models whose weights are loaded after sharding;
-    a model that ties its input embedding to its head is built on fake tensors instead (as the
-    strategy builds it for real): materialising meta weights after sharding would untie them."""
+    a model that ties its input embedding to its head is built on fake tensors instead: `to_empty`
+    would untie meta weights (the strategy re-ties them in `materialize_meta_module`), and the
+    training step's memory is that of one shared weight either way."""
     import torch
 
     from ultrascale.models.llama import LLAMA_PRESETS, Llama, LlamaConfig

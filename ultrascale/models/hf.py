@@ -144,13 +144,11 @@ class HFCausalLM(CausalLMModule):
 
     @property
     def prefers_meta_init(self) -> bool:
-        """Ask ultrascale strategies to build the model on the meta device (weights are loaded after sharding).
-
-        Models with tied input/output embeddings are built for real (then sharded, then loaded) unless the
-        strategy's `meta_init=True` asks for meta: materialising re-shares a tie within a rank
-        (`parallel.init.materialize_meta_module`), and that path is tested under ZeRO-3 x pipeline parallel only
-        (tests/test_hf_matrix.py), not yet under every layout."""
-        return not bool(getattr(self.config, "tie_word_embeddings", False))
+        """Ask ultrascale strategies to build the model on the meta device (weights are loaded after sharding),
+        so no rank ever holds the whole model. Tied input/output embeddings included: materialising re-shares
+        the tie within a rank (`parallel.init.materialize_meta_module`), and under pipeline parallel each end
+        holds its copy; tests/test_hf_matrix.py holds a tied model to parity under every layout."""
+        return True
 
     def attention_implementation(self) -> str:
         """The `attn_implementation` the model is built with: the one given, or the device's choice
@@ -189,7 +187,8 @@ class HFCausalLM(CausalLMModule):
                 self.config, dtype=dtype, attn_implementation=attention,
                 trust_remote_code=self.hparams.trust_remote_code,
             )
-            # Not meta (tied embeddings): the weights are loaded by `init_weights` after sharding too.
+            # Built for real only where `configure_model` is called outside the strategy's init context:
+            # the weights are loaded by `init_weights` after sharding then too.
             self._weights_pending = True
         else:
             self.model = AutoModelForCausalLM.from_pretrained(
@@ -233,7 +232,7 @@ class HFCausalLM(CausalLMModule):
         self._weights_pending = False
 
     def on_fit_start(self) -> None:
-        if getattr(self, "_weights_pending", False):  # built for real (tied embeddings): load after sharding
+        if getattr(self, "_weights_pending", False):  # built, not loaded yet: load after sharding
             self.init_weights()
 
     on_validation_start = on_test_start = on_predict_start = on_fit_start
