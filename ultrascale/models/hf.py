@@ -180,16 +180,13 @@ class HFCausalLM(CausalLMModule):
 
         dtype = DTYPES[self.hparams.dtype]
         attention = self.attention_implementation()
-        meta = torch.empty(()).device.type == "meta"  # the strategy's init context asked for meta
-        if meta or self._sharding_strategy():
+        if torch.empty(()).device.type == "meta":  # the strategy's init context (`prefers_meta_init`)
             check_sharded_loading_supported(self.config)
             self.model = AutoModelForCausalLM.from_config(
                 self.config, dtype=dtype, attn_implementation=attention,
                 trust_remote_code=self.hparams.trust_remote_code,
             )
-            # Built for real only where `configure_model` is called outside the strategy's init context:
-            # the weights are loaded by `init_weights` after sharding then too.
-            self._weights_pending = True
+            self._weights_pending = True  # loaded by `init_weights` after sharding
         else:
             self.model = AutoModelForCausalLM.from_pretrained(
                 self.pretrained_path, dtype=dtype, local_files_only=True,
@@ -218,9 +215,6 @@ class HFCausalLM(CausalLMModule):
         if getattr(self.config, "output_router_logits", False):
             return float(getattr(self.config, "router_aux_loss_coef", 0.0) or 0.0)
         return 0.0
-
-    def _sharding_strategy(self) -> bool:
-        return hasattr(attached_strategy(self), "parallel_mesh")
 
     def init_weights(self) -> None:
         """Called by ultrascale strategies after sharding: each rank reads its slices of the weights."""
