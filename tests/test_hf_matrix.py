@@ -318,6 +318,50 @@ def test_sequence_parallel_holds_the_stream_and_the_norms_1_over_tp(architecture
         assert sharded[rank]["saved"] < alone[rank]["saved"], (rank, sharded[rank], alone[rank])
 
 
+# --------------------------------------------------------------------------- what a plan leaves out
+
+APERTUS_STEPS = 3
+"""Apertus's xIELU has a derivative jump inside its first micro-unit below zero (f' = beta - alpha_n for
+eps < x <= 0 with eps = -1e-6, about beta below eps), so a reduction order that moves a weight by 1e-6 moves
+later gradients by a finite amount: measured over ten steps, ZeRO-3, TP, CP and PP agreed with each other within
+1e-6 and all differed from the one-process reference by up to 2.3e-4 from step 4 on. Three steps stay within
+the parity tolerances."""
+
+
+def test_scalar_parameters_beside_split_layers_sum_their_gradients_over_tp(tmp_path):
+    """Apertus's plan (config.base_model_tp_plan) leaves out the MLP's activation, whose alpha_p and alpha_n run on
+    each rank's half of the intermediate features: ultrascale sums their gradients over tp, so every rank holds the
+    one-process gradient (without it each held its half's, 14% off, and the copies drifted apart)."""
+    import transformers
+
+    config = transformers.ApertusConfig(**{**_COMMON, "head_dim": 8,
+                                           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
+    path = save_perturbed_hf(config, tmp_path / "apertus")
+    reference = reference_run(make_hf(path), data(), global_batch=MICRO_BATCH, steps=APERTUS_STEPS,
+                              accumulate=ACCUMULATE)
+    assert any("act_fn.alpha_p" in name for name in reference["grads"])
+    results = run_ranks(_train_steps, WORLD, path, LAYOUTS["TP 2"], APERTUS_STEPS)
+    assert_stage_parity(results, reference)  # the ranks' copies of alpha_p / alpha_n are checked equal too
+
+
+def _train_steps(rank, world_size, path, strategy_kwargs, steps):
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**strategy_kwargs), recorder, steps,
+                             accumulate_grad_batches=ACCUMULATE)
+    trainer.fit(make_hf(path), ParityData(data(), MICRO_BATCH))
+    return recorder.result()
+
+
+def test_a_mask_the_model_builds_is_refused_under_context_parallel(tmp_path):
+    """Doge computes a dynamic mask from its values and hands it to the attention function; context parallel builds
+    its own causal mask and would drop it (measured: a first-step gradient norm 1.7% off), so it refuses by name."""
+    import transformers
+
+    path = save_perturbed_hf(transformers.DogeConfig(**{**_COMMON, "head_dim": 8}), tmp_path / "doge")
+    messages = run_ranks(_refusal, WORLD, path, LAYOUTS["CP 2 ring"])
+    assert messages[0] is not None and "DogeAttention (layer 0) hands its attention a mask of its own" in messages[0]
+
+
 # --------------------------------------------------------------------------- other pipeline schedules
 
 SCHEDULES: dict[str, dict[str, Any]] = {

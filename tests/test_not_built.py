@@ -47,11 +47,11 @@ def _cp_module(**attributes: Any) -> torch.nn.Module:
     return module
 
 
-def _cp_attention(module: torch.nn.Module, dropout: float) -> None:
+def _cp_attention(module: torch.nn.Module, dropout: float, mask: Any = None) -> None:
     from ultrascale.parallel.context import hf_context_parallel_attention
 
     q = torch.zeros(1, 2, 4, 8)
-    hf_context_parallel_attention(module, q, q, q, None, dropout=dropout)
+    hf_context_parallel_attention(module, q, q, q, mask, dropout=dropout)
 
 
 def _lora_checkpoint_export(tmp_path: Path) -> None:
@@ -118,6 +118,7 @@ PROBES: dict[str, Callable[[Path], None]] = {
         {"tp_size": 2, "tp_handler": {"enable_async_tp": True}}),
     "context_parallel_attention_dropout": lambda _: _cp_attention(_cp_module(training=True), dropout=0.1),
     "context_parallel_non_causal": lambda _: _cp_attention(_cp_module(is_causal=False), dropout=0.0),
+    "context_parallel_model_mask": lambda _: _cp_attention(_cp_module(), dropout=0.0, mask=torch.zeros(1, 2, 4, 4)),
     "context_parallel_device": lambda _: attention_kernel(torch.device("meta")),
     "lora_data_dependent_init": lambda _: lora_config({"r": 2, "use_dora": True}),
     "export_lora_checkpoint": _lora_checkpoint_export,

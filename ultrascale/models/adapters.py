@@ -385,7 +385,46 @@ def hf_tp_plan(
         styles[prefix + paths[id(head)]] = ColwiseParallel(
             output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel
         )
+    styles.update(_scalar_modules_on_split_activations(hf, styles, prefix))
     return styles
+
+
+def _scalar_modules_on_split_activations(hf: nn.Module, styles: Mapping[str, ParallelStyle], prefix: str) -> dict:
+    """Entries for the modules a plan leaves out that hold only scalar parameters and sit beside a column-parallel
+    layer with a split output and a row-parallel layer with a split input of one parent (Apertus's xIELU activation,
+    alpha_p and alpha_n, between up_proj and down_proj). Such a module runs on this rank's slice of the activations,
+    so each rank's gradient of a scalar is its part of the sum over all features, d/da = sum_f dL/dy_f * dy_f/da;
+    left out, the tp ranks' copies would drift apart. `replicated_with_grad_allreduce` sums the parts."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from ultrascale.parallel.tensor_styles import ReplicatedWithGradAllReduce
+
+    def split(style: ParallelStyle) -> Optional[str]:
+        if isinstance(style, ColwiseParallel) and style.output_layouts == (Shard(-1),) and style.use_local_output:
+            return "column"
+        if isinstance(style, RowwiseParallel) and style.input_layouts == (Shard(-1),):
+            return "row"
+        return None
+
+    named = {prefix + name: module for name, module in hf.named_modules()}
+    planned = {name for name in named if any(fnmatch(name, key) for key in styles)}
+    sides: dict[str, set[str]] = {}
+    for name in planned:
+        kind = next((split(style) for key, style in styles.items() if fnmatch(name, key)), None)
+        if kind is not None:
+            sides.setdefault(name.rpartition(".")[0], set()).add(kind)
+    entries = {}
+    for parent, kinds in sides.items():
+        if kinds != {"column", "row"}:
+            continue
+        for child, module in named[parent].named_children() if parent in named else ():
+            path = f"{parent}.{child}"
+            params = list(module.parameters())
+            if (params and all(p.numel() == 1 for p in params) and path not in planned
+                    and not any(name.startswith(path + ".") for name in planned)):
+                entries[path] = ReplicatedWithGradAllReduce()
+    return entries
 
 
 def hf_num_experts(config: Any) -> int:

@@ -663,7 +663,8 @@ def hf_context_parallel_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature (``query`` (B, H, T, D) -> (B, T, H, Dv)), computed
     over the context-parallel sequence. Causal masking, documents and the layer's sliding window come from the
-    layout; the mask transformers would build is not built (the name has no mask function). `softcap` (Gemma 2's
+    layout; the mask transformers would build is not built (the name has no mask function), and a mask the model
+    builds itself is refused. `softcap` (Gemma 2's
     logit soft-capping) and `s_aux` (GPT-OSS's attention sinks) are what those models pass."""
     cp = getattr(module, CONTEXT_PARALLEL_ATTRIBUTE, None)
     if cp is None:
@@ -674,6 +675,13 @@ def hf_context_parallel_attention(
     if not getattr(module, "is_causal", True):
         raise not_built("context_parallel_non_causal",
                         f"{type(module).__name__}: context parallel supports causal self-attention only")
+    if attention_mask is not None:
+        # The name has no mask function, so transformers hands a mask only when the model built one itself.
+        raise not_built("context_parallel_model_mask",
+                        f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) hands its attention a mask "
+                        f"of its own (shape {tuple(attention_mask.shape)}); context parallel computes the causal, "
+                        "sliding-window and document masks itself and has no kernel for another: train this model "
+                        "without context parallel")
     out = cp.attention(query, key, value, scale=scaling, window=sliding_window, softcap=softcap, sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
 

@@ -90,6 +90,8 @@ NOT_BUILT: dict[str, NotBuilt] = {
                                           "(`sp_attn_implementation`)", layout=False),
     "context_parallel_attention_dropout": NotBuilt("attention dropout under context parallel", layout=False),
     "context_parallel_non_causal": NotBuilt("non-causal attention under context parallel", layout=False),
+    "context_parallel_model_mask": NotBuilt("a mask or bias a model computes for its own attention (Doge's dynamic "
+                                            "mask) under context parallel", layout=False),
     "context_parallel_device": NotBuilt("context parallel on devices other than CPU and CUDA", layout=False),
     "lora_data_dependent_init": NotBuilt("LoRA with DoRA or a data-dependent initialisation (PiSSA, OLoRA, ...)",
                                          layout=False),
