@@ -28,6 +28,7 @@ from tests._parity import (
     TokenDataset,
     assert_parity,
     make_hf,
+    make_hf_checkpoint,
     merge_stages,
     parity_trainer,
     reference_run,
@@ -71,8 +72,12 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "GLM-4-MoE": ("glm4_moe", {"n_routed_experts": 4, **_MOE, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
                                "first_k_dense_replace": 1, "head_dim": 8}),
     "OLMoE": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
+    # Windowed through its mask alone (no `sliding_window` handed to the attention function); the router's jitter
+    # noise off, as it is random in training (each process would draw its own).
+    "PhiMoE": ("phimoe", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,
+                          "router_jitter_noise": 0.0}),
 }
-MOE = {"Mixtral", "Qwen3-MoE", "GPT-OSS", "DeepSeek-V3", "GLM-4-MoE", "OLMoE"}
+MOE = {"Mixtral", "Qwen3-MoE", "GPT-OSS", "DeepSeek-V3", "GLM-4-MoE", "OLMoE", "PhiMoE"}
 
 LAYOUTS: dict[str, dict[str, Any]] = {
     "ZeRO-3": {"data_parallel_shard": 2},
@@ -87,6 +92,7 @@ WORLD = 2
 REFUSED: dict[tuple[str, str], tuple[str, str]] = {
     # (architecture, layout): (a regular expression the message must match, the reason in a few words for the table)
     ("OLMoE", "PP 2 (1F1B)"): (r"its config ships no `base_model_pp_plan`", "no `base_model_pp_plan`"),
+    ("PhiMoE", "PP 2 (1F1B)"): (r"its config ships no `base_model_pp_plan`", "no `base_model_pp_plan`"),
 }
 
 
@@ -360,6 +366,18 @@ def test_a_mask_the_model_builds_is_refused_under_context_parallel(tmp_path):
     path = save_perturbed_hf(transformers.DogeConfig(**{**_COMMON, "head_dim": 8}), tmp_path / "doge")
     messages = run_ranks(_refusal, WORLD, path, LAYOUTS["CP 2 ring"])
     assert messages[0] is not None and "DogeAttention (layer 0) hands its attention a mask of its own" in messages[0]
+
+
+def test_a_window_only_the_mask_holds_is_kept_under_context_parallel(tmp_path):
+    """Qwen2-MoE with `use_sliding_window` windows its sliding layers through the mask alone (the attention module
+    holds `sliding_window` but does not hand it on): context parallel takes the window the mask would have, by
+    layer type (PhiMoE, which windows every layer so, is a row of the matrix). Without it the first step's gradient
+    norm was 0.1% off (only one of two layers windowed, over 32 tokens with a window of 12)."""
+    path = make_hf_checkpoint(tmp_path / "qwen2_moe", "qwen2_moe", vocab_size=VOCAB, hidden_size=32,
+                              use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)
+    reference = reference_run(make_hf(path), data(), global_batch=MICRO_BATCH, steps=STEPS, accumulate=ACCUMULATE)
+    results = run_ranks(_train_steps, WORLD, path, LAYOUTS["CP 2 ring"], STEPS)
+    assert_stage_parity(results, reference)
 
 
 # --------------------------------------------------------------------------- other pipeline schedules

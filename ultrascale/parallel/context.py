@@ -662,8 +662,9 @@ def hf_context_parallel_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature (``query`` (B, H, T, D) -> (B, T, H, Dv)), computed
-    over the context-parallel sequence. Causal masking, documents and the layer's sliding window come from the
-    layout; the mask transformers would build is not built (the name has no mask function), and a mask the model
+    over the context-parallel sequence. Causal masking and documents come from the layout, the sliding window from
+    `sliding_window` or, where the model windows through its mask alone, from its config (`window_of_the_mask`);
+    the mask transformers would build is not built (the name has no mask function), and a mask the model
     builds itself is refused. `softcap` (Gemma 2's
     logit soft-capping) and `s_aux` (GPT-OSS's attention sinks) are what those models pass."""
     cp = getattr(module, CONTEXT_PARALLEL_ATTRIBUTE, None)
@@ -682,8 +683,25 @@ def hf_context_parallel_attention(
                         f"of its own (shape {tuple(attention_mask.shape)}); context parallel computes the causal, "
                         "sliding-window and document masks itself and has no kernel for another: train this model "
                         "without context parallel")
-    out = cp.attention(query, key, value, scale=scaling, window=sliding_window, softcap=softcap, sinks=s_aux)
+    window = sliding_window if sliding_window is not None else window_of_the_mask(module)
+    out = cp.attention(query, key, value, scale=scaling, window=window, softcap=softcap, sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
+
+
+def window_of_the_mask(module: nn.Module) -> Optional[int]:
+    """The sliding window transformers' mask would give this attention layer, for a model that windows through its
+    mask alone and hands its attention function no `sliding_window` (PhiMoE, Qwen2-MoE). The mask is built from the
+    config: by layer under `config.layer_types` (a `sliding_attention` layer gets `config.sliding_window`), else for
+    every layer whenever `config.sliding_window` is set (`create_sliding_window_causal_mask if
+    config.sliding_window is not None`, as those models write it)."""
+    config = getattr(module, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return window if layer_types[module.layer_idx] == "sliding_attention" else None
+    return window
 
 
 __all__ = [
