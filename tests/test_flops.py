@@ -57,3 +57,15 @@ def test_lightning_module_and_plan_use_the_same_count(tmp_path):
     text = plan_main(["--hf-config", str(tmp_path), "--world", "1", "--seq-len", str(SEQ)])
     gflops = float(re.search(r"([\d.]+) GFLOPs per token", text).group(1))
     assert gflops == pytest.approx(HAND / 1e9, abs=0.05)
+
+
+def test_an_attention_free_model_counts_its_matmuls_alone():
+    """RWKV has no attention heads: 6N, N its matmul weights (time mixing's key, value, receptance and output, channel
+    mixing's key, value and receptance, and the head), where reading `num_attention_heads` used to raise."""
+    hidden, attention, ffn = 32, 32, 64
+    config = transformers.RwkvConfig(vocab_size=VOCAB, hidden_size=hidden, attention_hidden_size=attention,
+                                     intermediate_size=ffn, num_hidden_layers=LAYERS, context_length=SEQ)
+    with torch.device("meta"):
+        rwkv = transformers.AutoModelForCausalLM.from_config(config)
+    per_layer = 3 * hidden * attention + attention * hidden + 2 * hidden * ffn + hidden * hidden
+    assert model_flops(rwkv).per_token(SEQ) == 6 * (LAYERS * per_layer + VOCAB * hidden)

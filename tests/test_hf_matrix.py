@@ -72,6 +72,8 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "GLM-4-MoE": ("glm4_moe", {"n_routed_experts": 4, **_MOE, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
                                "first_k_dense_replace": 1, "head_dim": 8}),
     "OLMoE": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
+    # Attention-free (no heads, no AttentionInterface, no plans): ZeRO only, the rest refused by name.
+    "RWKV": ("rwkv", {"attention_hidden_size": 32, "context_length": 64}),
     # Windowed through its mask alone (no `sliding_window` handed to the attention function); the router's jitter
     # noise off, as it is random in training (each process would draw its own).
     "PhiMoE": ("phimoe", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,
@@ -93,6 +95,10 @@ REFUSED: dict[tuple[str, str], tuple[str, str]] = {
     # (architecture, layout): (a regular expression the message must match, the reason in a few words for the table)
     ("OLMoE", "PP 2 (1F1B)"): (r"its config ships no `base_model_pp_plan`", "no `base_model_pp_plan`"),
     ("PhiMoE", "PP 2 (1F1B)"): (r"its config ships no `base_model_pp_plan`", "no `base_model_pp_plan`"),
+    ("RWKV", "TP 2"): (r"tensor parallel has no plan for HFCausalLM \(RwkvConfig\)", "no `base_model_tp_plan`"),
+    ("RWKV", "CP 2 ring"): (r"does not run through transformers' AttentionInterface", "no attention (AttentionInterface)"),
+    ("RWKV", "CP 2 all-to-all"): (r"does not run through transformers' AttentionInterface", "no attention (AttentionInterface)"),
+    ("RWKV", "PP 2 (1F1B)"): (r"its config ships no `base_model_pp_plan`", "no `base_model_pp_plan`"),
 }
 
 

@@ -154,8 +154,8 @@ def model_flops(module: nn.Module) -> Optional[ModelFlops]:
         config = getattr(sub, "config", None)
         if not isinstance(config, PretrainedConfig) or not hasattr(config, "num_hidden_layers"):
             continue
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        heads = getattr(config, "num_attention_heads", None)  # none in an attention-free model (RWKV): 6N alone
+        width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads) if heads else 0
         experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
         top_k = getattr(config, "num_experts_per_tok", None)
         if experts and top_k:
@@ -167,7 +167,7 @@ def model_flops(module: nn.Module) -> Optional[ModelFlops]:
         if getattr(config, "tie_word_embeddings", False) and hasattr(sub, "get_output_embeddings"):
             head = sub.get_output_embeddings()
             n += head.weight.numel() if head is not None else 0
-        return ModelFlops(n, config.num_hidden_layers, heads * head_dim, source)
+        return ModelFlops(n, config.num_hidden_layers, width, source if heads else f"{source} (no attention)")
     return None
 
 
@@ -185,7 +185,8 @@ def recompute_flops_per_token(
 
 
 def matmul_params(module: nn.Module, *, exclude: Iterable[nn.Module] = ()) -> int:
-    """Parameters that enter a matmul: all of them except embedding tables and 1-D tensors (norms, biases).
+    """Parameters that enter a matmul: all of them except embedding tables, 1-D tensors (norms, biases) and
+    vectors shaped to broadcast, (1, 1, h) (RWKV's time-mixing coefficients).
 
     DTensor parameters (TP) report their global size, so the count is the whole model's.
     A tied embedding/head matrix is counted once here; callers add it back for the head.
@@ -195,7 +196,7 @@ def matmul_params(module: nn.Module, *, exclude: Iterable[nn.Module] = ()) -> in
     seen: set[int] = set()
     total = 0
     for p in module.parameters():
-        if id(p) in seen or id(p) in skip or p.dim() < 2:
+        if id(p) in seen or id(p) in skip or p.dim() < 2 or (p.dim() > 2 and all(n == 1 for n in p.shape[:-1])):
             continue
         seen.add(id(p))
         total += p.numel()

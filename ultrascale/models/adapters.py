@@ -216,9 +216,10 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
                                                  loss_parallel=loss_parallel, stage_layers=stage_layers)
         return styles
 
+    heads = getattr(config, "num_attention_heads", None)  # none in an attention-free model (RWKV, Mamba)
     sizes = {
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
         "intermediate_size": getattr(config, "intermediate_size", None),
         "vocab_size": config.vocab_size,
     }
@@ -233,7 +234,7 @@ def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAd
     expert_refusal = _hf_expert_parallel_problem(hf, name) if n_experts else None
     return ModelAdapter(
         **common,
-        attention_heads=config.num_attention_heads,
+        attention_heads=heads,
         tp_sizes={name: size for name, size in sizes.items() if size},
         tp_plan=plan if base_plan else None,
         tp_refusal=_hf_tp_refusal(hf, base_plan, name) if base_plan else None,
