@@ -72,6 +72,10 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "GLM-4-MoE": ("glm4_moe", {"n_routed_experts": 4, **_MOE, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
                                "first_k_dense_replace": 1, "head_dim": 8}),
     "OLMoE": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
+    # Multi-head latent attention in a dense model; embeddings scaled by `scale_emb`, residual branches by
+    # `scale_depth / sqrt(layers)`, and the final hidden states divided by hidden / `dim_model_base` before the head.
+    "MiniCPM3": ("minicpm3", {"num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 4,
+                              "qk_nope_head_dim": 8, "v_head_dim": 4}),
     # Attention-free (no heads, no AttentionInterface, no plans): ZeRO only, the rest refused by name.
     "RWKV": ("rwkv", {"attention_hidden_size": 32, "context_length": 64}),
     # Windowed through its mask alone (no `sliding_window` handed to the attention function); the router's jitter

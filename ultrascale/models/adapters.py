@@ -480,12 +480,13 @@ def _hf_pipeline_parts(hf: nn.Module) -> Any:
                 return args, {**layer_kwargs, "hidden_states": x}
 
             hooks.append(root.get_submodule(first_layer).register_forward_pre_hook(stage_input, with_kwargs=True))
-        head_module = root.get_submodule(head)
+        norm_module = root.get_submodule(f"{base}.norm")
         reached: dict[str, Any] = {}
-        if isinstance(head_module, PipelineGap):
-            # A stage before the last: its output is what reaches the head's place. What the forward does to the
-            # logits after the head (Gemma 2's final soft-capping, Granite's logit scaling) is the last stage's.
-            hooks.append(head_module.register_forward_hook(lambda module, args, output: reached.update(output=output)))
+        if isinstance(norm_module, PipelineGap):
+            # A stage before the last: its output is what reaches the final norm's place (its last layer's). What
+            # the forward does from there on is the last stage's: between the norm and the head (MiniCPM3 divides
+            # by `logits_scaling`) and to the logits after it (Gemma 2's final soft-capping, Granite's scaling).
+            hooks.append(norm_module.register_forward_hook(lambda module, args, output: reached.update(output=output)))
         try:
             logits = root(**kwargs).logits
         finally:
