@@ -390,6 +390,21 @@ def test_a_window_only_the_mask_holds_is_kept_under_context_parallel(tmp_path):
     assert_stage_parity(results, reference)
 
 
+def test_layers_that_hand_the_next_layer_state_are_refused_under_pipeline_parallel(tmp_path):
+    """GLM-MoE-DSA's decoder layers return (hidden states, top-k indices) and the next layer reads the indices: a
+    stage boundary hands on the hidden states alone, so pipeline parallel refuses it by name at the first forward
+    (before, a gap unpacked the hidden states along the batch and a stage failed on a 2-D tensor)."""
+    import transformers
+
+    config = transformers.GlmMoeDsaConfig(**{**_COMMON, "num_key_value_heads": 4, "n_routed_experts": 4, **_MOE,
+                                             "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+                                             "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 16,
+                                             "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 4})
+    path = save_perturbed_hf(config, tmp_path / "glm_moe_dsa")
+    with pytest.raises(AssertionError, match="GlmMoeDsaDecoderLayer returns 2 values, the hidden states and state"):
+        run_ranks(_train_steps, WORLD, path, LAYOUTS["PP 2 (1F1B)"], 1)
+
+
 # --------------------------------------------------------------------------- other pipeline schedules
 
 SCHEDULES: dict[str, dict[str, Any]] = {

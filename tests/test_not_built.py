@@ -18,6 +18,7 @@ import torch
 
 import ultrascale
 from ultrascale.launch import init_gloo, run_ranks
+from ultrascale.models.adapters import _hands_on_the_hidden_states_alone
 from ultrascale.models.hf import lora_config
 from ultrascale.parallel.attention_kernels import attention_kernel
 from ultrascale.parallel.rules import NOT_BUILT, LayoutNotImplemented, ModelFacts
@@ -119,6 +120,7 @@ PROBES: dict[str, Callable[[Path], None]] = {
     "context_parallel_attention_dropout": lambda _: _cp_attention(_cp_module(training=True), dropout=0.1),
     "context_parallel_non_causal": lambda _: _cp_attention(_cp_module(is_causal=False), dropout=0.0),
     "context_parallel_model_mask": lambda _: _cp_attention(_cp_module(), dropout=0.0, mask=torch.zeros(1, 2, 4, 4)),
+    "pipeline_layer_state": lambda _: _hands_on_the_hidden_states_alone(torch.nn.Identity(), (), (torch.zeros(1),) * 2),
     "context_parallel_device": lambda _: attention_kernel(torch.device("meta")),
     "lora_data_dependent_init": lambda _: lora_config({"r": 2, "use_dora": True}),
     "export_lora_checkpoint": _lora_checkpoint_export,

@@ -480,6 +480,9 @@ def _hf_pipeline_parts(hf: nn.Module) -> Any:
                 return args, {**layer_kwargs, "hidden_states": x}
 
             hooks.append(root.get_submodule(first_layer).register_forward_pre_hook(stage_input, with_kwargs=True))
+        for layer in root.get_submodule(f"{base}.layers"):
+            if not isinstance(layer, PipelineGap):
+                hooks.append(layer.register_forward_hook(_hands_on_the_hidden_states_alone))
         norm_module = root.get_submodule(f"{base}.norm")
         reached: dict[str, Any] = {}
         if isinstance(norm_module, PipelineGap):
@@ -497,6 +500,18 @@ def _hf_pipeline_parts(hf: nn.Module) -> Any:
     return PipelineParts(
         root=hf, embed=f"{base}.embed_tokens", layers=f"{base}.layers", norm=f"{base}.norm", head=head, run=run
     )
+
+
+def _hands_on_the_hidden_states_alone(layer: nn.Module, args: Any, output: Any) -> None:
+    """A decoder layer whose output carries more than the hidden states (GLM-MoE-DSA's hand their top-k indices to
+    the next layer) cannot be cut into stages: a boundary hands on the hidden states only, and a gap in a layer's
+    place returns them alone where the forward unpacks a tuple."""
+    if isinstance(output, (tuple, list)):
+        from ultrascale.parallel.rules import not_built
+
+        raise not_built("pipeline_layer_state", f"pipeline parallel: {type(layer).__name__.removeprefix('FSDP')} returns {len(output)} "
+                        "values, the hidden states and state for the next layer, which a stage boundary would drop: "
+                        "train this model without pipeline parallel")
 
 
 def _hf_context_parallel(hf: nn.Module, cp: Any) -> None:

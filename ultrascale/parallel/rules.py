@@ -90,6 +90,8 @@ NOT_BUILT: dict[str, NotBuilt] = {
                                           "(`sp_attn_implementation`)", layout=False),
     "context_parallel_attention_dropout": NotBuilt("attention dropout under context parallel", layout=False),
     "context_parallel_non_causal": NotBuilt("non-causal attention under context parallel", layout=False),
+    "pipeline_layer_state": NotBuilt("pipeline stages of a Hugging Face model whose decoder layers hand the next "
+                                     "one state besides the hidden states (GLM-MoE-DSA's top-k indices)", layout=False),
     "context_parallel_model_mask": NotBuilt("a mask or bias a model computes for its own attention (Doge's dynamic "
                                             "mask) under context parallel", layout=False),
     "context_parallel_device": NotBuilt("context parallel on devices other than CPU and CUDA", layout=False),
