@@ -69,8 +69,12 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
                                     "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": None,
                                     "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 4,
                                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # q/k norms per head (`use_qk_norm`, as GLM-4.5 ships), which transformers' tp plan leaves out.
     "GLM-4-MoE": ("glm4_moe", {"n_routed_experts": 4, **_MOE, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
-                               "first_k_dense_replace": 1, "head_dim": 8}),
+                               "first_k_dense_replace": 1, "head_dim": 8, "use_qk_norm": True}),
+    # Its checkpoint holds q, k and v fused in one tensor that transformers splits while loading (`Split(dim=0)`).
+    "Sarvam-MoE": ("sarvam_moe", {"n_routed_experts": 4, **_MOE, "n_shared_experts": 1, "n_group": 1,
+                                  "topk_group": 1, "first_k_dense_replace": 1, "head_dim": 8, "use_qk_norm": True}),
     "OLMoE": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
     # Multi-head latent attention in a dense model; embeddings scaled by `scale_emb`, residual branches by
     # `scale_depth / sqrt(layers)`, and the final hidden states divided by hidden / `dim_model_base` before the head.
@@ -83,7 +87,7 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "PhiMoE": ("phimoe", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,
                           "router_jitter_noise": 0.0}),
 }
-MOE = {"Mixtral", "Qwen3-MoE", "GPT-OSS", "DeepSeek-V3", "GLM-4-MoE", "OLMoE", "PhiMoE"}
+MOE = {"Mixtral", "Qwen3-MoE", "GPT-OSS", "DeepSeek-V3", "GLM-4-MoE", "Sarvam-MoE", "OLMoE", "PhiMoE"}
 
 LAYOUTS: dict[str, dict[str, Any]] = {
     "ZeRO-3": {"data_parallel_shard": 2},

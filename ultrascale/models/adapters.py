@@ -386,20 +386,29 @@ def hf_tp_plan(
         styles[prefix + paths[id(head)]] = ColwiseParallel(
             output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel
         )
-    styles.update(_scalar_modules_on_split_activations(hf, styles, prefix))
+    styles.update(_modules_on_split_activations(hf, styles, prefix))
     return styles
 
 
-def _scalar_modules_on_split_activations(hf: nn.Module, styles: Mapping[str, ParallelStyle], prefix: str) -> dict:
-    """Entries for the modules a plan leaves out that hold only scalar parameters and sit beside a column-parallel
-    layer with a split output and a row-parallel layer with a split input of one parent (Apertus's xIELU activation,
-    alpha_p and alpha_n, between up_proj and down_proj). Such a module runs on this rank's slice of the activations,
-    so each rank's gradient of a scalar is its part of the sum over all features, d/da = sum_f dL/dy_f * dy_f/da;
-    left out, the tp ranks' copies would drift apart. `replicated_with_grad_allreduce` sums the parts."""
+def _modules_on_split_activations(hf: nn.Module, styles: Mapping[str, ParallelStyle], prefix: str) -> dict:
+    """Entries for the modules a plan leaves out that sit beside a column-parallel layer with a split output and a
+    row-parallel layer with a split input of one parent, and whose parameters the split dim does not index: scalars
+    (Apertus's xIELU activation, alpha_p and alpha_n, between up_proj and down_proj) and per-head vectors of the head
+    width (GLM-4-MoE's and Sarvam-MoE's q_norm / k_norm with `use_qk_norm`, between q/k_proj and o_proj). Such a
+    module runs on this rank's slice of the features or heads, so each rank's gradient is its part of the sum over
+    them, d/dw = sum over heads (or features) of its per-slice terms; left out, the tp ranks' copies would drift
+    apart. `replicated_with_grad_allreduce` sums the parts."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from ultrascale.parallel.tensor_styles import ReplicatedWithGradAllReduce
+
+    config = hf.config
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+
+    def unindexed(param: nn.Parameter) -> bool:
+        return param.numel() == 1 or (param.dim() == 1 and head_dim is not None and param.shape[0] == head_dim)
 
     def split(style: ParallelStyle) -> Optional[str]:
         if isinstance(style, ColwiseParallel) and style.output_layouts == (Shard(-1),) and style.use_local_output:
@@ -422,7 +431,7 @@ def _scalar_modules_on_split_activations(hf: nn.Module, styles: Mapping[str, Par
         for child, module in named[parent].named_children() if parent in named else ():
             path = f"{parent}.{child}"
             params = list(module.parameters())
-            if (params and all(p.numel() == 1 for p in params) and path not in planned
+            if (params and all(unindexed(p) for p in params) and path not in planned
                     and not any(name.startswith(path + ".") for name in planned)):
                 entries[path] = ReplicatedWithGradAllReduce()
     return entries

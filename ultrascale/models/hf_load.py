@@ -131,13 +131,32 @@ def _stacking(converter: Any, model_type: Optional[str]) -> Optional[int]:
     return int(rest[0].dim)
 
 
+def _splits(converter: Any) -> bool:
+    """One checkpoint tensor cut along dim 0 into the converter's targets, in their order: `Chunk(dim=0)` in equal
+    parts (HRM's [gate; up]) or `Split(dim=0)` at the targets' sizes (Sarvam-MoE's [q; k; v])."""
+    from transformers.core_model_loading import Chunk
+
+    try:
+        from transformers.core_model_loading import Split
+    except ImportError:  # an older transformers: Chunk alone
+        Split = None
+    operations = list(converter.operations)
+    if len(converter.target_patterns) < 2 or len(converter.source_patterns) != 1 or len(operations) != 1:
+        return False
+    op = operations[0]
+    cut = (isinstance(op, Chunk) and op.num_shards_attribute is None) or (Split is not None and isinstance(op, Split))
+    return cut and op.dim == 0 and "*" not in converter.source_patterns[0]
+
+
 def check_sharded_loading_supported(config: Any) -> None:
     """Sharded loading reads each rank's slices by name. An architecture whose checkpoint transformers converts while
     loading (`transformers.conversion_mapping`) is read through the same mapping: renamed keys by their names on
-    disk, fused experts one expert at a time; a conversion the loader cannot reproduce is refused, naming it."""
+    disk, fused experts one expert at a time, a fused tensor cut into its parts by rows; a conversion the loader
+    cannot reproduce is refused, naming it."""
     model_type = getattr(config, "model_type", None)
     for converter in _conversions(model_type)[1]:
-        _stacking(converter, model_type)
+        if not _splits(converter):
+            _stacking(converter, model_type)
 
 
 class _Stacked:
@@ -176,19 +195,49 @@ class _Stacked:
             local[i].copy_(full)
 
 
-def _disk_layout(model: torch.nn.Module, config: Any, available: set[str], names: set[str]) -> tuple[dict[str, str], dict[str, _Stacked]]:
+class _Part:
+    """A model tensor transformers cuts out of one checkpoint tensor along dim 0 (`_splits`): rows `offset` ..
+    `offset + rows` of `disk_key`, the offset being the sizes of the targets before it."""
+
+    def __init__(self, disk_key: str, index: int, targets: list[str]) -> None:
+        self.disk_key, self.index, self.targets = disk_key, index, targets
+
+    def sources(self, name: str, experts: int) -> list[list[str]]:
+        return [[self.disk_key]]
+
+    @torch.no_grad()
+    def fill(self, name: str, tensor: torch.Tensor, read: Any, shapes: dict[str, torch.Size]) -> None:
+        """Write this rank's part of `tensor`, reading only the rows it holds."""
+        offset = sum(shapes[target][0] for target in self.targets[: self.index])
+        total = sum(shapes[target][0] for target in self.targets)
+        if read.rows(self.disk_key) != total:
+            raise ValueError(f"{name}: the checkpoint's {self.disk_key} has {read.rows(self.disk_key)} rows, the model's "
+                             f"parts of it {total} ({self.targets})")
+        local, (rows, *within) = local_and_indices(tensor)
+        if rows.numel() == 0:
+            return
+        first, last = int(rows.min()), int(rows.max()) + 1
+        part = read.slice(self.disk_key, offset + first, offset + last).index_select(0, rows - first)
+        for dim, held in enumerate(within, start=1):
+            if held.numel() != part.shape[dim] or not torch.equal(held, torch.arange(part.shape[dim])):
+                part = part.index_select(dim, held)
+        local.copy_(part)
+
+
+def _disk_layout(model: torch.nn.Module, config: Any, available: set[str], names: set[str]) -> tuple[dict[str, str], dict[str, Any]]:
     """Where each model tensor (named as in `names`) is on disk, found as `from_pretrained` finds it: every checkpoint
     key is renamed by transformers' own mapping (renamings, then at most one converter) into a model key. Returns
-    {model key: disk key} for the tensors read as stored, and {model key: _Stacked} for those a converter builds."""
+    {model key: disk key} for the tensors read as stored, and {model key: _Stacked or _Part} for those a converter
+    builds."""
     model_type = getattr(config, "model_type", None)
     renamings, converters = _conversions(model_type)
     direct: dict[str, str] = {}
-    stacked: dict[str, _Stacked] = {}
+    stacked: dict[str, Any] = {}
     if not renamings and not converters:
         return {key: key for key in available if key in names}, stacked
     from transformers.core_model_loading import dot_natural_key, rename_source_key
 
-    plans = {id(converter): _stacking(converter, model_type) for converter in converters}
+    plans = {id(converter): _stacking(converter, model_type) for converter in converters if not _splits(converter)}
     by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
     prefix = getattr(model, "base_model_prefix", None) or None
     meta = dict.fromkeys(names, True)
@@ -200,6 +249,13 @@ def _disk_layout(model: torch.nn.Module, config: Any, available: set[str], names
             continue  # not a weight of this model (transformers reports it as unexpected)
         if pattern is None:
             direct.setdefault(name, disk_key)
+        elif _splits(by_pattern[pattern]):
+            # transformers names the first target; the others are the same key with their own pattern
+            converter = by_pattern[pattern]
+            first = converter.target_patterns[0]
+            targets = [name.replace(first, target) for target in converter.target_patterns]
+            for index, target in enumerate(targets):
+                stacked[target] = _Part(disk_key, index, targets)  # type: ignore[assignment]
         else:
             converter = by_pattern[pattern]
             entry = stacked.setdefault(name, _Stacked(converter, plans[id(converter)]))
@@ -255,8 +311,27 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
             def get(key: str) -> torch.Tensor:
                 return holder[key].get_tensor(key)
 
+            read = _Rows(holder)
+            shapes = {checkpoint_name[key]: value.shape for key, value in state.items()}
             for key, value in fused.items():
-                stacked[checkpoint_name[key]].fill(key, value, get)
+                entry = stacked[checkpoint_name[key]]
+                if isinstance(entry, _Part):
+                    entry.fill(key, value, read, shapes)
+                else:
+                    entry.fill(key, value, get)
     if not any(isinstance(v, DTensor) for v in wanted.values()):
         # Plain tensors: DCP may load into copies; make sure the module holds the values.
         model.load_state_dict({k: v for k, v in state.items() if k not in fused}, strict=False)
+
+
+class _Rows:
+    """Row ranges of checkpoint tensors, read from the open safetensors files without the rest of the tensor."""
+
+    def __init__(self, holder: dict[str, Any]) -> None:
+        self.holder = holder
+
+    def rows(self, key: str) -> int:
+        return int(self.holder[key].get_slice(key).get_shape()[0])
+
+    def slice(self, key: str, start: int, stop: int) -> torch.Tensor:
+        return self.holder[key].get_slice(key)[start:stop]
