@@ -147,3 +147,54 @@ def test_the_docs_example_module_matches_one_process(knobs):
         assert_parity(merge_stages(results), reference, step_losses(results))
     else:
         assert_parity(results[0], reference, step_losses(results))
+
+
+# --------------------------------------------------------------------------- a plan that leaves out a split module
+
+
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.full((1,), 1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.a
+
+
+class ScaledMLPLM(PlainTransformerLM):
+    """A learned scale between a column- and a row-parallel layer: under tp it sees each rank's half of the features."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        torch.manual_seed(5)
+        self.embed, self.up, self.scale = nn.Embedding(VOCAB, 16), nn.Linear(16, 32), Scale()
+        self.down, self.head = nn.Linear(32, 16), nn.Linear(16, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        return self.head(x + self.down(self.scale(F.gelu(self.up(x)))))
+
+
+SPLIT = {"up": "colwise", "down": "rowwise"}
+
+
+def _scaled_worker(rank, world_size, plan):
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(tensor_parallel=2, data_parallel_shard=1,
+                                                                       tp_plan=plan), recorder, STEPS)
+    try:
+        trainer.fit(ScaledMLPLM(), ParityData(data(), GLOBAL_BATCH))
+    except ValueError as error:
+        return str(error)
+    return recorder.result()
+
+
+def test_a_plan_that_leaves_a_split_module_out_is_stopped_at_the_first_step():
+    """Each tp rank gets its half of the scale's gradient: stopped, named, before the optimizer steps on it; with the
+    entry the message asks for, the run matches one process."""
+    for message in run_ranks(_scaled_worker, 2, SPLIT):
+        assert isinstance(message, str) and "the gradients of ['scale.a'] differ between the tp ranks" in message
+        assert "'replicated_with_grad_allreduce'" in message
+    results = run_ranks(_scaled_worker, 2, {**SPLIT, "scale": "replicated_with_grad_allreduce"})
+    reference = reference_run(ScaledMLPLM(), data(), global_batch=GLOBAL_BATCH, steps=STEPS)
+    assert_parity(results[0], reference, step_losses(results))

@@ -126,3 +126,32 @@ def _flat_group(mesh: DeviceMesh) -> dist.ProcessGroup:
         return mesh.get_group()
     names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
     return mesh._flatten("_".join(("grad_norm", *names))).get_group()
+
+
+def tensor_parallel_copies_that_differ(
+    named_grads: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup, tp_dim_name: str = "tp",
+    rtol: float = 1e-3,
+) -> list[str]:
+    """The names of the gradients every tp rank holds whole (not split over tp) that differ between the ranks of
+    `group`: a module the plan leaves out that runs on split activations (a scale or a norm between a column- and a
+    row-parallel layer) gets each rank's part of its gradient, and its copies drift apart from the first update.
+    One all-reduce: each gradient's sum and absolute sum, with their negatives, under MAX (max - min of each);
+    `rtol` leaves room for kernels that sum in another order on each rank (atomics on GPUs), not for a part."""
+    names, locals_ = [], []
+    for name, grad in named_grads:
+        if isinstance(grad, DTensor):
+            dims = grad.device_mesh.mesh_dim_names or ()
+            if tp_dim_name in dims and not isinstance(grad.placements[dims.index(tp_dim_name)], Replicate):
+                continue  # split over tp: each rank's slice is its own
+            grad = grad.to_local()
+        names.append(name)
+        locals_.append(grad.detach().float())
+    if not names:
+        return []
+    sums = torch.stack([torch.stack([g.sum(), g.abs().sum()]) for g in locals_])  # (n, 2)
+    both = torch.cat([sums, -sums]).to(collective_device(group))
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    high, low = both[: len(names)], -both[len(names):]
+    scale = high[:, 1:]  # the largest absolute sum: a sum that cancels to ~0 is judged against it
+    differ = ((high - low).abs() > rtol * scale).any(dim=1).cpu()
+    return [name for name, bad in zip(names, differ.tolist()) if bad]

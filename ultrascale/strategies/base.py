@@ -410,6 +410,7 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
             data=mesh["dp_cp"].get_group(), data_ranks=dims.dp_cp, device=self.root_device,
             stages=mesh["pp"].get_group() if dims.pp_enabled else None,
             experts=dist.group.WORLD, expert_copies=dims.tp,  # tp ranks route the same tokens: counted tp times
+            tensor=mesh["tp"].get_group() if dims.tp_enabled else None,
         )
         if dims.cp_enabled:
             self._context_parallel = ContextParallel(

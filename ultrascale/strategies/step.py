@@ -202,6 +202,8 @@ class StepGroups:
     """The ranks whose MoE loads are summed: all of them (every data rank and pipeline stage)."""
     expert_copies: int = 1
     """How many ranks of `experts` route each token (tensor parallel: every tp rank)."""
+    tensor: Optional[dist.ProcessGroup] = None
+    """Under tensor parallel, the ranks that split each layer: what they all hold whole must get one gradient."""
 
 
 @dataclass(frozen=True)

@@ -304,6 +304,8 @@ class StepHooks:
         module = self.lightning_module
         assert module is not None and self._step_groups is not None
         trainer = module.trainer
+        if self._step_groups.tensor is not None and trainer.global_step == 0:
+            check_tensor_parallel_copies(module, self._step_groups.tensor)
         result = self._step.finish(
             optimizer, engine_for(optimizer, self._zero_engines), self._step_groups, step=trainer.global_step,
             rank=self.global_rank,
@@ -349,3 +351,19 @@ class StepHooks:
         module = self.lightning_module
         assert module is not None
         return self._step_caller(module, name, self.precision_plugin, self.call_inside_module, *args, **kwargs)
+
+
+def check_tensor_parallel_copies(module: Any, group: Any) -> None:
+    """The first step's gradients of what every tp rank holds whole agree between them, or a clear error before
+    the optimizer steps on them (`tensor_parallel_copies_that_differ`)."""
+    from ultrascale.parallel.grad import tensor_parallel_copies_that_differ
+
+    named = [(name, p.grad) for name, p in module.named_parameters() if p.grad is not None]
+    differ = tensor_parallel_copies_that_differ(named, group)
+    if differ:
+        raise ValueError(
+            f"tensor parallel: the gradients of {differ[:5]}{' ...' if len(differ) > 5 else ''} differ between the tp "
+            "ranks, which all hold these parameters whole: the plan leaves out a module that runs on split activations "
+            "(between a column- and a row-parallel layer), so each rank got its part of the gradient. Give it a plan "
+            "entry: 'replicated_with_grad_allreduce' where its parameters act on each feature or head alike"
+        )
