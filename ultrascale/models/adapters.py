@@ -489,16 +489,15 @@ def _hf_pipeline_parts(hf: nn.Module) -> Any:
                 return args, {**layer_kwargs, "hidden_states": x}
 
             hooks.append(root.get_submodule(first_layer).register_forward_pre_hook(stage_input, with_kwargs=True))
-        for layer in root.get_submodule(f"{base}.layers"):
-            if not isinstance(layer, PipelineGap):
-                hooks.append(layer.register_forward_hook(_hands_on_the_hidden_states_alone))
-        norm_module = root.get_submodule(f"{base}.norm")
+        held = [layer for layer in root.get_submodule(f"{base}.layers") if not isinstance(layer, PipelineGap)]
+        for layer in held:
+            hooks.append(layer.register_forward_hook(_hands_on_the_hidden_states_alone))
         reached: dict[str, Any] = {}
-        if isinstance(norm_module, PipelineGap):
-            # A stage before the last: its output is what reaches the final norm's place (its last layer's). What
-            # the forward does from there on is the last stage's: between the norm and the head (MiniCPM3 divides
-            # by `logits_scaling`) and to the logits after it (Gemma 2's final soft-capping, Granite's scaling).
-            hooks.append(norm_module.register_forward_hook(lambda module, args, output: reached.update(output=output)))
+        if isinstance(root.get_submodule(f"{base}.norm"), PipelineGap):
+            # A stage before the last: its output is its last layer's. What the forward does after the layers is
+            # the last stage's: the final norm, what comes between it and the head (MiniCPM3 divides by
+            # `logits_scaling`) and after it (Gemma 2's final soft-capping, Granite's logit scaling).
+            hooks.append(held[-1].register_forward_hook(lambda module, args, output: reached.update(output=output)))
         try:
             logits = root(**kwargs).logits
         finally:
