@@ -39,7 +39,7 @@ def _hf_facts(model_type: str, **fields: Any) -> ModelFacts:
 
 
 def _cp_module(**attributes: Any) -> torch.nn.Module:
-    from ultrascale.parallel.context import CONTEXT_PARALLEL_ATTRIBUTE
+    from ultrascale.parallel.context_hf import CONTEXT_PARALLEL_ATTRIBUTE
 
     module = torch.nn.Module()
     setattr(module, CONTEXT_PARALLEL_ATTRIBUTE, object())
@@ -49,7 +49,7 @@ def _cp_module(**attributes: Any) -> torch.nn.Module:
 
 
 def _cp_attention(module: torch.nn.Module, dropout: float, mask: Any = None) -> None:
-    from ultrascale.parallel.context import hf_context_parallel_attention
+    from ultrascale.parallel.context_hf import hf_context_parallel_attention
 
     q = torch.zeros(1, 2, 4, 8)
     hf_context_parallel_attention(module, q, q, q, mask, dropout=dropout)

@@ -461,8 +461,6 @@ def _hf_expert_parallel(hf: nn.Module, ep: Any) -> None:
     hf.set_experts_implementation(HF_EXPERTS_IMPLEMENTATION)
 
 
-
-
 def _hf_pipeline_parts(hf: nn.Module) -> Any:
     from ultrascale.parallel.pipeline import PipelineGap, PipelineParts
 
@@ -471,8 +469,10 @@ def _hf_pipeline_parts(hf: nn.Module) -> Any:
     head = paths.get(id(hf.get_output_embeddings()), "lm_head")
 
     first_layer = f"{base}.layers.0"
+    layer_outputs_checked = False
 
     def run(root: nn.Module, x: Any, position_ids: Any, is_first: bool) -> Any:
+        nonlocal layer_outputs_checked
         # Each stage runs the model's own forward (its rotary embeddings, per-layer masks), the parts other
         # stages hold being gaps. No KV cache: training never reuses it, and packed documents are detected only
         # without one.
@@ -490,8 +490,9 @@ def _hf_pipeline_parts(hf: nn.Module) -> Any:
 
             hooks.append(root.get_submodule(first_layer).register_forward_pre_hook(stage_input, with_kwargs=True))
         held = [layer for layer in root.get_submodule(f"{base}.layers") if not isinstance(layer, PipelineGap)]
-        for layer in held:
-            hooks.append(layer.register_forward_hook(_hands_on_the_hidden_states_alone))
+        if not layer_outputs_checked:  # the stage's first forward: what its layers return does not change
+            hooks.extend(layer.register_forward_hook(_hands_on_the_hidden_states_alone) for layer in held)
+            layer_outputs_checked = True
         reached: dict[str, Any] = {}
         if isinstance(root.get_submodule(f"{base}.norm"), PipelineGap):
             # A stage before the last: its output is its last layer's. What the forward does after the layers is
@@ -525,7 +526,7 @@ def _hands_on_the_hidden_states_alone(layer: nn.Module, args: Any, output: Any) 
 def _hf_context_parallel(hf: nn.Module, cp: Any) -> None:
     from transformers import AttentionInterface
 
-    from ultrascale.parallel.context import CONTEXT_PARALLEL_ATTRIBUTE, HF_ATTENTION_NAME, hf_context_parallel_attention
+    from ultrascale.parallel.context_hf import CONTEXT_PARALLEL_ATTRIBUTE, HF_ATTENTION_NAME, hf_context_parallel_attention
 
     AttentionInterface.register(HF_ATTENTION_NAME, hf_context_parallel_attention)
     attention_modules = hf_attention_modules(hf)

@@ -237,7 +237,8 @@ def _disk_layout(model: torch.nn.Module, config: Any, available: set[str], names
         return {key: key for key in available if key in names}, stacked
     from transformers.core_model_loading import dot_natural_key, rename_source_key
 
-    plans = {id(converter): _stacking(converter, model_type) for converter in converters if not _splits(converter)}
+    splitting = {id(converter) for converter in converters if _splits(converter)}
+    plans = {id(converter): _stacking(converter, model_type) for converter in converters if id(converter) not in splitting}
     by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
     prefix = getattr(model, "base_model_prefix", None) or None
     meta = dict.fromkeys(names, True)
@@ -249,7 +250,7 @@ def _disk_layout(model: torch.nn.Module, config: Any, available: set[str], names
             continue  # not a weight of this model (transformers reports it as unexpected)
         if pattern is None:
             direct.setdefault(name, disk_key)
-        elif _splits(by_pattern[pattern]):
+        elif id(by_pattern[pattern]) in splitting:
             # transformers names the first target; the others are the same key with their own pattern
             converter = by_pattern[pattern]
             first = converter.target_patterns[0]
