@@ -5,11 +5,14 @@ strategy, measured on the live tensors / collectives of rank 0, beside the formu
 
 - model-state bytes per rank (params + grads + optimizer state, Ψ parameters, N ranks, Adam):
     DDP 16Ψ (Lightning keeps fp32 params + fp32 grads + 8Ψ Adam; the Playbook's 2+2+12 is also 16Ψ)
-    ZeRO-1 2Ψ + 2Ψ + 12Ψ/N,  ZeRO-2 2Ψ + 14Ψ/N,  ZeRO-3 16Ψ/N
+    ZeRO-1 2Ψ + 4Ψ + 12Ψ/N,  ZeRO-2 2Ψ + 16Ψ/N (fp32 gradients, bf16-mixed's default),  ZeRO-3 16Ψ/N;
+    with `accumulate_grads_in_fp32=False` (the "-bf16grads" rows, the Playbook's own formulas)
+    ZeRO-1 2Ψ + 2Ψ + 12Ψ/N,  ZeRO-2 2Ψ + 14Ψ/N
 - bytes each rank sends per step (ring algorithms: all-reduce 2(N-1)/N, all-gather and
   reduce-scatter (N-1)/N of the message), with the dtype each implementation uses:
     DDP: all-reduce of fp32 grads            2·4Ψ(N-1)/N
-    ZeRO-1/2: reduce-scatter bf16 grads + all-gather bf16 params   (2+2)Ψ(N-1)/N
+    ZeRO-1/2: reduce-scatter fp32 grads + all-gather bf16 params   (4+2)Ψ(N-1)/N
+              (bf16 grads: (2+2)Ψ(N-1)/N)
     ZeRO-3 (FSDP2): all-gathers of bf16 params in forward and again in backward, except for
     the root unit (embeddings, norm, head) and the last block, which ultrascale keeps
     gathered from forward to backward; reduce-scatter of fp32 grads:
@@ -94,7 +97,7 @@ class Measure(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if trainer.global_step == WARMUP_STEPS:
-            self.memory = model_state_bytes(pl_module, [optimizer], trainer.strategy.zero_engines)
+            self.memory = model_state_bytes(pl_module, [optimizer], getattr(trainer.strategy, "zero_engines", ()))
 
 
 def _run(rank, world_size, variant, args):
@@ -105,6 +108,8 @@ def _run(rank, world_size, variant, args):
         "ddp": lambda: DDPStrategy(process_group_backend="gloo"),
         "zero1": lambda: ultrascale.ZeRO1Strategy(zero_bucket_mb=args.bucket_mb),
         "zero2": lambda: ultrascale.ZeRO2Strategy(zero_bucket_mb=args.bucket_mb),
+        "zero1-bf16grads": lambda: ultrascale.ZeRO1Strategy(zero_bucket_mb=args.bucket_mb, accumulate_grads_in_fp32=False),
+        "zero2-bf16grads": lambda: ultrascale.ZeRO2Strategy(zero_bucket_mb=args.bucket_mb, accumulate_grads_in_fp32=False),
         "zero3": lambda: ultrascale.ZeRO3Strategy(),
     }[variant]()
     measure, meter = Measure(counter), Throughput()
@@ -132,8 +137,10 @@ def formulas(variant: str, result: dict, n: int) -> tuple[float, float]:
     regathered = psi - result["psi_root"] - result["psi_last"]
     return {
         "ddp": (16 * psi, 2 * 4 * psi * ring),
-        "zero1": ((2 + 2) * psi + 12 * psi / n, (2 + 2) * psi * ring),
-        "zero2": (2 * psi + 14 * psi / n, (2 + 2) * psi * ring),
+        "zero1": ((2 + 4) * psi + 12 * psi / n, (4 + 2) * psi * ring),
+        "zero2": (2 * psi + 16 * psi / n, (4 + 2) * psi * ring),
+        "zero1-bf16grads": ((2 + 2) * psi + 12 * psi / n, (2 + 2) * psi * ring),
+        "zero2-bf16grads": (2 * psi + 14 * psi / n, (2 + 2) * psi * ring),
         "zero3": (16 * psi / n, (2 * psi + 2 * regathered + 4 * psi) * ring),
     }[variant]
 
@@ -150,7 +157,7 @@ def main() -> None:
     args = parser.parse_args()
     n = args.ranks
     rows = []
-    for variant in ("ddp", "zero1", "zero2", "zero3"):
+    for variant in ("ddp", "zero1", "zero2", "zero1-bf16grads", "zero2-bf16grads", "zero3"):
         result = run_ranks(_run, n, variant, args)[0]
         memory_formula, comm_formula = formulas(variant, result, n)
         rows.append((variant, result, memory_formula, comm_formula))

@@ -178,10 +178,11 @@ class ScaledMLPLM(PlainTransformerLM):
 SPLIT = {"up": "colwise", "down": "rowwise"}
 
 
-def _scaled_worker(rank, world_size, plan):
+def _scaled_worker(rank, world_size, plan, zero_stage=3):
     recorder = Recorder()
-    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(tensor_parallel=2, data_parallel_shard=1,
-                                                                       tp_plan=plan), recorder, STEPS)
+    strategy = ultrascale.UltraScaleStrategy(tensor_parallel=2, data_parallel_shard=world_size // 2, tp_plan=plan,
+                                             zero_stage=zero_stage)
+    trainer = parity_trainer(world_size, strategy, recorder, STEPS)
     try:
         trainer.fit(ScaledMLPLM(), ParityData(data(), GLOBAL_BATCH))
     except ValueError as error:
@@ -198,3 +199,11 @@ def test_a_plan_that_leaves_a_split_module_out_is_stopped_at_the_first_step():
     results = run_ranks(_scaled_worker, 2, {**SPLIT, "scale": "replicated_with_grad_allreduce"})
     reference = reference_run(ScaledMLPLM(), data(), global_batch=GLOBAL_BATCH, steps=STEPS)
     assert_parity(results[0], reference, step_losses(results))
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_under_zero12_the_first_step_check_reads_the_reduced_slices(zero_stage):
+    """ZeRO-1/2 let the parameters' `.grad` go once a bucket is reduced: the check sums each parameter's parts of
+    the dp ranks' slices, so every rank of dp 2 x tp 2 is stopped, naming the scale, whichever slice holds it."""
+    for message in run_ranks(_scaled_worker, 4, SPLIT, zero_stage):
+        assert isinstance(message, str) and "the gradients of ['scale.a'] differ between the tp ranks" in message

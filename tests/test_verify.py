@@ -164,14 +164,17 @@ def test_a_users_own_module_passes(capsys):
 
 
 class BreakRank1Reduction(L.Callback):
-    """Test only: rank 1 doubles its gradients before ZeRO-1 reduces them (after backward, before the step), as a
-    reduction that scaled one rank's contribution wrongly would."""
+    """Test only: rank 1's gradients reach ZeRO-1's reduction doubled (a hook on each parameter's gradient, which
+    runs before the engine accumulates and reduces it inside backward), as a reduction that scaled one rank's
+    contribution wrongly would."""
 
-    def on_after_backward(self, trainer, pl_module):
-        if trainer.global_rank == 1:
-            for param in pl_module.parameters():
-                if param.grad is not None:
-                    param.grad.mul_(2.0)
+    def on_train_start(self, trainer, pl_module):
+        self.hooks = [param.register_hook(lambda grad: grad * 2.0) for param in pl_module.parameters()
+                      if param.requires_grad] if trainer.global_rank == 1 else []
+
+    def on_train_end(self, trainer, pl_module):
+        for hook in self.hooks:
+            hook.remove()
 
 
 def test_a_broken_reduction_fails_naming_the_step_and_the_difference(capsys, two_thread_region_ran):

@@ -88,7 +88,8 @@ def estimate_model_state_bytes(
 
 # (weight, gradient, optimizer) bytes per parameter under Adam, by precision and ZeRO family,
 # as ultrascale holds them: FSDP2 (ZeRO-3) keeps fp32 sharded weights and casts gathered
-# copies to bf16; ZeRO-1/2 keep bf16 weights and fp32 masters inside the optimizer state.
+# copies to bf16; ZeRO-1/2 keep bf16 weights, fp32 gradients (`accumulate_grads_in_fp32`'s default,
+# `UltraScalePrecision.zero12_gradient_dtype`) and fp32 masters inside the optimizer state.
 ADAMW_KERNEL: dict[str, bool] = {"fused": True}
 """How the built-in modules' AdamW runs (`models.lm.adamw_warmup_cosine`; `measure` builds the same): torch's fused
 kernel, one launch per parameter group, as torchtitan runs it. foreach's step holds a temporary the size of the
@@ -99,7 +100,7 @@ STATE_BYTES: dict[tuple[str, str], tuple[int, int, int]] = {
     ("32-true", "fsdp"): (4, 4, 8),
     ("32-true", "zero12"): (4, 4, 8),
     ("bf16-mixed", "fsdp"): (4, 4, 8),
-    ("bf16-mixed", "zero12"): (2, 2, 12),
+    ("bf16-mixed", "zero12"): (2, 4, 12),
     ("bf16-true", "fsdp"): (2, 2, 4),
     ("bf16-true", "zero12"): (2, 2, 4),
 }

@@ -390,7 +390,7 @@ def _measure(r: dict[str, Any]) -> dict[str, Any]:
     from ultrascale.parallel.parallelize import parallelize
     from ultrascale.parallel.rules import batch_problems, raise_first
     from ultrascale.parallel.tensor import maybe_loss_parallel
-    from ultrascale.parallel.zero import ZeroEngine
+    from ultrascale.parallel.zero import ZeroEngine, zero12_dtypes
 
     _check_request(r)
     dims = _resolve(r)
@@ -436,9 +436,9 @@ def _measure(r: dict[str, Any]) -> dict[str, Any]:
         optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **r.get("adamw_kernel", ADAMW_KERNEL))
         engine = None
         if not fsdp:
+            compute_dtype, accumulate_dtype = zero12_dtypes(precision)  # the strategy's defaults
             engine = ZeroEngine(module, optimizer, stage=zero_stage, dp_mesh=mesh.fsdp, bucket_bytes=100 * 2**20,
-                                compute_dtype=torch.bfloat16 if precision == "bf16-mixed" else None,
-                                state_mesh=state_mesh)
+                                compute_dtype=compute_dtype, accumulate_dtype=accumulate_dtype, state_mesh=state_mesh)
         microbatches = pipeline[1].microbatches if pipeline is not None else 1
         accumulation = r["grad_accumulation"]
         input_ids = torch.randint(0, vocab, (batch * microbatches, seq_len))

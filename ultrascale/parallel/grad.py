@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from functools import lru_cache
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -130,11 +131,13 @@ def _flat_group(mesh: DeviceMesh) -> dist.ProcessGroup:
 
 def tensor_parallel_copies_that_differ(
     named_grads: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup, tp_dim_name: str = "tp",
-    rtol: float = 1e-3,
+    rtol: float = 1e-3, parts_over: Optional[dist.ProcessGroup] = None,
 ) -> list[str]:
     """The names of the gradients every tp rank holds whole (not split over tp) that differ between the ranks of
     `group`: a module the plan leaves out that runs on split activations (a scale or a norm between a column- and a
     row-parallel layer) gets each rank's part of its gradient, and its copies drift apart from the first update.
+    `parts_over`: each of its ranks holds a disjoint part of every gradient (ZeRO-1/2's slices), summed over it first,
+    so every rank judges the whole gradients and all decide alike.
     One all-reduce: each gradient's sum and absolute sum, with their negatives, under MAX (max - min of each);
     `rtol` leaves room for kernels that sum in another order on each rank (atomics on GPUs), not for a part."""
     names, locals_ = [], []
@@ -148,8 +151,10 @@ def tensor_parallel_copies_that_differ(
         locals_.append(grad.detach().float())
     if not names:
         return []
-    sums = torch.stack([torch.stack([g.sum(), g.abs().sum()]) for g in locals_])  # (n, 2)
-    both = torch.cat([sums, -sums]).to(collective_device(group))
+    sums = torch.stack([torch.stack([g.sum(), g.abs().sum()]) for g in locals_]).to(collective_device(group))  # (n, 2)
+    if parts_over is not None:
+        dist.all_reduce(sums, group=parts_over)
+    both = torch.cat([sums, -sums])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     high, low = both[: len(names)], -both[len(names):]
     scale = high[:, 1:]  # the largest absolute sum: a sum that cancels to ~0 is judged against it

@@ -13,11 +13,12 @@ its bucket's flat buffer. Rank r owns the r-th 1/N of every bucket: its fp32 mas
 weights, optimizer moments and reduced gradients for that slice. Each collective moves one
 bucket-sized contiguous tensor:
 
-    backward: reduce-scatter(bucket grads, SUM) -> added into this rank's grad slice
-              (ZeRO-2: launched as soon as the bucket's last gradient is accumulated,
-               overlapping the rest of backward, and the full bucket is freed after;
-               ZeRO-1: the full gradients are kept and summed locally over every
-               backward of the step, then reduced once by `reduce_gradients()`)
+    backward: reduce-scatter(bucket grads, SUM) -> added into this rank's grad slice,
+              launched in a synchronised backward as soon as the bucket's last gradient is
+              accumulated, overlapping the rest of backward (DDP's and Megatron's overlap);
+              backward passes under `no_sync` (the non-final micro-batches) only accumulate.
+              ZeRO-2 frees the full bucket after; ZeRO-1 keeps it and its reduced slice
+              lives in this rank's own region of it (no extra memory)
     step:     the optimizer steps only the slices (elementwise optimizers only)
     after:    all-gather(bucket params) -> every rank has the updated weights
 
@@ -86,6 +87,16 @@ _reduce_scatter = reduce_scatter_single
 _all_gather = all_gather_single
 _gather_for_inspection = _all_gather  # not the training path: tests count `_all_gather` calls
 
+def zero12_dtypes(precision: str, accumulate_in_fp32: Optional[bool] = None) -> tuple[Optional[torch.dtype], Optional[torch.dtype]]:
+    """(compute_dtype, accumulate_dtype) of a `ZeroEngine` under a Trainer precision (None: the weights' dtype).
+    bf16-mixed: bf16 weights for compute (fp32 masters in the optimizer) and, unless `accumulate_in_fp32=False`,
+    fp32 gradients, accumulated and reduced, as FSDP's `reduce_dtype` and Megatron's distributed optimizer under
+    bf16; `estimate.STATE_BYTES` prices the same bytes."""
+    if accumulate_in_fp32 is None:
+        accumulate_in_fp32 = precision == "bf16-mixed"
+    return (torch.bfloat16 if precision == "bf16-mixed" else None), (torch.float32 if accumulate_in_fp32 else None)
+
+
 def engine_for(optimizer: Any, engines: Sequence["ZeroEngine"]) -> Optional["ZeroEngine"]:
     """Which of `engines` (a strategy's, or a loop's own) owns `optimizer`, if any. Wrappers that expose the
     wrapped optimizer as `.optimizer` (Lightning's LightningOptimizer, accelerate's AcceleratedOptimizer) are
@@ -121,10 +132,15 @@ class _Bucket:
     master_is_view: bool = True
     split_over_tp: bool = False  # tp ranks hold different parts of these parameters
     tied: bool = False  # a weight the other pipeline end holds too (tied embeddings): alone in its bucket
+    reduced_in_buffer: bool = False  # ZeRO-1: the buffer's gradients are already in `grad_shard`
     ready: int = 0
     pending: Optional[tuple[Any, torch.Tensor]] = None
     views: dict[int, torch.Tensor] = field(default_factory=dict)
     over: Optional[ShardRanks] = None  # the ranks it is cut over (the dense dp ranks, or the experts')
+
+    @property
+    def grad_element_size(self) -> int:
+        return torch.empty((), dtype=self.accumulate_dtype).element_size()
 
 
 class ZeroEngine(ZeroCheckpointing):
@@ -355,14 +371,30 @@ class ZeroEngine(ZeroCheckpointing):
         self._unreduced = True
         bucket = self._bucket_of[id(p)]
         view = self._grad_view(bucket, p)
+        self._detach_reduced_region(bucket)
         if p.grad is not view:
             view.add_(_local_grad(p))
             # Keep accumulating in place in the bucket (DDP's gradient_as_bucket_view),
             # unless the bucket accumulates in another dtype (or the parameter is a DTensor).
             p.grad = view if view.dtype == p.dtype and not isinstance(p, DTensor) else None
         bucket.ready += 1
-        if self.stage == 2 and self._sync:
+        if self._sync:
             self._launch_ready_buckets()
+
+    def _detach_reduced_region(self, bucket: _Bucket) -> None:
+        """ZeRO-1, a backward after one that was reduced in the same step (manual optimization): the reduced slice
+        moves out of its region, and the buffer starts from zero, so the next reduction sums only the new local
+        gradients and adds them to it (left in place, the buffer's reduced gradients would be summed again). The
+        parameters' `.grad` was let go at that reduction, so autograd wrote nothing here."""
+        if bucket.reduced_in_buffer:
+            if bucket.grad_shard.data_ptr() == self._region(bucket).data_ptr():
+                bucket.grad_shard = bucket.grad_shard.clone()
+            bucket.grad_buffer.zero_()
+            bucket.reduced_in_buffer = False
+
+    @staticmethod
+    def _region(bucket: _Bucket) -> torch.Tensor:
+        return bucket.grad_buffer[bucket.over.rank * bucket.shard : (bucket.over.rank + 1) * bucket.shard]
 
     @torch.no_grad()
     def absorb_assigned_grads(self) -> None:
@@ -378,6 +410,7 @@ class ZeroEngine(ZeroCheckpointing):
                     continue
                 if self._reduced:
                     raise RuntimeError("ZeroEngine: gradients were assigned after reduce_gradients() and before the step")
+                self._detach_reduced_region(bucket)
                 view.add_(_local_grad(p))
                 p.grad = view if view.dtype == p.dtype and not isinstance(p, DTensor) else None
                 self._unreduced = True
@@ -402,12 +435,13 @@ class ZeroEngine(ZeroCheckpointing):
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
-        """End of every backward. ZeRO-2 with gradient sync on reduces now and frees the full
-        gradients (its memory contract); otherwise the local sums wait for `reduce_gradients`."""
+        """End of every backward. With gradient sync on, the reductions its hooks launched are finished and the
+        rest launched (buckets a parameter without a gradient kept from being complete): ZeRO-2 frees the full
+        gradients (its memory contract). Under `no_sync` the local sums wait for the step's `reduce_gradients`."""
         self._backward_queued = False
         for bucket in self.buckets:
             bucket.ready = 0
-        if self.stage == 2 and self._sync:
+        if self._sync:
             self._reduce_all()
 
     @torch.no_grad()
@@ -447,11 +481,15 @@ class ZeroEngine(ZeroCheckpointing):
             if bucket.over.replicate_group is not None:
                 dist.all_reduce(out, group=bucket.over.replicate_group)
             if self.stage == 1:
-                # ZeRO-1 keeps the full gradients and reduces once per step: this rank's reduced
-                # slice lives in its own region of the gradient buffer (no extra memory).
-                region = bucket.grad_buffer[bucket.over.rank * bucket.shard : (bucket.over.rank + 1) * bucket.shard]
-                region.copy_(out)
-                bucket.grad_shard = region
+                # ZeRO-1 keeps the full gradients: this rank's reduced slice lives in its own region of the
+                # gradient buffer (no extra memory), unless an earlier reduction of the step moved it out.
+                if bucket.grad_shard is None:
+                    bucket.grad_shard = self._region(bucket).copy_(out)
+                else:
+                    bucket.grad_shard.add_(out)
+                bucket.reduced_in_buffer = True
+                for p in bucket.params:  # the buffer no longer holds their gradients (the next backward's go beside it)
+                    p.grad = None
             else:
                 bucket.grad_shard = out if bucket.grad_shard is None else bucket.grad_shard.add_(out)
                 bucket.grad_buffer, bucket.views = None, {}
@@ -501,22 +539,27 @@ class ZeroEngine(ZeroCheckpointing):
     @torch.no_grad()
     def _after_step(self) -> None:
         self._publish_masters()
-        for bucket in self.buckets:
-            bucket.master.grad = None
-            bucket.grad_shard = None
-            if bucket.grad_buffer is not None:
-                bucket.grad_buffer.zero_()
-        self._reduced = False
+        self._clear_gradients()
 
     @torch.no_grad()
     def discard_step(self) -> None:
         """Drop this step's reduced gradients without an update (a skipped non-finite step)."""
         self.reduce_gradients()  # any pending reduction must finish before its buffers are reused
+        self._clear_gradients()
+
+    def _clear_gradients(self) -> None:
+        """The step's gradients gone; ZeRO-1's parameters point their `.grad` at the zeroed bucket again, so the next
+        step's backward accumulates in place (DDP's gradient_as_bucket_view)."""
         for bucket in self.buckets:
             bucket.master.grad = None
             bucket.grad_shard = None
+            bucket.reduced_in_buffer = False
             if bucket.grad_buffer is not None:
                 bucket.grad_buffer.zero_()
+                for p in bucket.params:
+                    view = bucket.views.get(id(p))
+                    if view is not None and view.dtype == p.dtype and not isinstance(p, DTensor):
+                        p.grad = view
         self._reduced = False
 
     @torch.no_grad()
@@ -543,6 +586,22 @@ class ZeroEngine(ZeroCheckpointing):
     # ------------------------------------------------------------------ clipping
     def grad_shards(self) -> Iterator[torch.Tensor]:
         return (b.grad_shard for b in self.buckets if b.grad_shard is not None)
+
+    def whole_over_tp_gradient_parts(self) -> list[tuple[str, torch.Tensor]]:
+        """Every parameter of the dense buckets that every tp rank holds whole, with the part of its reduced gradient
+        in this rank's slice (empty where the slice misses it): the same names on every rank, disjoint parts over
+        `dense.group` (`grad.tensor_parallel_copies_that_differ(parts_over=...)`). Reduces the step's gradients."""
+        self.reduce_gradients()
+        parts = []
+        for bucket in self.buckets:
+            if bucket.split_over_tp or self._is_expert(bucket.params[0]):
+                continue
+            start = bucket.over.rank * bucket.shard
+            shard = bucket.grad_shard if bucket.grad_shard is not None else bucket.param_buffer.new_zeros(bucket.shard)
+            for name, p, offset in zip(bucket.names, bucket.params, bucket.offsets):
+                low, high = max(offset, start), min(offset + _local(p).numel(), start + bucket.shard)
+                parts.append((name, shard[low - start : max(high, low) - start]))
+        return parts
 
     @torch.no_grad()
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:

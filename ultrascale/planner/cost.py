@@ -518,7 +518,9 @@ def _communication(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workl
     elif n_shard > 1:  # ZeRO-1/2: reduce-scatter grads, all-gather the updated params after the step
         grads_rs = (_ring("reduce_scatter", dense * g_bytes, n_shard, bw_fsdp)
                     + _ring("reduce_scatter", experts * g_bytes, n_expert_shard, bw_fsdp))
-        if lay.zero_stage == 2:
+        # Launched per bucket inside the step's last backward; under PP every micro-batch's backward defers it to
+        # the step, after the schedule.
+        if lay.pp == 1:
             hidden_comm += grads_rs
         else:
             exposed += grads_rs

@@ -110,8 +110,9 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
             optimizer (AdamW, SGD, ...); with tensor parallel they shard each rank's tp shards (Megatron's distributed optimizer).
         zero_bucket_mb: ZeRO-1/2 gradient bucket size in MiB (one reduce-scatter per bucket; ZeRO-2 launches each as soon as its
             gradients are complete). None: 100 on GPU (the Playbook's figure), 4 on CPU.
-        accumulate_grads_in_fp32: ZeRO-1/2 with bf16 parameters: accumulate gradients in fp32 buffers (twice the gradient memory, no
-            bf16 rounding across micro-batches).
+        accumulate_grads_in_fp32: ZeRO-1/2 with bf16 parameters: accumulate and reduce gradients in fp32 buffers (no bf16 rounding
+            across micro-batches and ranks; twice the gradient memory of bf16). None: fp32 under bf16-mixed (as ZeRO-3 reduces,
+            and Megatron's distributed optimizer), the weights' dtype under bf16-true.
         reshard_after_forward: free gathered parameters after each block's forward (ZeRO-3, least memory; one extra all-gather in
             backward). False keeps them until backward (ZeRO-2-like memory for parameters, less communication).
         accumulate_unsharded_grads: ZeRO-3 with gradient accumulation. False: reduce-scatter every micro-batch into the sharded
@@ -189,7 +190,7 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         tp_plan: Optional[dict[str, Any]] = None,
         zero_stage: int = 3,
         zero_bucket_mb: Optional[float] = None,
-        accumulate_grads_in_fp32: bool = False,
+        accumulate_grads_in_fp32: Optional[bool] = None,
         reshard_after_forward: bool = True,
         accumulate_unsharded_grads: bool = False,
         meta_init: bool = False,

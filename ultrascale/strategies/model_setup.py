@@ -34,7 +34,7 @@ from ultrascale.parallel.pipeline import (
     untie_stage_weights,
 )
 from ultrascale.parallel.transforms import ModelTransform
-from ultrascale.parallel.zero import ExpertMeshes, ZeroEngine
+from ultrascale.parallel.zero import ExpertMeshes, ZeroEngine, zero12_dtypes
 from ultrascale.strategies.precision import UltraScalePrecision
 
 
@@ -144,20 +144,20 @@ def make_zero_engine(
     device: torch.device,
     precision: UltraScalePrecision,
     bucket_mb: Optional[float],
-    accumulate_in_fp32: bool,
+    accumulate_in_fp32: Optional[bool],
     tied: Optional[TiedStageWeights] = None,
 ) -> ZeroEngine:
     """The ZeRO-1/2 engine of one optimizer (`zero_stage` 1 or 2)."""
     bucket_mb = bucket_mb or (100.0 if device.type == "cuda" else 4.0)
+    compute_dtype, accumulate_dtype = zero12_dtypes(precision.precision, accumulate_in_fp32)
     return ZeroEngine(
         model,
         optimizer,
         stage=stage,
         dp_mesh=mesh.fsdp,
         bucket_bytes=int(bucket_mb * 2**20),
-        # bf16-mixed: bf16 weights for compute, the optimizer keeps fp32 masters of its slices.
-        compute_dtype=torch.bfloat16 if precision.precision == "bf16-mixed" else None,
-        accumulate_dtype=torch.float32 if accumulate_in_fp32 else None,
+        compute_dtype=compute_dtype,
+        accumulate_dtype=accumulate_dtype,
         norm_group=mesh["pp"].get_group() if dims.pp_enabled else None,
         state_mesh=mesh.zero_state_mesh if dims.tp_enabled else None,
         tied=tied,

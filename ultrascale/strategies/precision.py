@@ -23,7 +23,7 @@ class UltraScalePrecision(Precision):
     """`32-true`: fp32 everywhere.
     `bf16-mixed`: fp32 master weights, gradients reduced in fp32; FSDP casts the gathered
     parameters to bf16 for compute (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`),
-    so no autocast is needed.
+    so no autocast is needed; ZeRO-1/2 keep bf16 weights and fp32 gradients (`parallel.zero.zero12_dtypes`).
     `bf16-true`: weights, gradients and optimizer state in bf16.
     """
 

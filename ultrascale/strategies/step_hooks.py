@@ -305,7 +305,7 @@ class StepHooks:
         assert module is not None and self._step_groups is not None
         trainer = module.trainer
         if self._step_groups.tensor is not None and trainer.global_step == 0:
-            check_tensor_parallel_copies(module, self._step_groups.tensor)
+            check_tensor_parallel_copies(module, self._step_groups.tensor, engine_for(optimizer, self._zero_engines))
         result = self._step.finish(
             optimizer, engine_for(optimizer, self._zero_engines), self._step_groups, step=trainer.global_step,
             rank=self.global_rank,
@@ -353,13 +353,18 @@ class StepHooks:
         return self._step_caller(module, name, self.precision_plugin, self.call_inside_module, *args, **kwargs)
 
 
-def check_tensor_parallel_copies(module: Any, group: Any) -> None:
+def check_tensor_parallel_copies(module: Any, group: Any, engine: Optional[ZeroEngine] = None) -> None:
     """The first step's gradients of what every tp rank holds whole agree between them, or a clear error before
-    the optimizer steps on them (`tensor_parallel_copies_that_differ`)."""
+    the optimizer steps on them (`tensor_parallel_copies_that_differ`). Under ZeRO-1/2 the engine's reduced slices
+    hold them (the parameters' `.grad` is let go once a bucket is reduced)."""
     from ultrascale.parallel.grad import tensor_parallel_copies_that_differ
 
-    named = [(name, p.grad) for name, p in module.named_parameters() if p.grad is not None]
-    differ = tensor_parallel_copies_that_differ(named, group)
+    if engine is not None:
+        differ = tensor_parallel_copies_that_differ(engine.whole_over_tp_gradient_parts(), group,
+                                                    parts_over=engine.dense.group)
+    else:
+        differ = tensor_parallel_copies_that_differ(
+            [(name, p.grad) for name, p in module.named_parameters() if p.grad is not None], group)
     if differ:
         raise ValueError(
             f"tensor parallel: the gradients of {differ[:5]}{' ...' if len(differ) > 5 else ''} differ between the tp "

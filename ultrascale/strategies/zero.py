@@ -19,7 +19,7 @@ class _ShardedOptimizerStrategy(UltraScaleStrategy):
     def __init__(
         self,
         zero_bucket_mb: Optional[float] = None,
-        accumulate_grads_in_fp32: bool = False,
+        accumulate_grads_in_fp32: Optional[bool] = None,
         **knobs: Unpack[ProcessKnobs],
     ) -> None:
         super().__init__(
@@ -34,14 +34,17 @@ class _ShardedOptimizerStrategy(UltraScaleStrategy):
 
 class ZeRO1Strategy(_ShardedOptimizerStrategy):
     """ZeRO-1: each rank keeps full parameters and gradients but only 1/N of the optimizer
-    state (fp32 master weights and Adam moments): 2Ψ + 2Ψ + 12Ψ/N bytes under bf16-mixed.
+    state (fp32 master weights and Adam moments): 2Ψ + 4Ψ + 12Ψ/N bytes under bf16-mixed (fp32
+    gradients; 2Ψ + 2Ψ + 12Ψ/N with `accumulate_grads_in_fp32=False`).
 
-    Registered as ``"ultrascale_zero1"``. After backward the gradients are reduce-scattered
-    bucket by bucket, each rank steps its slice, and the updated weights are all-gathered.
+    Registered as ``"ultrascale_zero1"``. In the step's last backward each gradient bucket is
+    reduce-scattered as soon as it is complete (overlapping the rest of backward), each rank steps
+    its slice, and the updated weights are all-gathered.
 
     Args:
         zero_bucket_mb: gradient bucket size (one collective per bucket); None: 100 MiB on GPU, 4 on CPU.
-        accumulate_grads_in_fp32: with bf16 weights, accumulate gradients in fp32 buffers.
+        accumulate_grads_in_fp32: with bf16 weights, accumulate and reduce gradients in fp32. None: fp32 under
+            bf16-mixed, the weights' dtype under bf16-true.
     """
 
     strategy_name = "ultrascale_zero1"
@@ -50,7 +53,8 @@ class ZeRO1Strategy(_ShardedOptimizerStrategy):
 
 class ZeRO2Strategy(_ShardedOptimizerStrategy):
     """ZeRO-2: full parameters, 1/N of the gradients and of the optimizer state per rank:
-    2Ψ + (2 + 12)Ψ/N bytes under bf16-mixed.
+    2Ψ + (4 + 12)Ψ/N bytes under bf16-mixed (fp32 gradients; 2Ψ + (2 + 12)Ψ/N with
+    `accumulate_grads_in_fp32=False`).
 
     Registered as ``"ultrascale_zero2"``. Each gradient bucket is reduce-scattered as soon as
     backward has produced all of its gradients (overlapping the rest of backward) and then
@@ -59,7 +63,7 @@ class ZeRO2Strategy(_ShardedOptimizerStrategy):
     Args:
         zero_bucket_mb: gradient bucket size; None: 100 MiB on GPU, 4 on CPU. Smaller buckets
             start communicating earlier, larger ones use the links better.
-        accumulate_grads_in_fp32: with bf16 weights, accumulate gradients in fp32 buffers.
+        accumulate_grads_in_fp32: as for ZeRO-1.
     """
 
     strategy_name = "ultrascale_zero2"
