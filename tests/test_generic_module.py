@@ -201,6 +201,29 @@ def test_a_plan_that_leaves_a_split_module_out_is_stopped_at_the_first_step():
     assert_parity(results[0], reference, step_losses(results))
 
 
+def _resume_worker(rank, world_size, plan, ckpt_dir, resume):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saving = [] if resume else [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_last=True)]
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, max_steps=4 if resume else 2, logger=False,
+                        strategy=ultrascale.UltraScaleStrategy(tensor_parallel=2, data_parallel_shard=1, tp_plan=plan),
+                        enable_checkpointing=not resume, callbacks=saving, enable_progress_bar=False,
+                        enable_model_summary=False)
+    try:
+        trainer.fit(ScaledMLPLM(), ParityData(data(), GLOBAL_BATCH), ckpt_path=f"{ckpt_dir}/last.ckpt" if resume else None)
+    except ValueError as error:
+        return str(error)
+    return trainer.global_step
+
+
+def test_a_resumed_fit_is_checked_at_its_own_first_step(tmp_path):
+    """The check runs at the first step of every fit, not at global step 0 only: a run resumed at step 2 with the
+    plan that leaves the scale out is stopped too."""
+    assert run_ranks(_resume_worker, 2, {**SPLIT, "scale": "replicated_with_grad_allreduce"}, str(tmp_path), False) == [2, 2]
+    for message in run_ranks(_resume_worker, 2, SPLIT, str(tmp_path), True):
+        assert isinstance(message, str) and "the gradients of ['scale.a'] differ between the tp ranks" in message
+
+
 @pytest.mark.parametrize("zero_stage", [1, 2])
 def test_under_zero12_the_first_step_check_reads_the_reduced_slices(zero_stage):
     """ZeRO-1/2 let the parameters' `.grad` go once a bucket is reduced: the check sums each parameter's parts of

@@ -237,6 +237,7 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         self.zero_bucket_mb = zero_bucket_mb
         self.accumulate_grads_in_fp32 = accumulate_grads_in_fp32
         self._zero_engines: list[ZeroEngine] = []
+        self._tensor_parallel_checked: set[int] = set()
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
         self.tp_plan = resolve_plan(tp_plan) if tp_plan is not None else None
@@ -466,6 +467,7 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
+            self._tensor_parallel_checked = set()  # every fit's first step, a resumed one's too
             self.reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
             if self._tied_weights is not None:  # the head's copies of tied weights follow their weight, not a step

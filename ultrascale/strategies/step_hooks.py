@@ -178,6 +178,7 @@ class StepHooks:
     _pipeline_layout: Optional[PipelineLayout]
     _pipeline_grads: PipelineGradientStash
     _zero_engines: list[ZeroEngine]
+    _tensor_parallel_checked: set[int]  # the optimizers whose first step of this fit had `check_tensor_parallel_copies`
     _tied_weights: Optional[TiedStageWeights]
     _step: StepRunner
     _step_groups: Optional[StepGroups]
@@ -304,8 +305,9 @@ class StepHooks:
         module = self.lightning_module
         assert module is not None and self._step_groups is not None
         trainer = module.trainer
-        if self._step_groups.tensor is not None and trainer.global_step == 0:
+        if self._step_groups.tensor is not None and id(optimizer) not in self._tensor_parallel_checked:
             check_tensor_parallel_copies(module, self._step_groups.tensor, engine_for(optimizer, self._zero_engines))
+            self._tensor_parallel_checked.add(id(optimizer))
         result = self._step.finish(
             optimizer, engine_for(optimizer, self._zero_engines), self._step_groups, step=trainer.global_step,
             rank=self.global_rank,
