@@ -364,6 +364,22 @@ def test_scalar_parameters_beside_split_layers_sum_their_gradients_over_tp(tmp_p
     assert_stage_parity(results, reference)  # the ranks' copies of alpha_p / alpha_n are checked equal too
 
 
+def test_latent_attention_without_a_query_lora_splits_its_query_projection_under_tp(tmp_path):
+    """GLM-4.7-Flash's plan names `q_b_proj` alone; with `q_lora_rank=None` the layer builds `q_proj` instead, which
+    now takes q_b_proj's entry (the heads stayed whole on every rank: a shape error at the first forward)."""
+    import transformers
+
+    config = transformers.Glm4MoeLiteConfig(**{**_COMMON, **_MOE, "num_key_value_heads": 4}, n_routed_experts=4,
+                                            n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                            q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
+                                            v_head_dim=4)
+    assert not any(key.endswith("q_proj") for key in config.base_model_tp_plan)
+    path = save_perturbed_hf(config, tmp_path / "glm4_moe_lite")
+    reference = reference_run(make_hf(path), data(), global_batch=MICRO_BATCH, steps=STEPS, accumulate=ACCUMULATE)
+    results = run_ranks(_train_steps, WORLD, path, LAYOUTS["TP 2"], STEPS)
+    assert_stage_parity(results, reference)
+
+
 def _train_steps(rank, world_size, path, strategy_kwargs, steps):
     recorder = Recorder()
     trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**strategy_kwargs), recorder, steps,

@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ultrascale.estimate import ModelShape
 from ultrascale.models.hf_sequence_parallel import hf_sequence_parallel_problem, hf_sequence_parallel_styles
+from ultrascale.models.tp_plans import hf_base_tp_plan, llama_tp_plan
 from ultrascale.parallel.rules import ModelFacts, experts_over_tp
 
 
@@ -134,7 +135,6 @@ def _prefix(path: str) -> str:
 
 
 def _llama_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAdapter:
-    from ultrascale.models.tp_plans import llama_tp_plan
 
     path, llama = found
     config = llama.config
@@ -205,7 +205,7 @@ def _find_hf_causal_lm(module: nn.Module) -> Optional[tuple[str, nn.Module]]:
 def _hf_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAdapter:
     path, hf = found
     config = hf.config
-    base_plan = getattr(config, "base_model_tp_plan", None) or {}
+    base_plan = hf_base_tp_plan(config)
     prefix = _prefix(path)
     base = _prefix(prefix + hf.base_model_prefix)
 

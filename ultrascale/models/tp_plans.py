@@ -72,3 +72,16 @@ def llama_tp_plan(
         # the tokens each) are summed across TP ranks by DTensor's backward.
         plan.update({"norm": SequenceParallel(), "layers.*.attention_norm": SequenceParallel(), "layers.*.ffn_norm": SequenceParallel()})
     return {prefix + path: style for path, style in plan.items()}
+
+
+def hf_base_tp_plan(config: object) -> dict[str, str]:
+    """A Hugging Face config's `base_model_tp_plan`, with the query projection of multi-head latent attention
+    without a query LoRA: where `q_lora_rank` is None the layer builds `q_proj` in place of `q_a_proj`/`q_b_proj`,
+    and GLM-4.7-Flash's and LongCat-Flash's plans name `q_b_proj` alone (DeepSeek-V2's and MiniCPM3's name both),
+    so the heads the other projections split stayed whole on every rank (a shape error at the first forward)."""
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if getattr(config, "q_lora_rank", 0) is None:
+        for key, style in list(plan.items()):
+            if key.endswith(".q_b_proj"):
+                plan.setdefault(key[: -len("q_b_proj")] + "q_proj", style)
+    return plan
