@@ -219,6 +219,35 @@ def test_grouped_mm_and_loop_match_dense_experts():
             assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_experts_combine_in_fp32_and_keep_no_fp32_copy_for_backward():
+    """The weighted sum over a token's k experts runs in fp32 and rounds once, and what backward keeps of it is the
+    experts' bf16 output, not an fp32 (S, H) copy (issue 48: 4·S·H bytes per MoE layer, now 2·S·H)."""
+    from ultrascale.parallel.expert import experts_forward
+
+    g = torch.Generator().manual_seed(0)
+    n_tokens, hidden_size, top_k = 12, 16, 2
+    experts = torch.nn.Module()
+    experts.gate_up_proj = torch.nn.Parameter(torch.randn(4, 32, hidden_size, generator=g).bfloat16())
+    experts.down_proj = torch.nn.Parameter(torch.randn(4, hidden_size, 16, generator=g).bfloat16())
+    hidden = torch.randn(n_tokens, hidden_size, generator=g).bfloat16().requires_grad_(True)
+    index = torch.randint(0, 4, (n_tokens, top_k), generator=g)
+    weights = torch.rand(n_tokens, top_k, generator=g)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = experts_forward(experts, hidden, index, weights)
+    assert out.dtype == torch.bfloat16
+    assert not [t for t in saved if t.dtype == torch.float32 and t.numel() >= n_tokens * hidden_size]
+    per_copy = []  # written out: each token's experts one by one, the weighted sum in fp32
+    for n in range(n_tokens):
+        rows = []
+        for j in range(top_k):
+            e = index[n, j]
+            gate, up = (hidden[n] @ experts.gate_up_proj[e].T).chunk(2)
+            rows.append((F.silu(gate) * up) @ experts.down_proj[e].T)
+        per_copy.append(sum(row.float() * weights[n, j] for j, row in enumerate(rows)))
+    assert_close(out, torch.stack(per_copy).bfloat16(), rtol=2e-2, atol=2e-2)
+
+
 def test_transposed_biased_clamped_experts_match_written_out():
     """GPT-OSS's experts (E, H, 2I) / (E, I, H) with per-expert biases and its own gate (interleaved halves,
     clamped, (up + 1) * gate * sigmoid(alpha gate)) through `apply_gate`: grouped and loop vs the formula."""

@@ -229,10 +229,14 @@ def experts_forward(
 
     y = ep.dispatch(x, counts, compute) if ep is not None else compute(x, counts)  # (S, H)
     weights = top_k_weights.reshape(-1)[kept].unsqueeze(-1)  # (S, 1)
-    weighted = y.float() * weights.float()  # (S, H)
-    out = torch.zeros(flat.numel(), hidden.shape[-1], dtype=weighted.dtype, device=hidden.device)
-    out = out.index_copy(0, kept, weighted)  # (N k, H) in token order
-    return out.view(n_tokens, top_k, -1).sum(1).to(hidden.dtype)  # (N, H)
+    # fp32 products and sum over k, rounded once. What backward keeps is `y` in its own dtype (bf16 times the fp32
+    # weights promotes) and integer positions: gathering the copies back into token order (a dropped copy reads a zero
+    # row) keeps no (S, H) fp32 tensor, where `index_copy` would keep its source (2·S·H bytes saved, not 2 x 4·S·H).
+    weighted = y * weights.float()  # (S, H)
+    position = torch.full((flat.numel(),), weighted.shape[0], dtype=torch.int64, device=hidden.device)
+    position[kept] = torch.arange(weighted.shape[0], device=hidden.device)  # token copy -> its row of `weighted`
+    rows = torch.cat([weighted, weighted.new_zeros(1, weighted.shape[-1])]).index_select(0, position)  # (N k, H)
+    return rows.view(n_tokens, top_k, -1).sum(1).to(hidden.dtype)  # (N, H)
 
 
 def count_per_expert(expert_ids: torch.Tensor, n: int) -> torch.Tensor:
