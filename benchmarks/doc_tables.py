@@ -73,7 +73,8 @@ def not_built_list(layouts_only: bool) -> str:
     """`NOT_BUILT`'s lines as a markdown list (the layouts alone for README), each with the key its error carries."""
     from ultrascale.parallel.rules import NOT_BUILT
 
-    return "\n".join(f"- {entry.line} (`{key}`)" for key, entry in NOT_BUILT.items() if entry.layout or not layouts_only)
+    lines = [f"- {entry.line} (`{key}`)" for key, entry in NOT_BUILT.items() if entry.layout or not layouts_only]
+    return "\n".join(lines) or "- none: every layout knob is built"
 
 
 SUPPORT_TABLE = Block(ROOT / "docs" / "huggingface.md", "tests/test_hf_matrix.py", support_table)

@@ -224,7 +224,7 @@ def test_from_accelerate_refuses_what_ultrascale_does_not_run():
     with pytest.raises(NotImplementedError, match="SDPA"):
         ultrascale.UltraScaleStrategy.from_accelerate(ParallelismConfig(
             dp_shard_size=2, sp_size=2, sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="flash_attention_2")))
-    with pytest.raises(NotImplementedError, match="async tensor parallel"):
+    with pytest.raises(ValueError, match="async_tensor_parallel=True` is a pass of inductor's"):
         ultrascale.UltraScaleStrategy.from_accelerate(
             ParallelismConfig(dp_shard_size=2, tp_size=2, tp_handler=TorchTensorParallelConfig(enable_async_tp=True)))
     with pytest.raises(ValueError, match="unknown ParallelismConfig field"):

@@ -136,6 +136,78 @@ def test_variable_length_batches_compile_a_bounded_number_of_times():
     torch.testing.assert_close(torch.tensor(step_losses(results)), torch.tensor(reference["losses"]), rtol=0, atol=1e-4)
 
 
+def _async_tp_fit(rank, world_size, accumulate):
+    """A compiled tp2 + SP fit with `async_tensor_parallel`, CUDA's symmetric memory stood in for on CPU by torch's
+    own test mode (`_symmetric_memory._test_mode`): inductor's pass rewrites the graphs as on a GPU, and the fused ops
+    run torch's reference implementations of them (registered for CPU here, and counted)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    import ultrascale.strategies.base as strategy_module
+
+    calls = {"fused_all_gather_matmul": 0, "fused_matmul_reduce_scatter": 0}
+
+    def counted(name, reference):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return reference(*args, **kwargs)
+
+        return call
+
+    torch.library.impl(symm_mem.lib, "fused_all_gather_matmul", "CPU")(
+        counted("fused_all_gather_matmul", symm_mem._fused_all_gather_matmul_fallback))
+    torch.library.impl(symm_mem.lib, "fused_matmul_reduce_scatter", "CPU")(
+        counted("fused_matmul_reduce_scatter", symm_mem._fused_matmul_reduce_scatter_fallback))
+    torch.distributed.is_nccl_available = lambda: True  # the pass fuses only where NCCL could run the kernels
+    strategy_module.symmetric_memory_available = lambda device: True
+    with symm_mem._test_mode():
+        result = _fit(rank, world_size, make_llama, masked_data(), BATCH,
+                      {"tensor_parallel": 2, "data_parallel_shard": 1, "sequence_parallel": True,
+                       "async_tensor_parallel": True}, accumulate=accumulate)
+    return {**result, **calls}
+
+
+def test_async_tensor_parallel_fuses_the_sequence_parallel_collectives_and_matches_one_process():
+    reference = reference_run(make_llama(), masked_data(), global_batch=BATCH, steps=STEPS, accumulate=2)
+    results = run_ranks(_async_tp_fit, 2, 2)
+    # Every block's all-gathers before its q/k/v and w1/w3 and its reduce-scatters after wo and w2, forward and
+    # backward, ran as the fused kernels.
+    assert results[0]["fused_all_gather_matmul"] > 0 and results[0]["fused_matmul_reduce_scatter"] > 0, results[0]
+    assert_parity(results[0], reference, step_losses(results))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tensor_parallel": 2, "async_tensor_parallel": True}, r"is a pass of inductor's .* `compile=True`"),
+    ({"tensor_parallel": 2, "async_tensor_parallel": True, "compile": True, "compile_backend": "aot_eager"},
+     r"is a pass of inductor's"),
+])
+def test_async_tensor_parallel_needs_inductor(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ultrascale.UltraScaleStrategy(**kwargs)
+
+
+def _async_tp_refusal(rank, world_size, kwargs):
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(compile=True, async_tensor_parallel=True, **kwargs),
+                             Recorder(), 1)
+    try:
+        trainer.fit(make_llama(), ParityData(masked_data(), BATCH))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tensor_parallel": 1, "data_parallel_shard": 2}, r"`async_tensor_parallel=True`\): needs tensor parallel"),
+    ({"tensor_parallel": 2, "data_parallel_shard": 1, "sequence_parallel": False},
+     r"`async_tensor_parallel=True`\): overlaps the all-gathers .* set `sequence_parallel=True`"),
+    ({"tensor_parallel": 2, "data_parallel_shard": 1}, r"CUDA over NCCL only; the devices here are 'cpu'"),
+])
+def test_async_tensor_parallel_is_refused_where_it_cannot_run(kwargs, message):
+    import re
+
+    for error in run_ranks(_async_tp_refusal, 2, kwargs):
+        assert error is not None and re.search(message, error), error
+
+
 def test_compile_stats_warn_past_the_limit():
     from ultrascale.parallel.compile import CompileStats
 

@@ -337,6 +337,47 @@ def test_float8_tensor_parallel_styles_over_nccl():
     assert (tp_grad - grad).norm() < 1e-3 * grad.norm()
 
 
+def _async_tensor_parallel(rank: int, world: int) -> dict:
+    from torch._inductor.utils import run_and_get_code
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from ultrascale.parallel.compile import block_compiler
+    from ultrascale.parallel.device import enable_symmetric_memory, symmetric_memory_available
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(1024, 4096, bias=False), torch.nn.Linear(4096, 1024, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(F.gelu(self.up(x)))
+
+    mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    block = Block().cuda().bfloat16()
+    parallelize_module(block, mesh, {"up": ColwiseParallel(input_layouts=Shard(1)),
+                                     "down": RowwiseParallel(output_layouts=Shard(1))})
+    x = torch.randn(2, 256, 1024, device="cuda", dtype=torch.bfloat16)[:, rank * 128 : (rank + 1) * 128]
+    eager = block(x)
+    enable_symmetric_memory(mesh.get_group())  # what the strategy does for its tp group
+    block_compiler(True, "inductor", "test", async_tensor_parallel=True).transform_model(block, [block])
+    out, code = run_and_get_code(lambda: block(x))
+    return {"available": symmetric_memory_available(torch.device("cuda")), "code": "\n".join(code),
+            "difference": (out.float() - eager.float()).abs().max().item(), "scale": eager.float().abs().max().item()}
+
+
+@needs_two_gpus
+def test_async_tensor_parallel_fuses_over_nccl():
+    """The strategy's async TP on real symmetric memory: the compiled block runs the fused all-gather-matmul and
+    matmul-reduce-scatter kernels, and gives eager's output to bf16 rounding."""
+    for result in run_nccl("_async_tensor_parallel"):
+        assert result["available"]
+        assert "fused_all_gather_matmul" in result["code"] and "fused_matmul_reduce_scatter" in result["code"]
+        assert result["difference"] <= 2e-2 * result["scale"]
+
+
 def _async_checkpoint_cuda(rank: int, world: int) -> dict:
     import torch.distributed as dist
 

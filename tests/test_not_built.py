@@ -115,8 +115,6 @@ def _fork_launcher_second_fit() -> None:
 
 
 PROBES: dict[str, Callable[[Path], None]] = {
-    "async_tensor_parallel": lambda _: ultrascale.UltraScaleStrategy.from_accelerate(
-        {"tp_size": 2, "tp_handler": {"enable_async_tp": True}}),
     "context_parallel_attention_dropout": lambda _: _cp_attention(_cp_module(training=True), dropout=0.1),
     "context_parallel_non_causal": lambda _: _cp_attention(_cp_module(is_causal=False), dropout=0.0),
     "context_parallel_model_mask": lambda _: _cp_attention(_cp_module(), dropout=0.0, mask=torch.zeros(1, 2, 4, 4)),

@@ -49,8 +49,11 @@ def test_invalid_layout_fails_at_trainer_construction(strategy, devices, match):
 
 
 def test_not_yet_built_combinations_fail_clearly():
-    with pytest.raises(NotImplementedError, match=r"enable_async_tp"):
+    # accelerate's async TP is ultrascale's `async_tensor_parallel`: an inductor pass, so it needs compile.
+    with pytest.raises(ValueError, match=r"`async_tensor_parallel=True` is a pass of inductor's .* `compile=True`"):
         UltraScaleStrategy.from_accelerate({"tp_size": 2, "tp_handler": {"enable_async_tp": True}})
+    assert UltraScaleStrategy.from_accelerate({"tp_size": 2, "tp_handler": {"enable_async_tp": True}},
+                                              compile=True).async_tensor_parallel
     UltraScaleStrategy(expert_parallel=2, tensor_parallel=2, zero_stage=1)  # EP x TP and ZeRO-1 x EP are built
 
 

@@ -104,6 +104,10 @@ class BlockCompiler:
     split_backward: bool = False
     """A zero-bubble pipeline schedule runs each backward in two passes over a kept graph: AOTAutograd must then not
     donate (reuse in place) the saved buffers of the compiled backward."""
+    micro_pipeline_tp: bool = False
+    """Async tensor parallel: inductor's micro-pipeline pass, per compiled block (an inductor option of these compiles
+    only, not torch's process-wide config), splits each sequence-parallel all-gather before a matmul and each
+    reduce-scatter after one into chunks the matmul overlaps (torch's symmetric-memory fused kernels)."""
     stats: CompileStats = field(default_factory=lambda: CompileStats())
     _settings: Optional[contextlib.ExitStack] = field(default=None, repr=False)
     _compiled: list[nn.Module] = field(default_factory=list, repr=False)
@@ -126,7 +130,9 @@ class BlockCompiler:
             # top frame in torch.nn's own files, so `_call_impl` compiled nothing for a block that is a torch.nn
             # class (`nn.TransformerEncoderLayer`), and the hooks FSDP adds later (its all-gathers) stay eager
             # around the compiled forward instead of breaking the graph inside it.
-            block.forward = _waited_inputs(torch.compile(block.forward, backend=self.backend, fullgraph=self.fullgraph))
+            options = {"_micro_pipeline_tp": True} if self.micro_pipeline_tp else None
+            block.forward = _waited_inputs(torch.compile(block.forward, backend=self.backend, fullgraph=self.fullgraph,
+                                                         options=options))
             setattr(block, COMPILED_ATTRIBUTE, True)
             self._compiled.append(block)
 
@@ -165,13 +171,18 @@ def _waited_inputs(compiled: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def block_compiler(compile: bool, backend: str, owner: str, *, pipeline: tuple[int, str] = (1, "1F1B")) -> Optional[BlockCompiler]:
-    """The strategy's `compile` / `compile_backend` knobs: the transform to run, or None when compile is off.
-    `pipeline`: (pipeline_parallel, pipeline_schedule)."""
+def block_compiler(compile: bool, backend: str, owner: str, *, pipeline: tuple[int, str] = (1, "1F1B"),
+                   async_tensor_parallel: bool = False) -> Optional[BlockCompiler]:
+    """The strategy's `compile` / `compile_backend` / `async_tensor_parallel` knobs: the transform to run, or None
+    when compile is off. `pipeline`: (pipeline_parallel, pipeline_schedule)."""
+    if async_tensor_parallel and not (compile and backend == "inductor"):
+        raise ValueError(f"{owner}: `async_tensor_parallel=True` is a pass of inductor's over the compiled blocks: "
+                         "set `compile=True` with `compile_backend='inductor'`")
     if not compile:
         if backend != "inductor":
             raise ValueError(f"{owner}: `compile_backend={backend!r}` needs `compile=True`")
         return None
     if backend not in COMPILE_BACKENDS:
         raise ValueError(f"{owner}: `compile_backend={backend!r}` is not one of {', '.join(COMPILE_BACKENDS)}")
-    return BlockCompiler(backend, split_backward=pipeline[0] > 1 and pipeline[1] in SPLIT_BACKWARD_SCHEDULES)
+    return BlockCompiler(backend, split_backward=pipeline[0] > 1 and pipeline[1] in SPLIT_BACKWARD_SCHEDULES,
+                         micro_pipeline_tp=async_tensor_parallel)

@@ -36,6 +36,20 @@ def collectives_carry_float8(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def symmetric_memory_available(device: torch.device) -> bool:
+    """Whether async tensor parallel can run on `device`: inductor's micro-pipeline pass fuses TP's all-gathers and
+    reduce-scatters into torch's symmetric-memory kernels (`symm_mem::fused_all_gather_matmul`, ...), which are CUDA
+    kernels over NCCL groups."""
+    return device.type == "cuda" and dist.is_nccl_available()
+
+
+def enable_symmetric_memory(group: dist.ProcessGroup) -> None:
+    """Symmetric memory for `group`'s ranks, which the micro-pipeline pass requires of a collective before fusing it."""
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    enable_symm_mem_for_group(group.group_name)
+
+
 def pins_host_memory(device: torch.device) -> bool:
     """Whether data loaders feeding `device` pin their batches: page-locked host memory copies to a GPU
     asynchronously (Lightning moves batches with non_blocking=True); pinning for the CPU only costs."""

@@ -85,7 +85,6 @@ class NotBuilt:
 
 
 NOT_BUILT: dict[str, NotBuilt] = {
-    "async_tensor_parallel": NotBuilt("async TP (accelerate's `enable_async_tp`)"),
     "accelerate_ulysses_kernel": NotBuilt("Ulysses from accelerate with an attention kernel other than SDPA "
                                           "(`sp_attn_implementation`)", layout=False),
     "context_parallel_attention_dropout": NotBuilt("attention dropout under context parallel", layout=False),
@@ -500,6 +499,22 @@ def _tensor_parallel_problems(tp: int, k: LayoutKnobs, facts: ModelFacts) -> lis
             ("sequence_parallel=True",))]
     divides = tp_divides_problem(tp, facts.tp_sizes, name)
     return [divides] if divides else []
+
+
+def async_tensor_parallel_problems(tp: int, sequence_parallel: bool, device_type: str, symmetric_memory: bool) -> list[Problem]:
+    """Async tensor parallel splits the all-gather before a column-parallel matmul and the reduce-scatter after a
+    row-parallel one into chunks the matmul overlaps: only sequence parallel has those collectives (without it TP
+    all-reduces, which the pass leaves alone), and the fused kernels are CUDA's (`device.symmetric_memory_available`)."""
+    knob = "async_tensor_parallel=True"
+    if tp <= 1:
+        return [Problem("needs tensor parallel (`tensor_parallel` above 1): it overlaps TP's collectives", (knob,))]
+    if not sequence_parallel:
+        return [Problem("overlaps the all-gathers and reduce-scatters of sequence parallel, which is off for this model "
+                        "(TP alone all-reduces): set `sequence_parallel=True`", (knob,))]
+    if not symmetric_memory:
+        return [Problem(f"runs torch's symmetric-memory kernels, CUDA over NCCL only; the devices here are "
+                        f"{device_type!r}", (knob,))]
+    return []
 
 
 def batch_split_problem(global_batch: int, dp: int, source: str) -> Optional[Problem]:

@@ -78,16 +78,14 @@ def knobs_from_accelerate(config: Any, owner: str = "UltraScaleStrategy",
     if backend != "torch":
         raise ValueError(f"{owner}.from_accelerate: `cp_backend={backend!r}`: only 'torch' is known")
     tp_handler = _field(config, "tp_handler")
-    if tp_handler is not None and bool(_field(tp_handler, "enable_async_tp", False)):
-        raise not_built("async_tensor_parallel",
-                        f"{owner}.from_accelerate: `tp_handler.enable_async_tp=True` (async tensor parallel, a "
-                        "torch.compile micro-pipelining of the TP collectives) is not implemented; set it to False")
     knobs: dict[str, Any] = {
         "data_parallel_replicate": sizes["dp_replicate_size"],
         "data_parallel_shard": sizes["dp_shard_size"],
         "tensor_parallel": sizes["tp_size"],
         "context_parallel": sizes["cp_size"],
     }
+    if tp_handler is not None and bool(_field(tp_handler, "enable_async_tp", False)):
+        knobs["async_tensor_parallel"] = True  # with compile=True among the other knobs, else refused by name
     cp_handler = _field(config, "cp_handler")
     strategy = _field(cp_handler, "cp_comm_strategy") if cp_handler is not None else None
     if sizes["sp_size"] > 1 and sizes["cp_size"] > 1:  # sp inside cp (accelerate's mesh order): USP

@@ -27,12 +27,17 @@ from typing_extensions import override
 from ultrascale.contract import check_module, prefers_meta_init
 from ultrascale.parallel.compile import block_compiler
 from ultrascale.parallel.context import ContextLayout, ContextParallel, ContextParallelMethod
-from ultrascale.parallel.device import process_group_backend, tune_cpu_allocator
+from ultrascale.parallel.device import (
+    enable_symmetric_memory,
+    process_group_backend,
+    symmetric_memory_available,
+    tune_cpu_allocator,
+)
 from ultrascale.parallel.dims import ParallelDims, ParallelMesh, build_mesh
 from ultrascale.parallel.fsdp import reshard
 from ultrascale.parallel.manifest import VERIFY_LEVELS, VerifyLevel
 from ultrascale.parallel.pipeline import PipelineLayout, PipelineRunner, TiedStageWeights
-from ultrascale.parallel.rules import LayoutKnobs, knob_problems, raise_first
+from ultrascale.parallel.rules import LayoutKnobs, async_tensor_parallel_problems, knob_problems, raise_first
 from ultrascale.parallel.tensor import has_tensor_parallel_dropout
 from ultrascale.parallel.tensor_styles import resolve_plan
 from ultrascale.parallel.transforms import ModelTransform
@@ -162,6 +167,9 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
             and FP8, before FSDP / ZeRO (torchtitan's order; `ultrascale.parallel.compile`). The first step's compile time is
             logged and later recompilations as `compile/recompiles`.
         compile_backend: "inductor" (generated kernels), "aot_eager" (the same capture with eager kernels) or "eager".
+        async_tensor_parallel: overlap sequence parallel's all-gathers and reduce-scatters with TP's matmuls (inductor's
+            micro-pipeline pass over the compiled blocks, torch's symmetric-memory kernels: torchtitan's async TP). Needs
+            `compile=True` with inductor, tensor and sequence parallel, CUDA.
     """
 
     strategy_name = "ultrascale_4d"
@@ -207,6 +215,7 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         tune_cpu_allocator: bool = False,
         compile: bool = False,
         compile_backend: str = "inductor",
+        async_tensor_parallel: bool = False,
     ) -> None:
         check_lightning_internals()
         super().__init__()
@@ -246,6 +255,7 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         self._tensor_parallel_dropout = False  # LoRA dropout on tp layers: the tp ranks' generators agree each step
         self._step = StepRunner(nonfinite, max_nonfinite_skips)
         self._step_groups: Optional[StepGroups] = None  # known once the mesh exists
+        self.async_tensor_parallel = async_tensor_parallel
         self._rollbacks = 0
         if checkpoint_verify not in VERIFY_LEVELS:
             raise ValueError(f"{type(self).__name__}(`checkpoint_verify={checkpoint_verify!r}`): choose one of {VERIFY_LEVELS}")
@@ -279,7 +289,8 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         )
         self._auto_transforms: list[ModelTransform] = []
         self.compile, self.compile_backend = compile, compile_backend
-        self._compiler = block_compiler(compile, compile_backend, type(self).__name__, pipeline=(pipeline_parallel, pipeline_schedule))
+        self._compiler = block_compiler(compile, compile_backend, type(self).__name__, pipeline=(pipeline_parallel, pipeline_schedule),
+                                        async_tensor_parallel=async_tensor_parallel)
         self.chosen_layout: Optional[Any] = None
         """Under `auto_layout`, the planner's row that was applied (`ultrascale.planner.PlanRow`)."""
 
@@ -497,6 +508,11 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         self._pipeline_layout = checked.pipeline[1] if checked.pipeline is not None else None
         self._check_data(sequence_parallel=checked.sequence_parallel,  # before any weight moves
                          microbatches=self._pipeline_layout.microbatches if self._pipeline_layout is not None else None)
+        if self.async_tensor_parallel:
+            dims, device = self.parallel_dims, self.root_device
+            raise_first(async_tensor_parallel_problems(dims.tp, checked.sequence_parallel, device.type,
+                                                       symmetric_memory_available(device)), type(self).__name__)
+            enable_symmetric_memory(self.parallel_mesh["tp"].get_group())
         precision = self.precision_plugin
         assert isinstance(precision, UltraScalePrecision)
         trainer = trainer_of(self.lightning_module)

@@ -20,7 +20,7 @@ class TensorParallelStrategy(UltraScaleStrategy):
 
     Args:
         tensor_parallel: TP degree; "auto" = devices per node.
-        sequence_parallel, loss_parallel, tp_plan: see `UltraScaleStrategy`.
+        sequence_parallel, loss_parallel, tp_plan, async_tensor_parallel: see `UltraScaleStrategy`.
         data_parallel_replicate: HSDP replicas of the (dp_shard x tp) model; 1 means off.
     """
 
@@ -33,6 +33,7 @@ class TensorParallelStrategy(UltraScaleStrategy):
         loss_parallel: Optional[bool] = None,
         tp_plan: Optional[dict[str, Any]] = None,
         data_parallel_replicate: int = 1,
+        async_tensor_parallel: bool = False,
         **knobs: Unpack[ShardingKnobs],
     ) -> None:
         raise_first(auto_degree_problems(tensor_parallel=tensor_parallel), type(self).__name__)
@@ -42,6 +43,7 @@ class TensorParallelStrategy(UltraScaleStrategy):
             sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel,
             tp_plan=tp_plan,
+            async_tensor_parallel=async_tensor_parallel,
             **checked_knobs(type(self).__name__, knobs, ShardingKnobs),
         )
         self.tensor_parallel = tensor_parallel
