@@ -68,9 +68,8 @@ from ultrascale.parallel.device import all_gather_single, collective_device, red
 from ultrascale.parallel.grad import power_sum
 from ultrascale.parallel.zero_checkpoint import ShardRanks, ZeroCheckpointing, _local
 
-# Optimizers whose update of element i reads only element i of the parameter, gradient and
-# state: stepping a slice equals slicing the full step. (LAMB/LARS-style trust ratios, Adafactor's
-# factored moments, Muon's orthogonalisation and L-BFGS are not.)
+# Optimizers whose update of element i reads only element i of the parameter, gradient and state: stepping a slice
+# equals slicing the full step. (LAMB/LARS-style trust ratios, Adafactor, Muon and L-BFGS are not.)
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
     torch.optim.Adam,
@@ -87,11 +86,11 @@ _reduce_scatter = reduce_scatter_single
 _all_gather = all_gather_single
 _gather_for_inspection = _all_gather  # not the training path: tests count `_all_gather` calls
 
+
 def zero12_dtypes(precision: str, accumulate_in_fp32: Optional[bool] = None) -> tuple[Optional[torch.dtype], Optional[torch.dtype]]:
     """(compute_dtype, accumulate_dtype) of a `ZeroEngine` under a Trainer precision (None: the weights' dtype).
-    bf16-mixed: bf16 weights for compute (fp32 masters in the optimizer) and, unless `accumulate_in_fp32=False`,
-    fp32 gradients, accumulated and reduced, as FSDP's `reduce_dtype` and Megatron's distributed optimizer under
-    bf16; `estimate.STATE_BYTES` prices the same bytes."""
+    bf16-mixed: bf16 weights for compute (fp32 masters in the optimizer) and, unless `accumulate_in_fp32=False`, fp32
+    gradients, as FSDP's `reduce_dtype` and Megatron's distributed optimizer under bf16 (`estimate.STATE_BYTES`)."""
     if accumulate_in_fp32 is None:
         accumulate_in_fp32 = precision == "bf16-mixed"
     return (torch.bfloat16 if precision == "bf16-mixed" else None), (torch.float32 if accumulate_in_fp32 else None)
@@ -137,10 +136,6 @@ class _Bucket:
     pending: Optional[tuple[Any, torch.Tensor]] = None
     views: dict[int, torch.Tensor] = field(default_factory=dict)
     over: Optional[ShardRanks] = None  # the ranks it is cut over (the dense dp ranks, or the experts')
-
-    @property
-    def grad_element_size(self) -> int:
-        return torch.empty((), dtype=self.accumulate_dtype).element_size()
 
 
 class ZeroEngine(ZeroCheckpointing):
@@ -382,10 +377,9 @@ class ZeroEngine(ZeroCheckpointing):
             self._launch_ready_buckets()
 
     def _detach_reduced_region(self, bucket: _Bucket) -> None:
-        """ZeRO-1, a backward after one that was reduced in the same step (manual optimization): the reduced slice
-        moves out of its region, and the buffer starts from zero, so the next reduction sums only the new local
-        gradients and adds them to it (left in place, the buffer's reduced gradients would be summed again). The
-        parameters' `.grad` was let go at that reduction, so autograd wrote nothing here."""
+        """ZeRO-1, a backward after one reduced in the same step: the reduced slice moves out of its region and the
+        buffer restarts from zero, so the next reduction adds only the new gradients (the reduced ones would be summed
+        again). The parameters' `.grad` was let go at that reduction, so autograd wrote nothing here."""
         if bucket.reduced_in_buffer:
             if bucket.grad_shard.data_ptr() == self._region(bucket).data_ptr():
                 bucket.grad_shard = bucket.grad_shard.clone()
