@@ -136,7 +136,7 @@ def test_variable_length_batches_compile_a_bounded_number_of_times():
     torch.testing.assert_close(torch.tensor(step_losses(results)), torch.tensor(reference["losses"]), rtol=0, atol=1e-4)
 
 
-def _async_tp_fit(rank, world_size, accumulate):
+def _async_tp_fit(rank, world_size, make_module, dataset, accumulate):
     """A compiled tp2 + SP fit with `async_tensor_parallel`, CUDA's symmetric memory stood in for on CPU by torch's
     own test mode (`_symmetric_memory._test_mode`): inductor's pass rewrites the graphs as on a GPU, and the fused ops
     run torch's reference implementations of them (registered for CPU here, and counted)."""
@@ -160,17 +160,25 @@ def _async_tp_fit(rank, world_size, accumulate):
     torch.distributed.is_nccl_available = lambda: True  # the pass fuses only where NCCL could run the kernels
     strategy_module.symmetric_memory_available = lambda device: True
     with symm_mem._test_mode():
-        result = _fit(rank, world_size, make_llama, masked_data(), BATCH,
+        result = _fit(rank, world_size, make_module, dataset, BATCH,
                       {"tensor_parallel": 2, "data_parallel_shard": 1, "sequence_parallel": True,
                        "async_tensor_parallel": True}, accumulate=accumulate)
     return {**result, **calls}
 
 
-def test_async_tensor_parallel_fuses_the_sequence_parallel_collectives_and_matches_one_process():
-    reference = reference_run(make_llama(), masked_data(), global_batch=BATCH, steps=STEPS, accumulate=2)
-    results = run_ranks(_async_tp_fit, 2, 2)
-    # Every block's all-gathers before its q/k/v and w1/w3 and its reduce-scatters after wo and w2, forward and
-    # backward, ran as the fused kernels.
+@pytest.mark.parametrize("model", ["llama", "hf-qwen2"])
+def test_async_tensor_parallel_fuses_the_sequence_parallel_collectives_and_matches_one_process(model, tmp_path):
+    from tests._parity import make_hf, make_hf_checkpoint
+
+    if model == "llama":
+        make_module = make_llama
+    else:  # sequence parallel on a Hugging Face decoder (ultrascale's own SP styles around transformers' plan)
+        path = make_hf_checkpoint(tmp_path / "ckpt", "qwen2", vocab_size=VOCAB, head_dim=16)
+        make_module = lambda: make_hf(path)  # noqa: E731
+    reference = reference_run(make_module(), masked_data(), global_batch=BATCH, steps=STEPS, accumulate=2)
+    results = run_ranks(_async_tp_fit, 2, make_module, masked_data(), 2)
+    # The all-gathers before the q/k/v and gate/up matmuls and the reduce-scatters after the output and down
+    # matmuls, forward and backward, ran as the fused kernels.
     assert results[0]["fused_all_gather_matmul"] > 0 and results[0]["fused_matmul_reduce_scatter"] > 0, results[0]
     assert_parity(results[0], reference, step_losses(results))
 
