@@ -474,6 +474,8 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         if not model_setup.is_parallelized(module):
             self._parallelize(module)
         elif self._compiler is not None:  # parallelised by an earlier fit, whose teardown put the blocks back
+            if self.async_tensor_parallel:  # the new fit's tp group (sequence parallel was checked when it was planned)
+                self._enable_async_tensor_parallel(self._sequence_parallel_active is not False)
             self._compiler.compile_again(module)
         self.model_to_device()
         self.barrier()
@@ -509,10 +511,7 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         self._check_data(sequence_parallel=checked.sequence_parallel,  # before any weight moves
                          microbatches=self._pipeline_layout.microbatches if self._pipeline_layout is not None else None)
         if self.async_tensor_parallel:
-            dims, device = self.parallel_dims, self.root_device
-            raise_first(async_tensor_parallel_problems(dims.tp, checked.sequence_parallel, device.type,
-                                                       symmetric_memory_available(device)), type(self).__name__)
-            enable_symmetric_memory(self.parallel_mesh["tp"].get_group())
+            self._enable_async_tensor_parallel(checked.sequence_parallel)
         precision = self.precision_plugin
         assert isinstance(precision, UltraScalePrecision)
         trainer = trainer_of(self.lightning_module)
@@ -529,6 +528,14 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         self._tensor_parallel_dropout = has_tensor_parallel_dropout(module)
         if self._compiler is not None:
             self._compiler.stats.start()
+
+    def _enable_async_tensor_parallel(self, sequence_parallel: bool) -> None:
+        """Async TP's checks (`async_tensor_parallel_problems`), then symmetric memory for the tp group, before the
+        blocks compile."""
+        dims, device = self.parallel_dims, self.root_device
+        raise_first(async_tensor_parallel_problems(dims.tp, sequence_parallel, device.type, symmetric_memory_available(device)),
+                    type(self).__name__)
+        enable_symmetric_memory(self.parallel_mesh["tp"].get_group())
 
     def _make_zero_engine(self, optimizer: torch.optim.Optimizer) -> ZeroEngine:
         precision = self.precision_plugin
