@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ultrascale.estimate import ModelShape
 from ultrascale.models.hf_sequence_parallel import hf_sequence_parallel_problem, hf_sequence_parallel_styles
-from ultrascale.models.tp_plans import hf_base_tp_plan, llama_tp_plan
+from ultrascale.models.tp_plans import hf_base_tp_plan
 from ultrascale.parallel.rules import ModelFacts, experts_over_tp
 
 
@@ -135,6 +135,7 @@ def _prefix(path: str) -> str:
 
 
 def _llama_adapter(found: tuple[str, nn.Module], common: dict[str, Any]) -> ModelAdapter:
+    from ultrascale.models.tp_plans import llama_tp_plan
 
     path, llama = found
     config = llama.config
