@@ -380,6 +380,20 @@ def test_latent_attention_without_a_query_lora_splits_its_query_projection_under
     assert_stage_parity(results, reference)
 
 
+def test_parameters_outside_the_pipeline_parts_are_refused_under_pipeline_parallel(tmp_path):
+    """DeepSeek-V4 mixes its hyper-connection streams after the layers with parameters of its own (`hc_head`): under
+    PP every stage would keep a copy that only the last stage trains, so it is refused by name before any stage runs
+    (before, a later stage failed expanding the streams)."""
+    import transformers
+
+    config = transformers.DeepseekV4Config(**{**_COMMON, **_MOE, "num_key_value_heads": 1}, n_routed_experts=4,
+                                           n_shared_experts=1, head_dim=8, qk_rope_head_dim=4, q_lora_rank=16)
+    path = save_perturbed_hf(config, tmp_path / "deepseek_v4")
+    messages = run_ranks(_refusal, WORLD, path, LAYOUTS["PP 2 (1F1B)"])
+    assert messages[0] is not None and "holds parameters outside its embedding, layers, final norm and head" in messages[0]
+    assert "model.hc_head" in messages[0]
+
+
 def _train_steps(rank, world_size, path, strategy_kwargs, steps):
     recorder = Recorder()
     trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**strategy_kwargs), recorder, steps,

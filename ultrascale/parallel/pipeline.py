@@ -166,6 +166,15 @@ class PipelineParts:
                 self.root.get_submodule(path)
             except AttributeError:
                 return f"pipeline parallel: {model_name} has no {role} at `{path}`"
+        held = {id(p) for path in (self.embed, self.layers, self.norm, self.head)
+                for p in self.root.get_submodule(path).parameters()}
+        outside = [name for name, p in self.root.named_parameters() if id(p) not in held]
+        if outside:
+            # Stage-less parameters stay on every stage: each keeps its own copy, trained only where the forward
+            # uses it (DeepSeek-V4's `hc_head` after the layers), and the copies part ways.
+            return (f"pipeline parallel: {model_name} holds parameters outside its embedding, layers, final norm and "
+                    f"head ({', '.join(outside[:4])}{' ...' if len(outside) > 4 else ''}), of which every stage would "
+                    "keep a copy that only the stage using it trains: train it without pipeline parallel")
         shared = {id(p) for p in self.root.get_submodule(self.embed).parameters()} & {
             id(p) for p in self.root.get_submodule(self.head).parameters()}
         if len(shared) != len(self.tied_weights()):
