@@ -83,11 +83,12 @@ def _model(dim: int, layers: int) -> torch.nn.Module:
 
 
 def _engine(model, stage, mesh, bucket_mb):
-    from ultrascale.parallel.zero import ZeroEngine
+    from ultrascale.parallel.zero import ZeroEngine, zero12_dtypes
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    compute_dtype, accumulate_dtype = zero12_dtypes("bf16-mixed")  # the strategy's engine under bf16-mixed
     engine = ZeroEngine(model, optimizer, stage=stage, dp_mesh=mesh, bucket_bytes=int(bucket_mb * MIB),
-                        compute_dtype=torch.bfloat16)
+                        compute_dtype=compute_dtype, accumulate_dtype=accumulate_dtype)
     return optimizer, engine
 
 
