@@ -168,10 +168,10 @@ class PipelineParts:
                 return f"pipeline parallel: {model_name} has no {role} at `{path}`"
         held = {id(p) for path in (self.embed, self.layers, self.norm, self.head)
                 for p in self.root.get_submodule(path).parameters()}
-        outside = [name for name, p in self.root.named_parameters() if id(p) not in held]
+        outside = [name for name, p in self.root.named_parameters() if id(p) not in held and p.requires_grad]
         if outside:
             # Stage-less parameters stay on every stage: each keeps its own copy, trained only where the forward
-            # uses it (DeepSeek-V4's `hc_head` after the layers), and the copies part ways.
+            # uses it (DeepSeek-V4's `hc_head` after the layers), and the copies part ways (frozen ones do not).
             return (f"pipeline parallel: {model_name} holds parameters outside its embedding, layers, final norm and "
                     f"head ({', '.join(outside[:4])}{' ...' if len(outside) > 4 else ''}), of which every stage would "
                     "keep a copy that only the stage using it trains: train it without pipeline parallel")

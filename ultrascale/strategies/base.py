@@ -298,8 +298,9 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
     def from_accelerate(cls, parallelism_config: Any, **knobs: Any) -> "UltraScaleStrategy":
         """The strategy for an accelerate `ParallelismConfig` (or a mapping with its field names): its
         dp_replicate / dp_shard / tp / cp sizes become the degrees, cp's communication strategy the
-        context-parallel method; what ultrascale does not run (Ulysses `sp_size`, async TP) is refused.
-        Other knobs (`zero_stage`, `pipeline_parallel`, ...) pass through `knobs`."""
+        context-parallel method, `sp_size` Ulysses (USP with `cp_size`), `enable_async_tp` `async_tensor_parallel`;
+        what ultrascale does not run (a Ulysses kernel other than SDPA) is refused. Other knobs (`zero_stage`,
+        `pipeline_parallel`, `compile`, ...) pass through `knobs`."""
         from ultrascale.strategies.accelerate_interop import knobs_from_accelerate
 
         return cls(**knobs_from_accelerate(parallelism_config, owner=cls.__name__, other_knobs=knobs), **knobs)
