@@ -113,8 +113,8 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         zero_stage: 3 = parameters, gradients and optimizer state sharded (FSDP2); 2 = replicated parameters, sharded gradients and
             optimizer state; 1 = replicated parameters and gradients, sharded optimizer state. Stages 1/2 need an elementwise
             optimizer (AdamW, SGD, ...); with tensor parallel they shard each rank's tp shards (Megatron's distributed optimizer).
-        zero_bucket_mb: ZeRO-1/2 gradient bucket size in MiB (one reduce-scatter per bucket; ZeRO-2 launches each as soon as its
-            gradients are complete). None: 100 on GPU (the Playbook's figure), 4 on CPU.
+        zero_bucket_mb: ZeRO-1/2 gradient bucket size in MiB (one reduce-scatter per bucket, launched in the step's last backward as
+            soon as its gradients are complete). None: 100 on GPU (the Playbook's figure), 4 on CPU.
         accumulate_grads_in_fp32: ZeRO-1/2 with bf16 parameters: accumulate and reduce gradients in fp32 buffers (no bf16 rounding
             across micro-batches and ranks; twice the gradient memory of bf16). None: fp32 under bf16-mixed (as ZeRO-3 reduces,
             and Megatron's distributed optimizer), the weights' dtype under bf16-true.
