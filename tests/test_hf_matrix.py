@@ -256,6 +256,18 @@ def test_combination(architecture, layout, checkpoints, tmp_path):
     assert_stage_parity(results, reference)
 
 
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_zero12(architecture, zero_stage, checkpoints, tmp_path):
+    """ZeRO-1/2 (replicated weights, sharded optimizer state; ZeRO-2 also gradients) on every architecture of the
+    matrix: the cell's parity. Each reduces inside the last backward of a step: a tied weight is one bucket for both
+    uses, and a rank's expert buckets may get no gradient at all."""
+    path = checkpoints(architecture)
+    results = run_ranks(_train, WORLD, path, {"data_parallel_shard": 2, "zero_stage": zero_stage},
+                        str(tmp_path / "exported"))
+    assert_stage_parity(results, _reference(architecture, path))
+
+
 # --------------------------------------------------------------------------- sequence parallel
 
 SEQUENCE_PARALLEL = {"tensor_parallel": 2, "data_parallel_shard": 1, "sequence_parallel": True}
