@@ -156,7 +156,7 @@ def model_flops(module: nn.Module) -> Optional[ModelFlops]:
         if not isinstance(config, PretrainedConfig) or not hasattr(config, "num_hidden_layers"):
             continue
         heads = getattr(config, "num_attention_heads", None)  # none in an attention-free model (RWKV): 6N alone
-        width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads) if heads else 0
+        width = heads * hf_head_dim(config) if heads else 0
         experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
         top_k = getattr(config, "num_experts_per_tok", None)
         if experts and top_k:
@@ -205,6 +205,13 @@ def matmul_params(module: nn.Module, *, exclude: Iterable[nn.Module] = ()) -> in
 
 
 _EXPERT_PATH = re.compile(r"(^|\.)experts(\.|$)")
+
+
+def hf_head_dim(config: Any) -> Optional[int]:
+    """The width of one attention head of a Hugging Face config: its `head_dim`, else hidden / heads; None for a
+    model without attention heads (RWKV)."""
+    heads = getattr(config, "num_attention_heads", None)
+    return (getattr(config, "head_dim", None) or config.hidden_size // heads) if heads else None
 
 
 def active_params(module: nn.Module, *, experts_per_token: int, num_experts: int) -> int:
@@ -396,7 +403,7 @@ def _read_hf_shape(cls: type, c: Any) -> "ModelShape":
         raise ValueError(f"ModelShape: {type(model).__name__} has no list of decoder layers the cost model reads")
     heads = c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    head_dim = hf_head_dim(c)
     layer = layers[0]
     attention = next((m for name, m in layer.named_children() if "attn" in name or "attention" in name), None)
     projections = dict(attention.named_children()) if attention is not None else {}

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ultrascale.estimate import ModelShape
+from ultrascale.estimate import ModelShape, hf_head_dim
 from ultrascale.models.hf_sequence_parallel import hf_sequence_parallel_problem, hf_sequence_parallel_styles
 from ultrascale.models.tp_plans import hf_base_tp_plan
 from ultrascale.parallel.rules import ModelFacts, experts_over_tp
@@ -404,9 +404,7 @@ def _modules_on_split_activations(hf: nn.Module, styles: Mapping[str, ParallelSt
 
     from ultrascale.parallel.tensor_styles import ReplicatedWithGradAllReduce
 
-    config = hf.config
-    heads = getattr(config, "num_attention_heads", None)
-    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    head_dim = hf_head_dim(hf.config)
 
     def unindexed(param: nn.Parameter) -> bool:
         return param.numel() == 1 or (param.dim() == 1 and head_dim is not None and param.shape[0] == head_dim)

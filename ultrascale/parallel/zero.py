@@ -1,10 +1,10 @@
 """ZeRO-1 and ZeRO-2: replicated parameters, optimizer state (and gradients) sharded over dp ranks.
 
 Rajbhandari et al. 2020 / the Ultra-Scale Playbook, for Ψ parameters on N ranks under Adam
-with bf16 compute and fp32 master weights:
+with bf16 compute and fp32 master weights (gradients in fp32, `zero12_dtypes`; the paper's 2Ψ bf16):
 
-    ZeRO-1: 2Ψ (bf16 params) + 2Ψ (bf16 grads) + 12Ψ/N (fp32 master, m, v)
-    ZeRO-2: 2Ψ (bf16 params) + 2Ψ/N (bf16 grad shard) + 12Ψ/N
+    ZeRO-1: 2Ψ (bf16 params) + 4Ψ (fp32 grads) + 12Ψ/N (fp32 master, m, v)
+    ZeRO-2: 2Ψ (bf16 params) + 4Ψ/N (fp32 grad shard) + 12Ψ/N
 
 Layout. The parameters of each optimizer param group are packed, in reverse registration
 order (roughly the order backward produces their gradients), into contiguous buckets of
