@@ -252,6 +252,46 @@ def test_attention_kernel_is_chosen_in_one_place(monkeypatch):
     assert device_module.attention_backend(cuda, torch.float16) == "sdpa"  # pre-Ampere
 
 
+def test_context_parallel_cuda_blocks_go_to_flash_where_it_applies(monkeypatch):
+    """Which CUDA kernel a ring block takes, and both kernels' calls checked against torch's op schemas on meta tensors
+    (the numbers are tests/test_gpu.py's): flash without a bias, with a head width that is a multiple of 8 and where
+    torch's own flash rule (asked as for training) agrees; the efficient kernel otherwise."""
+    from ultrascale.parallel import attention_kernels as kernels
+
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, k, v = torch.empty(2, 8, 37, 32, **meta), torch.empty(2, 2, 74, 32, **meta), torch.empty(2, 2, 74, 32, **meta)
+    asked = []
+
+    def torch_rule(params, debug):
+        asked.append((params.query.requires_grad, params.enable_gqa, params.is_causal))
+        return True
+
+    monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention", torch_rule)
+    bias = torch.zeros(1, 1, 37, 74, **meta)
+    assert not kernels._flash_takes(q, k, v, False, bias)  # documents / windows
+    assert not kernels._flash_takes(q[..., :20], k[..., :20], v[..., :20], False, None)  # 20 is not a multiple of 8
+    assert not kernels._flash_takes(q, k, v, True, None)  # causal only on the square own block
+    assert asked == []
+    assert kernels._flash_takes(q, k, v, False, None)
+    assert asked == [(True, True, False)]
+
+    efficient_calls = []
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention",
+                        lambda *a, **kw: efficient_calls.append(1) or efficient(*a, **kw))
+    out, lse = kernels._cuda_forward(q, k, v, False, None, 0.2)
+    assert (out.shape, lse.shape, lse.dtype, efficient_calls) == ((2, 8, 37, 32), (2, 8, 37), torch.float32, [])
+    dq, dk, dv = kernels._cuda_backward(torch.empty_like(out), q, k, v, out, lse, False, None, 0.2)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)  # dK/dV on the kv heads
+    out, lse = kernels._cuda_forward(q, k, v, False, bias, 0.2)
+    assert (out.shape, lse.shape, efficient_calls) == ((2, 8, 37, 32), (2, 8, 37), [1])
+    dq, dk, dv = kernels._cuda_backward(torch.empty_like(out), q, k, v, out, lse, False, bias, 0.2)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    monkeypatch.undo()
+    on_cpu = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)
+    assert not kernels._flash_takes(on_cpu, on_cpu, on_cpu, True, None)  # torch's rule: not on a CPU
+
+
 def test_hf_model_without_an_attention_choice_gets_the_devices(tmp_path):
     from tests._parity import make_hf_checkpoint
     from ultrascale.models.hf import HFCausalLM

@@ -493,6 +493,47 @@ def test_context_parallel_backward_in_bf16_and_fp16_equals_attention():
             assert error < 1e-2, f"{dtype}, documents={documents}: {name} is {error:.2e} off (relative norm)"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_context_parallel_flash_blocks_merged_equal_attention(dtype, monkeypatch):
+    """Ring blocks on CUDA's flash kernel as the ring computes them: the last 29 queries of 87 tokens against their
+    own keys (square, causal) and against the 58 keys before them (no mask: query and key counts differ, odd), merged,
+    then each block's backward with the merged output and log-sum-exp; grouped heads not repeated. Equal to fp64
+    attention, and flash took every call."""
+    from ultrascale.parallel import attention_kernels as kernels
+    from ultrascale.parallel.context import _merge
+
+    taken = []
+    flash_forward, flash_backward = kernels._flash_forward, kernels._flash_backward
+    monkeypatch.setattr(kernels, "_flash_forward", lambda *a: taken.append("forward") or flash_forward(*a))
+    monkeypatch.setattr(kernels, "_flash_backward", lambda *a: taken.append("backward") or flash_backward(*a))
+    forward, backward = kernels.attention_kernel(torch.device("cuda"))
+    torch.manual_seed(0)
+    t, own, scale = 87, 29, 32**-0.5
+    q = torch.randn(2, 8, own, 32, device="cuda", dtype=dtype)
+    k, v = (torch.randn(2, 2, t, 32, device="cuda", dtype=dtype) for _ in range(2))
+    dout = torch.randn_like(q)
+    blocks = [(slice(t - own, t), True), (slice(0, t - own), False)]
+    out = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
+    lse = torch.full(q.shape[:-1], float("-inf"), device="cuda")
+    for keys, causal in blocks:
+        block_out, block_lse = forward(q, k[:, :, keys], v[:, :, keys], causal, None, scale)
+        _merge(out, lse, block_out, block_lse)
+    out = out.to(dtype)
+    dq, dk, dv = (torch.zeros_like(x, dtype=torch.float32) for x in (q, k, v))
+    for keys, causal in blocks:
+        dq_block, dk_block, dv_block = backward(dout, q, k[:, :, keys], v[:, :, keys], out, lse, causal, None, scale)
+        dq += dq_block
+        dk[:, :, keys] += dk_block
+        dv[:, :, keys] += dv_block
+    assert taken == ["forward", "forward", "backward", "backward"]
+    allowed = torch.arange(t, device="cuda")[None, :] <= torch.arange(t - own, t, device="cuda")[:, None]
+    reference, (qd, kd, vd) = _reference_attention(q, k, v, allowed[None, None])
+    reference.backward(dout.double())
+    for name, got, want in (("out", out, reference), ("dQ", dq, qd.grad), ("dK", dk, kd.grad), ("dV", dv, vd.grad)):
+        error = float((got.double() - want.detach()).norm() / want.detach().norm())
+        assert error < 1e-2, f"{name} is {error:.2e} off (relative norm)"
+
+
 @pytest.mark.parametrize("dtype, masked", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)])
 def test_grouped_query_attention_never_needs_the_math_kernel(dtype, masked):
     """GQA in fp32 or with a mask under `sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION])`, which forbids the

@@ -1,7 +1,8 @@
 """The attention kernels context parallel computes each block with: attention that also returns the log-sum-exp of
 every query row, and its backward given the *merged* output and log-sum-exp (`ultrascale.parallel.context`).
-One pair per device type (`attention_kernel`: torch's CPU flash kernel, CUDA's memory-efficient one, with the
-stride and alignment fixes an H200 run found) and a written-out one for logit soft-capping (`softcap_kernel`)."""
+One pair per device type (`attention_kernel`: torch's CPU flash kernel; on CUDA the flash kernel where it applies and
+the memory-efficient one, with the stride and alignment fixes an H200 run found, elsewhere) and a written-out one for
+logit soft-capping (`softcap_kernel`)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def _aligned_bias(bias: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor
 
 
 def _heads_inner(x: torch.Tensor) -> torch.Tensor:
-    """(B, H, T, D) with the memory of (B, T, H, D), the layout of the efficient kernel's own output: its backward
+    """(B, H, T, D) with the memory of (B, T, H, D), the layout of both CUDA kernels' own output. The efficient one's backward
     computes rowsum(dO * O) assuming it for `out` and `dout` (the merged (B, H, T, D)-contiguous out of the ring gave
     dQ and dK 50-75 % off in bf16/fp16 on an H200; fp32 takes another path)."""
     return x.transpose(1, 2).contiguous().transpose(1, 2)
@@ -58,7 +59,42 @@ def _padded_lse(lse: torch.Tensor) -> torch.Tensor:
     return F.pad(lse, (0, -lse.shape[-1] % 32)).contiguous()
 
 
+def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bias: Optional[torch.Tensor]) -> bool:
+    """Whether a block goes to CUDA's flash kernel: no bias (it takes none: documents and windows stay with the
+    efficient kernel), a head width that is a multiple of 8 (the raw op does not pad it, SDPA does), and whatever
+    torch's own rule for flash says of these tensors (16-bit, head width at most 256, the GPU's generation, grouped
+    heads, strides, `torch.backends.cuda.enable_flash_sdp`). Causal blocks are the ring's own square ones, where
+    flash's bottom-right causal alignment is the top-left one."""
+    if bias is not None or q.shape[-1] % 8 or (causal and q.shape[2] != k.shape[2]):
+        return False
+    # Asked as for training (torch refuses flash's backward for some head widths on some GPUs), so that forward and
+    # backward, whose own tensors do not require grad, choose alike.
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal, q.shape[1] != k.shape[1])
+    return torch.backends.cuda.can_use_flash_attention(params, False)
+
+
+def _flash_forward(q, k, v, causal, scale):
+    # Grouped heads natively: K/V are not repeated. lse comes as (B, H, Tq) fp32.
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return out, lse
+
+
+def _flash_backward(dout, q, k, v, out, lse, causal, scale):
+    # No dropout: the generator state is never read; these are the shapes the forward returns (cum_seq None: no
+    # variable-length batch, so max_q/max_k are not read either). dK/dV come summed onto the kv heads.
+    seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        _heads_inner(dout), q, k, v, _heads_inner(out), lse.contiguous(), None, None, q.shape[2], k.shape[2],
+        0.0, causal, seed, offset, scale=scale,
+    )
+    return dq, dk, dv
+
+
 def _cuda_forward(q, k, v, causal, bias, scale):
+    if _flash_takes(q, k, v, causal, bias):
+        return _flash_forward(q, k, v, causal, scale)
     # torch's memory-efficient kernel: fp32/bf16/fp16, additive bias, equal head counts.
     groups = q.shape[1] // k.shape[1]
     bias = _aligned_bias(bias, q, k)
@@ -69,6 +105,8 @@ def _cuda_forward(q, k, v, causal, bias, scale):
 
 
 def _cuda_backward(dout, q, k, v, out, lse, causal, bias, scale):
+    if _flash_takes(q, k, v, causal, bias):
+        return _flash_backward(dout, q, k, v, out, lse, causal, scale)
     groups = q.shape[1] // k.shape[1]
     bias = _aligned_bias(bias, q, k)
     seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: never read
