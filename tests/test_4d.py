@@ -275,21 +275,50 @@ def test_context_parallel_cuda_blocks_go_to_flash_where_it_applies(monkeypatch):
     assert kernels._flash_takes(q, k, v, False, None)
     assert asked == [(True, True, False)]
 
+    checked = []
+
+    def check_shapes(kind, names, got, efficient):  # meta tensors have no values: the shapes agree
+        assert [x.shape for x in got] == [x.shape for x in efficient()]
+        checked.append(kind[:2])
+        return got
+
+    monkeypatch.setattr(kernels, "_checked_against_efficient", check_shapes)
     efficient_calls = []
     efficient = torch.ops.aten._scaled_dot_product_efficient_attention
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention",
                         lambda *a, **kw: efficient_calls.append(1) or efficient(*a, **kw))
     out, lse = kernels._cuda_forward(q, k, v, False, None, 0.2)
-    assert (out.shape, lse.shape, lse.dtype, efficient_calls) == ((2, 8, 37, 32), (2, 8, 37), torch.float32, [])
+    assert (out.shape, lse.shape, lse.dtype, efficient_calls) == ((2, 8, 37, 32), (2, 8, 37), torch.float32, [1])
     dq, dk, dv = kernels._cuda_backward(torch.empty_like(out), q, k, v, out, lse, False, None, 0.2)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)  # dK/dV on the kv heads
+    assert checked == [("forward", torch.bfloat16), ("backward", torch.bfloat16)]
     out, lse = kernels._cuda_forward(q, k, v, False, bias, 0.2)
-    assert (out.shape, lse.shape, efficient_calls) == ((2, 8, 37, 32), (2, 8, 37), [1])
+    assert (out.shape, lse.shape, efficient_calls, len(checked)) == ((2, 8, 37, 32), (2, 8, 37), [1, 1], 2)
     dq, dk, dv = kernels._cuda_backward(torch.empty_like(out), q, k, v, out, lse, False, bias, 0.2)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     monkeypatch.undo()
     on_cpu = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)
     assert not kernels._flash_takes(on_cpu, on_cpu, on_cpu, True, None)  # torch's rule: not on a CPU
+
+
+def test_flash_blocks_are_checked_against_the_efficient_kernel_once_per_kind(monkeypatch):
+    """Until the flash blocks have met a GPU, a process checks the first flash call of each kind against the efficient
+    kernel on the same inputs, and refuses with the figures where they disagree."""
+    from ultrascale.parallel import attention_kernels as kernels
+
+    monkeypatch.setattr(kernels, "_flash_checked", set())
+    torch.manual_seed(0)
+    out, lse = torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8)
+    kind = ("forward", torch.bfloat16, 16, 2, True)
+    slightly_off = (out * (1 + 1e-3), lse)
+    assert kernels._checked_against_efficient(kind, ("out", "lse"), slightly_off, lambda: (out, lse)) is slightly_off
+    assert kernels._flash_checked == {kind}
+    wrong = (out * 1.3, lse)
+    assert kernels._checked_against_efficient(kind, ("out", "lse"), wrong, lambda: 1 / 0) is wrong  # checked once
+    other = ("backward", torch.bfloat16, 16, 2, True)
+    with pytest.raises(RuntimeError, match=r"backward block .* out 3\.0e-01, lse 0\.0e\+00.*enable_flash_sdp\(False\)"):
+        kernels._checked_against_efficient(other, ("out", "lse"), wrong, lambda: (out, lse))
+    assert other not in kernels._flash_checked
 
 
 def test_hf_model_without_an_attention_choice_gets_the_devices(tmp_path):
