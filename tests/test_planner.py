@@ -1007,6 +1007,36 @@ def test_cs336_zero_ladder_from_the_command_line(tmp_path, capsys):
         assert row["zero_stage"] == stage and "problems" not in row
         if stage == 0:  # plain data parallel is HSDP without sharding: 64 replicas
             assert row["runs_as"] == {"dp_replicate": 64, "dp_shard": 1, "zero_stage": 3}
+    for stage, gb in ((1, 31.4), (2, 16.6)):  # the strategy's accumulate_grads_in_fp32=False: CS336's bf16 gradients
+        code, out = _plan(capsys, "--hf-config", str(tmp_path), "--gpus", "64", "--seq-len", "4096", "--layout",
+                          f"dp_shard=64,zero_stage={stage},recompute=full,accumulate_grads_in_fp32=false", "--json")
+        assert code in (0, 1), out.err
+        (row,) = json.loads(out.out)
+        assert row["model_state_gib"]["total"] * 2**30 / 1e9 == pytest.approx(gb, rel=0.03), (stage, row)
+
+
+def test_recipe_with_bf16_gradients_is_priced_and_emitted_so(tmp_path):
+    """`accumulate_grads_in_fp32: false` in a ZeRO-1 recipe: priced with 2-byte gradients (Ψ·2 less than the default's
+    fp32 ones), and a layout with the knob writes it back into the recipe it emits."""
+    from pathlib import Path
+
+    from ultrascale.estimate import state_bytes
+    from ultrascale.planner.recipe import strategy_knobs
+    from ultrascale.planner.recipe_check import check_recipe
+
+    assert state_bytes("bf16-mixed", 1) == (2, 4, 12) and state_bytes("bf16-mixed", 2, False) == (2, 2, 12)
+    assert state_bytes("bf16-true", 1, True) == (2, 4, 4) and state_bytes("32-true", 2, False) == (4, 4, 8)
+    assert state_bytes("bf16-mixed", 3, False) == state_bytes("bf16-mixed", 3)  # ZeRO-3's is FSDP's reduce dtype
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu_2d.yaml")
+    zero1 = ["--trainer.strategy.init_args.zero_stage", "1", "--trainer.precision", "bf16-mixed"]
+    default = check_recipe(recipe, zero1)
+    bf16 = check_recipe(recipe, [*zero1, "--trainer.strategy.init_args.accumulate_grads_in_fp32", "false"])
+    assert default.row.layout.accumulate_grads_in_fp32 is None and bf16.row.layout.accumulate_grads_in_fp32 is False
+    grads = {name: check.row.model_state["grads"] for name, check in (("default", default), ("bf16", bf16))}
+    assert grads["bf16"] == pytest.approx(grads["default"] / 2)
+    assert "accumulate_grads_in_fp32=False" in bf16.row.layout.describe()
+    assert strategy_knobs(bf16.row.layout)["accumulate_grads_in_fp32"] is False  # the emitted recipe's init_args
+    assert "accumulate_grads_in_fp32" not in strategy_knobs(default.row.layout)
 
 
 # --------------------------------------------------------------------------- pipelines and Float8 from the command line
@@ -1249,6 +1279,7 @@ def test_the_searchs_candidate_tuples_are_layouts_field_by_field():
         assert lay.world == 16 and lay.micro_batch * lay.grad_accumulation * lay.dp == 32
         assert lay.zero_stage in (1, 2, 3) and lay.recompute in RECOMPUTE_MODES and lay.cp_method in CONTEXT_PARALLEL_METHODS
         assert shape.n_experts % lay.ep == 0 and isinstance(lay.accumulate_unsharded_grads, bool)
+        assert lay.accumulate_grads_in_fp32 is None  # not searched
         assert (lay.pipeline_schedule is None) == (lay.pp == 1) and lay.pipeline_schedule in (None, *SCHEDULES)
         assert lay.pipeline_layers is None or sum(lay.pipeline_layers) == shape.n_layers
         seen |= {(lay.pp > 1, lay.cp > 1, lay.ep > 1, lay.recompute, lay.accumulate_unsharded_grads)}
@@ -1259,5 +1290,5 @@ def test_the_searchs_candidate_tuples_are_layouts_field_by_field():
                  "ep": "_EP", "zero_stage": "_ZERO", "micro_batch": "_MICRO_BATCH", "grad_accumulation": "_ACCUMULATION",
                  "recompute": "_RECOMPUTE", "virtual_stages": "_VIRTUAL_STAGES", "pipeline_schedule": "_SCHEDULE",
                  "pipeline_layers": "_LAYERS", "accumulate_unsharded_grads": "_UNSHARDED", "cp_method": "_CP_METHOD",
-                 "cp_ulysses": "_CP_ULYSSES"}  # the search's memo keys pick fields by these
+                 "cp_ulysses": "_CP_ULYSSES", "accumulate_grads_in_fp32": "_GRADS_FP32"}  # the memo keys pick fields by these
     assert [getattr(search_module, constants[name]) for name in field_names] == list(range(len(field_names)))

@@ -22,6 +22,7 @@ __all__ = [
     "ModelStateEstimate",
     "ADAMW_KERNEL",
     "STATE_BYTES",
+    "state_bytes",
     "active_params",
     "estimate_model_state_bytes",
     "flops_per_token",
@@ -87,9 +88,9 @@ def estimate_model_state_bytes(
 
 
 # (weight, gradient, optimizer) bytes per parameter under Adam, by precision and ZeRO family,
-# as ultrascale holds them: FSDP2 (ZeRO-3) keeps fp32 sharded weights and casts gathered
-# copies to bf16; ZeRO-1/2 keep bf16 weights, fp32 gradients (`accumulate_grads_in_fp32`'s default,
-# `UltraScalePrecision.zero12_gradient_dtype`) and fp32 masters inside the optimizer state.
+# as ultrascale holds them by default: FSDP2 (ZeRO-3) keeps fp32 sharded weights and casts gathered
+# copies to bf16; ZeRO-1/2 keep bf16 weights, fp32 gradients (`accumulate_grads_in_fp32`'s default:
+# `parallel.zero.zero12_dtypes`) and fp32 masters inside the optimizer state. `state_bytes` reads the knob.
 ADAMW_KERNEL: dict[str, bool] = {"fused": True}
 """How the built-in modules' AdamW runs (`models.lm.adamw_warmup_cosine`; `measure` builds the same): torch's fused
 kernel, one launch per parameter group, as torchtitan runs it. foreach's step holds a temporary the size of the
@@ -104,6 +105,18 @@ STATE_BYTES: dict[tuple[str, str], tuple[int, int, int]] = {
     ("bf16-true", "fsdp"): (2, 2, 4),
     ("bf16-true", "zero12"): (2, 2, 4),
 }
+
+
+def state_bytes(precision: str, zero_stage: int, accumulate_grads_in_fp32: Optional[bool] = None) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer) bytes per parameter of a layout (`STATE_BYTES`), ZeRO-1/2's gradients as the
+    strategy's `accumulate_grads_in_fp32` makes them (`parallel.zero.zero12_dtypes`: None is fp32 under bf16-mixed)."""
+    if zero_stage == 3:
+        return STATE_BYTES[(precision, "fsdp")]
+    from ultrascale.parallel.zero import zero12_dtypes
+
+    weight, _, optimizer = STATE_BYTES[(precision, "zero12")]
+    accumulate_dtype = zero12_dtypes(precision, accumulate_grads_in_fp32)[1]
+    return weight, (4 if accumulate_dtype is not None else weight), optimizer
 
 
 # --------------------------------------------------------------------------- FLOPs

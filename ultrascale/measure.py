@@ -112,6 +112,7 @@ def measure_layout(
     timeout_s: float = 900,
     grad_accumulation: int = 1,
     accumulate_unsharded_grads: bool = False,
+    accumulate_grads_in_fp32: bool | None = None,
 ) -> dict[str, Any]:
     """Peak memory of rank 0 for one training step of this layout, measured on fake tensors.
 
@@ -134,6 +135,7 @@ def measure_layout(
             reduce-scatters every micro-batch into its shards. Under PP use `pipeline_microbatches`.
         accumulate_unsharded_grads: the strategy's knob of that name: FSDP skips the reduce-scatter on all
             but the last micro-batch and so accumulates whole gradients in its reduce dtype.
+        accumulate_grads_in_fp32: ZeRO-1/2's knob of that name (None: fp32 gradients under bf16-mixed).
 
     Returns:
         ``{"peak_gib": the peak of the step, "breakdown_gib": {"params", "grads", "optimizer", "activations",
@@ -161,6 +163,7 @@ def measure_layout(
         "tp": tp, "ep": ep, "zero_stage": zero_stage, "precision": precision, "seq_len": seq_len,
         "micro_batch": micro_batch, "recompute": recompute, "pipeline_microbatches": pipeline_microbatches,
         "grad_accumulation": grad_accumulation, "accumulate_unsharded_grads": accumulate_unsharded_grads,
+        "accumulate_grads_in_fp32": accumulate_grads_in_fp32,
     }
     _check_request(request)
     started = time.perf_counter()
@@ -436,7 +439,7 @@ def _measure(r: dict[str, Any]) -> dict[str, Any]:
         optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **r.get("adamw_kernel", ADAMW_KERNEL))
         engine = None
         if not fsdp:
-            compute_dtype, accumulate_dtype = zero12_dtypes(precision)  # the strategy's defaults
+            compute_dtype, accumulate_dtype = zero12_dtypes(precision, r.get("accumulate_grads_in_fp32"))
             engine = ZeroEngine(module, optimizer, stage=zero_stage, dp_mesh=mesh.fsdp, bucket_bytes=100 * 2**20,
                                 compute_dtype=compute_dtype, accumulate_dtype=accumulate_dtype, state_mesh=state_mesh)
         microbatches = pipeline[1].microbatches if pipeline is not None else 1

@@ -232,6 +232,7 @@ def plan_main(args: list[str]) -> str:
                 # The accumulation's peak is reached by its second micro-batch (gradients from the first held).
                 grad_accumulation=min(lay.grad_accumulation, 2) if lay.pp == 1 else 1,
                 accumulate_unsharded_grads=lay.accumulate_unsharded_grads,
+                accumulate_grads_in_fp32=lay.accumulate_grads_in_fp32,
             )
         except NotImplementedError as error:
             lines.append(f"measured   not measured: {error}")

@@ -8,7 +8,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ultrascale.estimate import STATE_BYTES, ActivationModel, ModelShape
+from ultrascale.estimate import ActivationModel, ModelShape, state_bytes
 from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, Cluster
 from ultrascale.parallel.pipeline import PipelineLayout, even_layers, head_holds_tied_copy
 from ultrascale.parallel.rules import expert_split
@@ -205,17 +205,16 @@ def stage_model_state(shape: ModelShape, layout: Layout, work: Workload, layers:
 
     ZeRO-1 shards the optimizer state over the n = dp_shard·cp ranks, ZeRO-2 also the
     gradients, ZeRO-3 also the weights (Rajbhandari et al. 2020); the bytes per parameter are
-    ultrascale's (`STATE_BYTES`). Experts are split over ep first, and their shards over the
+    ultrascale's (`estimate.state_bytes`). Experts are split over ep first, and their shards over the
     n/ep ranks that hold the same experts."""
     layout = runs_as(layout)
     key = (layout.zero_stage, layout.dp_shard, layout.cp, layout.tp, layout.ep, work.precision, layers, first, last,
-           layout.pp > 1)
+           layout.pp > 1, layout.accumulate_grads_in_fp32)
     return dict(_memoised(shape, "model_state", key, lambda: _model_state(shape, layout, work, layers, first, last)))
 
 
 def _model_state(shape: ModelShape, layout: Layout, work: Workload, layers: int, first: bool, last: bool) -> dict[str, float]:
-    family = "fsdp" if layout.zero_stage == 3 else "zero12"
-    w_bytes, g_bytes, o_bytes = STATE_BYTES[(work.precision, family)]
+    w_bytes, g_bytes, o_bytes = state_bytes(work.precision, layout.zero_stage, layout.accumulate_grads_in_fp32)
     n = layout.zero_ranks
     dense, experts = _stage_params(shape, layout, layers, first, last)
     # ZeRO-0 runs as unsharded HSDP (`runs_as`); with cp it is refused but still priced: everything replicated.
@@ -490,7 +489,7 @@ def _communication(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workl
     layers, first, last = rank_parts(shape, pipe)[0]  # the first rank: embedding, the most layers of the even split
     n_shard = lay.zero_ranks
     n_expert_shard = max(n_shard // lay.ep, 1)
-    w_bytes, g_bytes, _ = STATE_BYTES[(work.precision, "fsdp" if lay.zero_stage == 3 else "zero12")]
+    w_bytes, g_bytes, _ = state_bytes(work.precision, lay.zero_stage, lay.accumulate_grads_in_fp32)
     cp_stride = lay.tp  # mesh order pp, dp_replicate, dp_shard, cp, tp: tp innermost
     dpr_stride = lay.tp * lay.cp * lay.dp_shard
     bw_tp = _group_bandwidth(cluster, 1, lay.tp)

@@ -56,6 +56,8 @@ class Layout:
     """The strategy's `context_parallel_method` under cp > 1: "ring", "allgather", "alltoall" (Ulysses) or "usp"."""
     cp_ulysses: int = 1
     """USP's Ulysses degree inside each group of neighbouring cp ranks (the strategy's `context_parallel_ulysses`)."""
+    accumulate_grads_in_fp32: Optional[bool] = None
+    """ZeRO-1/2's gradient dtype, the strategy's knob of that name (None: fp32 under bf16-mixed; `estimate.state_bytes`)."""
 
     def __post_init__(self) -> None:
         # A multi-stage schedule named without virtual stages gets the strategy's default for it (2).
@@ -96,12 +98,14 @@ class Layout:
             parts.append(f"cp_method={self.cp_method}")
         if self.cp_method == "usp":
             parts.append(f"cp_ulysses={self.cp_ulysses}")
+        if self.accumulate_grads_in_fp32 is not None and self.zero_stage in (1, 2):
+            parts.append(f"accumulate_grads_in_fp32={self.accumulate_grads_in_fp32}")
         return ", ".join(parts)
 
 
 LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero_stage", "micro_batch", "grad_accumulation",
                "recompute", "virtual_stages", "accumulate_unsharded_grads", "cp_method", "cp_ulysses",
-               "pipeline_schedule", "pipeline_layers")
+               "pipeline_schedule", "pipeline_layers", "accumulate_grads_in_fp32")
 KNOB_DIMENSIONS = {"pipeline_schedule": "pp", "virtual_stages": "pp", "pipeline_layers": "pp", "cp_method": "cp",
                    "cp_ulysses": "cp"}
 """Knobs that mean something only where their dimension is above 1: a search with one of them fixed and the degree
@@ -128,7 +132,7 @@ def parse_layout(text: str) -> dict[str, Any]:
         key = aliases.get(key, key)
         if key not in LAYOUT_KEYS:
             raise ValueError(f"unknown layout key {key!r}; keys: {', '.join(LAYOUT_KEYS)}")
-        if key == "accumulate_unsharded_grads":
+        if key in ("accumulate_unsharded_grads", "accumulate_grads_in_fp32"):
             if value.lower() not in ("0", "1", "true", "false"):
                 raise ValueError(f"{key}={value!r}: give 0/1 or true/false")
             fixed[key] = value.lower() in ("1", "true")

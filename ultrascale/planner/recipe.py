@@ -32,6 +32,8 @@ def strategy_knobs(layout: Layout) -> dict[str, Any]:
             init["context_parallel_ulysses"] = lay.cp_ulysses
     if lay.accumulate_unsharded_grads:
         init["accumulate_unsharded_grads"] = True
+    if lay.accumulate_grads_in_fp32 is not None and lay.zero_stage in (1, 2):
+        init["accumulate_grads_in_fp32"] = lay.accumulate_grads_in_fp32
     return init
 
 

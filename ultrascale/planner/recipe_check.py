@@ -269,7 +269,8 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
                     pipeline_schedule=pipeline.schedule if pipeline is not None else None,
                     pipeline_layers=(pipeline.layers_per_stage if pipeline is not None and strategy.pipeline_layers is not None
                                      else None),
-                    cp_method=strategy.context_parallel_method, cp_ulysses=strategy.context_parallel_ulysses or 1)
+                    cp_method=strategy.context_parallel_method, cp_ulysses=strategy.context_parallel_ulysses or 1,
+                    accumulate_grads_in_fp32=getattr(strategy, "accumulate_grads_in_fp32", None))
     devices = "cpu" if str(trainer_args.get("accelerator")) == "cpu" else "cuda"
     cluster = priced_cluster(spec or GPU_SPECS[gpu], world, per_node, efficiency, calibration, devices)
     # The strategy's `compile` knob: each block compiled, priced with the published speed-up (`COMPILE_SPEEDUP`).

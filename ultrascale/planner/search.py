@@ -36,8 +36,8 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, work: Workload, fixed
 
 # A candidate's fields in `Layout`'s order (a search makes a `Layout` only for the candidates it reaches).
 (_PP, _DP_REPLICATE, _DP_SHARD, _CP, _TP, _EP, _ZERO, _MICRO_BATCH, _ACCUMULATION, _RECOMPUTE, _VIRTUAL_STAGES, _SCHEDULE,
- _LAYERS, _UNSHARDED, _CP_METHOD, _CP_ULYSSES) = range(16)
-_STATE_FIELDS = (_PP, _DP_REPLICATE, _DP_SHARD, _CP, _TP, _EP, _ZERO, _VIRTUAL_STAGES, _SCHEDULE, _LAYERS)
+ _LAYERS, _UNSHARDED, _CP_METHOD, _CP_ULYSSES, _GRADS_FP32) = range(17)
+_STATE_FIELDS = (_PP, _DP_REPLICATE, _DP_SHARD, _CP, _TP, _EP, _ZERO, _VIRTUAL_STAGES, _SCHEDULE, _LAYERS, _GRADS_FP32)
 """What a layout's model state on its first pipeline rank depends on (`model_state_floor`): the degrees, the ZeRO
 stage and the pipeline's stages (virtual stages, schedule, layer split)."""
 _COMPUTE_FIELDS = (_PP, _CP, _TP, _MICRO_BATCH, _ACCUMULATION, _RECOMPUTE)
@@ -54,6 +54,7 @@ def _candidate_fields(shape: ModelShape, cluster: Cluster, work: Workload, fixed
         left_out[reason] = left_out.get(reason, 0) + 1
 
     n = cluster.gpus
+    grads_fp32 = fixed.get("accumulate_grads_in_fp32")  # a precision knob, not searched
     pow2 = lambda limit: [d for d in (1, 2, 4, 8, 16, 32, 64, 128) if d <= limit]  # noqa: E731
     # A fixed knob of a free dimension (a schedule without pp, a cp method without cp) asks for that dimension.
     asked = {KNOB_DIMENSIONS[knob]: knob for knob in sorted(fixed.keys() & KNOB_DIMENSIONS.keys())}
@@ -105,7 +106,8 @@ def _candidate_fields(shape: ModelShape, cluster: Cluster, work: Workload, fixed
                              else [False, True] if zero == 3 and pp == 1 and acc > 1 else [False])
                 for (schedule, v, layers), whole, (method, ulysses) in itertools.product(
                         pipelines[pp], unsharded, cp_methods[(cp, tp)]):
-                    yield (pp, dpr, dps, cp, tp, ep, zero, mbs, acc, recompute, v, schedule, layers, whole, method, ulysses)
+                    yield (pp, dpr, dps, cp, tp, ep, zero, mbs, acc, recompute, v, schedule, layers, whole, method, ulysses,
+                           grads_fp32)
 
 
 def _cp_methods(cp: int, tp: int, cluster: Cluster, fixed: dict[str, Any]) -> list[tuple[str, int]]:
@@ -255,7 +257,7 @@ def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[
         if pruning and (layout.pp == 1 or not pipeline_refused(fields)):
             if len(best) >= top and layout.pp > 1 and ceiling_with_bubble(layout, fields) < best[0]:
                 return  # the bubble too: the schedule `evaluate` would play
-            key = fields[:_CP_METHOD]
+            key = fields[:_CP_METHOD] + fields[_GRADS_FP32:]
             if key not in memory:
                 memory[key] = peak_memory(shape, layout, work, hf_config)
             if memory[key] > cluster.usable_bytes:
