@@ -416,12 +416,16 @@ def _train_steps(rank, world_size, path, strategy_kwargs, steps):
 
 def test_a_mask_the_model_builds_is_refused_under_context_parallel(tmp_path):
     """Doge computes a dynamic mask from its values and hands it to the attention function; context parallel builds
-    its own causal mask and would drop it (measured: a first-step gradient norm 1.7% off), so it refuses by name."""
+    its own causal mask and would drop it (measured: a first-step gradient norm 1.7% off), so it refuses by name.
+    Under TP its shipped plan splits the heads but not the mask's per-head `A` (nor the mask `dt_proj` computes for
+    all heads): refused by name before any collective (before, SDPA's shape error at the first forward)."""
     import transformers
 
     path = save_perturbed_hf(transformers.DogeConfig(**{**_COMMON, "head_dim": 8}), tmp_path / "doge")
     messages = run_ranks(_refusal, WORLD, path, LAYOUTS["CP 2 ring"])
     assert messages[0] is not None and "DogeAttention (layer 0) hands its attention a mask of its own" in messages[0]
+    messages = run_ranks(_refusal, WORLD, path, LAYOUTS["TP 2"])
+    assert messages[0] is not None and "model.layers.0.self_attn.A holds one value per attention head" in messages[0]
 
 
 def test_a_window_only_the_mask_holds_is_kept_under_context_parallel(tmp_path):

@@ -64,6 +64,20 @@ def test_bare_parameter_entries_need_their_modules_entry():
     assert experts.placements["gate_up_proj"] != Shard(1)  # a plain split of the packed dim would pair wrong rows
 
 
+def test_per_head_parameters_a_plan_leaves_whole_beside_split_heads_are_found():
+    """A bare parameter with one value per head, in a module whose column-parallel layers split the heads: listed
+    where the plan leaves it whole (Doge's `A`), not where the plan splits it (the sinks' 'local_params')."""
+    from ultrascale.parallel.tensor import per_head_parameters_left_whole
+
+    model = Toy()
+    assert per_head_parameters_left_whole(model, resolve_plan(PLAN), {HEADS}) == []
+    whole = {key: style for key, style in PLAN.items() if key not in ("sinky.sinks", "sinky")}
+    assert per_head_parameters_left_whole(model, resolve_plan(whole), {HEADS}) == ["sinky.sinks"]
+    assert per_head_parameters_left_whole(model, resolve_plan(whole), {HEADS + 1}) == []
+    without_split = {key: style for key, style in whole.items() if not key.startswith("sinky.")}
+    assert per_head_parameters_left_whole(model, resolve_plan(without_split), {HEADS}) == []  # nothing split beside
+
+
 def test_shipped_plans_of_tested_architectures_resolve():
     import transformers as T
 

@@ -327,7 +327,7 @@ def _hf_expert_parallel_problem(hf: nn.Module, name: str) -> Optional[str]:
 
 def _hf_tp_refusal(hf: nn.Module, base_plan: Mapping[str, str], name: str) -> Optional[str]:
     """Why `base_plan` cannot run on `hf` (checked on every rank before any collective), or None."""
-    from ultrascale.parallel.tensor import lora_entries, split_parameter_entries
+    from ultrascale.parallel.tensor import lora_entries, per_head_parameters_left_whole, split_parameter_entries
     from ultrascale.parallel.tensor_styles import style_from_name
 
     base = _prefix(hf.base_model_prefix)
@@ -349,6 +349,12 @@ def _hf_tp_refusal(hf: nn.Module, base_plan: Mapping[str, str], name: str) -> Op
             f"tensor parallel on {name}: its plan (config.base_model_tp_plan): {error}. Pass your own plan with "
             "`UltraScaleStrategy(tp_plan=...)`."
         )
+    heads = {getattr(hf.config, key, None) for key in ("num_attention_heads", "num_key_value_heads")} - {None}
+    whole = per_head_parameters_left_whole(hf, styles, heads)
+    if whole:
+        return (f"tensor parallel on {name}: {whole[0]} holds one value per attention head, and its plan "
+                "(config.base_model_tp_plan) splits the heads beside it but leaves it whole, so each rank would run its "
+                "heads with every head's values. Pass your own plan with `UltraScaleStrategy(tp_plan=...)`.")
     return None
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -95,6 +96,29 @@ def split_parameter_entries(module: nn.Module, plan: TPPlan, *, drop_unmatched: 
             )
         result[owner] = style.with_placements(placements)
     return result
+
+
+def per_head_parameters_left_whole(module: nn.Module, plan: TPPlan, head_counts: set[int]) -> list[str]:
+    """Bare parameters with one value per head (leading dim in `head_counts`) of a module whose column-parallel layers
+    split its heads, where the plan leaves them whole: each rank would run its heads with every head's values (Doge's
+    dynamic-mask `A` (kv heads,) beside its split q/k/v). Those the plan splits (GPT-OSS's sinks) are not listed."""
+    from fnmatch import fnmatch
+
+    plan = split_parameter_entries(module, plan, drop_unmatched=True)
+
+    def style_of(path: str) -> Optional[ParallelStyle]:
+        return next((style for key, style in plan.items() if fnmatch(path, key)), None)
+
+    found = []
+    for name, owner in module.named_modules():
+        prefix = f"{name}." if name else ""
+        if not any(isinstance(style_of(prefix + child), ColwiseParallel) for child, _ in owner.named_children()):
+            continue
+        own_style = style_of(name)
+        split = set(own_style.placements) if isinstance(own_style, OwnParamsParallel) else set()
+        found += [prefix + attribute for attribute, param in owner.named_parameters(recurse=False)
+                  if param.dim() >= 1 and param.shape[0] in head_counts and attribute not in split]
+    return found
 
 
 def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
