@@ -313,7 +313,8 @@ _SMALL_FIELDS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 def test_every_shipped_causal_lm_plan_is_accepted():
     """Every transformers `*ForCausalLM` whose config ships a `base_model_tp_plan`, built on the meta device from its
     default config shrunk: ultrascale's adapter runs its plan (every style known, every bare-parameter entry owned)
-    and refuses none. Some default configs do not build once shrunk (per-layer attributes, RoPE fields); the sweep
+    and refuses none but Doge, whose plan leaves its per-head `A` whole beside the split heads (refused by name, see
+    test_hf_matrix). Some default configs do not build once shrunk (per-layer attributes, RoPE fields); the sweep
     must still cover most architectures."""
     import warnings
 
@@ -352,6 +353,7 @@ def test_every_shipped_causal_lm_plan_is_accepted():
         adapter = get_adapter(model)
         if adapter.tp_plan is None or adapter.tp_refusal is not None:
             refused[model_type] = adapter.tp_refusal or "no plan found"
-    assert not refused, refused
+    assert set(refused) == {"doge"}, refused
+    assert "self_attn.A holds one value per attention head" in refused["doge"]
     assert len(built) >= 4 * len(not_built) and {"mixtral", "granite_swa", "longcat_flash", "deepseek_v3"} <= set(built), (
         built, not_built)

@@ -300,7 +300,7 @@ def communication_floor(shape: ModelShape, layout: Layout, cluster: Cluster, wor
     part needs the compute and is never negative), calibrated as the step is. `step_time_floor` + this is below the
     step: the step is compute (+ bubble) + this + that part."""
     lay = runs_as(layout)
-    exposed, _ = _communication(shape, lay, cluster, work, _activations(shape, lay, work, hf_config), pipeline_of(shape, lay))
+    exposed, _, _ = _communication(shape, lay, cluster, work, _activations(shape, lay, work, hf_config), pipeline_of(shape, lay))
     return exposed / family_ratio(dict(cluster.calibration), lay)[0] if cluster.calibration else exposed
 
 
@@ -470,20 +470,24 @@ def _step_time(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workload,
     (`FLOAT8_SPEEDUP`) divide the compute alone; the collectives are priced as eager, though less of them hides
     behind the shorter compute (below). Memory is not changed by either (torchtitan's compiled and Float8 runs
     used less: 82.4 -> 77.0 -> 76.8 GiB)."""
+    forward, backward, _ = times
     if played is None:
-        forward, backward, _ = times
         compute, bubble = lay.grad_accumulation * (forward[0] + backward[0]), 0.0
     else:
         compute, bubble = played.busiest, played.step - played.busiest
-    exposed, hidden_comm = _communication(shape, lay, cluster, work, acts, pipe)
+    exposed, hidden_comm, in_last_backward = _communication(shape, lay, cluster, work, acts, pipe)
+    # ZeRO-1/2's reduce-scatter runs inside the step's last backward: only that micro-batch's backward hides it.
+    exposed += max(in_last_backward - backward[0], 0.0)
+    hidden_comm += min(in_last_backward, backward[0])
     # What the compute cannot hide (FSDP prefetch ahead of a short layer, a slow ring) is exposed.
     exposed += max(hidden_comm - compute, 0.0)
     return {"compute": compute, "communication": exposed, "bubble": bubble, "total": compute + exposed + bubble}
 
 
 def _communication(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workload, acts: ActivationModel,
-                   pipe: PipelineLayout | None) -> tuple[float, float]:
-    """Seconds per optimizer step of the first pipeline rank's collectives: (exposed, meant to hide behind the compute)."""
+                   pipe: PipelineLayout | None) -> tuple[float, float, float]:
+    """Seconds per optimizer step of the first pipeline rank's collectives: (exposed, meant to hide behind the compute,
+    meant to hide behind the step's last backward)."""
     c, m = work.compute_bytes, lay.grad_accumulation
     rate = cluster.gpu.peak_tflops * 1e12 * cluster.efficiency
     layers, first, last = rank_parts(shape, pipe)[0]  # the first rank: embedding, the most layers of the even split
@@ -501,7 +505,8 @@ def _communication(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workl
     tokens_mb = acts.seq_len * lay.micro_batch  # tokens of one micro-batch on this rank
     lat = cluster.latency_s
     moe_fraction = shape.moe_layers / shape.n_layers
-    hidden_comm = 0.0  # communication that overlaps compute (FSDP prefetch, ZeRO-2 buckets, CP ring)
+    hidden_comm = 0.0  # communication that overlaps compute (FSDP prefetch, CP ring)
+    in_last_backward = 0.0  # ZeRO-1/2's bucketed reduce-scatter
     exposed = 0.0
     # ZeRO-3: all-gather forward and backward every micro-batch (reshard after forward; under PP
     # once per step), reduce-scatter fp32 grads every micro-batch into the shards (the strategy's
@@ -520,7 +525,7 @@ def _communication(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workl
         # Launched per bucket inside the step's last backward; under PP every micro-batch's backward defers it to
         # the step, after the schedule.
         if lay.pp == 1:
-            hidden_comm += grads_rs
+            in_last_backward += grads_rs
         else:
             exposed += grads_rs
         exposed += (_ring("all_gather", dense * w_bytes, n_shard, bw_fsdp)
@@ -566,5 +571,5 @@ def _communication(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workl
     if pipe is not None:  # boundary sends: on the critical path while the pipeline fills and drains, every stage
         boundary = tokens_mb * shape.hidden * c / (lay.tp if acts.sequence_parallel else 1)
         exposed += 2 * (pipe.num_stages - 1) * (_ring("p2p", boundary, 2, bw_pp) + lat)
-    return exposed, hidden_comm
+    return exposed, hidden_comm, in_last_backward
 
