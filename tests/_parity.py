@@ -321,6 +321,20 @@ def save_perturbed_hf(config: Any, folder: Any) -> str:
     return str(folder)
 
 
+def save_perturbed_multimodal(config: Any, folder: Any) -> str:
+    """`save_perturbed_hf` of a multimodal (image-text-to-text) model: the composite checkpoint as the Hub ships Gemma 3,
+    Llama 4 and Qwen 3.5, the language model's keys beside the vision tower's."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
 def make_hf(path: str, export_dir: Optional[str] = None, **kwargs: Any) -> L.LightningModule:
     """`HFCausalLM` with the parity tests' optimizer settings (constant LR 3e-3 after one warm-up step, eps 1e-6)."""
     from ultrascale.models.hf import HFCausalLM

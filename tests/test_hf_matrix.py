@@ -33,6 +33,7 @@ from tests._parity import (
     parity_trainer,
     reference_run,
     save_perturbed_hf,
+    save_perturbed_multimodal,
     step_losses,
 )
 
@@ -426,6 +427,28 @@ def test_a_mask_the_model_builds_is_refused_under_context_parallel(tmp_path):
     assert messages[0] is not None and "DogeAttention (layer 0) hands its attention a mask of its own" in messages[0]
     messages = run_ranks(_refusal, WORLD, path, LAYOUTS["TP 2"])
     assert messages[0] is not None and "model.layers.0.self_attn.A holds one value per attention head" in messages[0]
+
+
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=28,
+                   patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+
+
+def test_llama4_text_model_trains_from_its_multimodal_checkpoint(tmp_path):
+    """Llama 4 ships one checkpoint for text and images, its text model's keys under `language_model.`. transformers
+    builds the text model for a causal LM and strips that prefix as its base-model prefix: the loader does too, with
+    no conversion mapping for the type (it found no weight before). TP parity over ten steps; expert parallel is
+    refused by name (its experts compute every token in their own forward, not through transformers'
+    ExpertsInterface: the sharded weights met plain tensors in a bmm)."""
+    import transformers
+
+    text = dict(_COMMON, **_MOE, num_local_experts=4, head_dim=8, interleave_moe_layer_step=1, attention_chunk_size=SEQ,
+                no_rope_layers=[1, 1])
+    config = transformers.Llama4Config(text_config=text, vision_config=TINY_VISION)
+    path = save_perturbed_multimodal(config, tmp_path / "llama4")
+    reference = reference_run(make_hf(path), data(), global_batch=MICRO_BATCH, steps=STEPS, accumulate=ACCUMULATE)
+    assert_stage_parity(run_ranks(_train_steps, WORLD, path, LAYOUTS["TP 2"], STEPS), reference)
+    messages = run_ranks(_refusal, WORLD, path, LAYOUTS["EP 2"])
+    assert messages[0] is not None and "Llama4TextExperts computes its experts in its own forward" in messages[0]
 
 
 def test_a_window_only_the_mask_holds_is_kept_under_context_parallel(tmp_path):

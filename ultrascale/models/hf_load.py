@@ -233,9 +233,12 @@ def _disk_layout(model: torch.nn.Module, config: Any, available: set[str], names
     renamings, converters = _conversions(model_type)
     direct: dict[str, str] = {}
     stacked: dict[str, Any] = {}
-    if not renamings and not converters:
+    try:
+        from transformers.core_model_loading import dot_natural_key, rename_source_key
+    except ImportError:  # transformers 4: checkpoints load as stored
         return {key: key for key in available if key in names}, stacked
-    from transformers.core_model_loading import dot_natural_key, rename_source_key
+    # Without a mapping the base-model prefix is still added or stripped (Llama 4's text model from the composite
+    # checkpoint, its keys under `language_model.`).
 
     splitting = {id(converter) for converter in converters if _splits(converter)}
     plans = {id(converter): _stacking(converter, model_type) for converter in converters if id(converter) not in splitting}

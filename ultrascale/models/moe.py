@@ -154,9 +154,13 @@ def hf_experts_problem(model: nn.Module) -> Optional[str]:
     """Why `experts_forward` cannot compute some experts module of `model`, or None. It computes gated experts in
     every layout transformers' `use_experts_implementation` declares with `has_gate` (concatenated or interleaved
     [gate, up] through the module's own `_apply_gate`, transposed or not, with or without biases), without a norm
-    after each expert."""
+    after each expert. An experts module whose class that decorator did not wrap computes its experts itself, which
+    the dispatch cannot replace (Llama 4's runs every token through every expert, weighted by its score)."""
     for experts in hf_experts_modules(model):
-        if getattr(experts, "has_gate", True) is not True:
+        if "has_gate" not in vars(experts):  # set by `use_experts_implementation`'s __init__
+            return (f"{type(experts).__name__} computes its experts in its own forward, not through transformers' "
+                    "ExpertsInterface (`use_experts_implementation`)")
+        if experts.has_gate is not True:
             return f"{type(experts).__name__} has no gate projection (has_gate=False: `up_proj` experts)"
         if getattr(experts, "has_post_expert_norm", False):
             return f"{type(experts).__name__} normalises each expert's output (has_post_expert_norm=True)"
