@@ -1,6 +1,7 @@
 """Hugging Face checkpoints: load under ZeRO-3 and TP (each rank reads its slices), fine-tune, export, reload."""
 
 import json
+import re
 from pathlib import Path
 
 import lightning as L
@@ -345,6 +346,36 @@ def _short_finetune(rank, world_size, path, ckpt_dir):
         callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=2)],
     )
     trainer.fit(HFCausalLM(path, learning_rate=1e-2, max_steps=2), ParityData(TokenDataset(16, SEQ, VOCAB, seed=8), 8))
+
+
+def test_offline_export_of_a_multimodal_checkpoints_text_model_writes_the_whole_model(tmp_path, capsys):
+    """`export-hf` of a run that trained Gemma 3's text model (from its multimodal checkpoint): the whole model again,
+    the trained language model in it, the vision tower the source's; refused by name once the source folder is gone
+    (the vision weights are only there), where it would otherwise write the text model alone."""
+    import shutil
+
+    from tests._parity import save_perturbed_multimodal
+    from ultrascale.cli import main
+
+    config = transformers.Gemma3Config(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, pad_token_id=None, bos_token_id=1, eos_token_id=2),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, image_size=28, patch_size=14), mm_tokens_per_image=4)
+    source = save_perturbed_multimodal(config, tmp_path / "gemma3")
+    run_ranks(_short_finetune, 2, source, str(tmp_path / "ckpts"))
+    main(["export-hf", "--checkpoint", str(tmp_path / "ckpts" / "last.ckpt"), "--out", str(tmp_path / "out")])
+    before = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True).state_dict()
+    after = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True).state_dict()
+    assert set(after) == set(before)
+    vision = [name for name in before if ".language_model." not in name and not name.startswith("lm_head")]
+    assert vision and all(torch.equal(after[name], before[name]) for name in vision)
+    assert not torch.equal(after["model.language_model.norm.weight"], before["model.language_model.norm.weight"])  # trained
+    shutil.move(source, tmp_path / "moved")
+    with pytest.raises(SystemExit):
+        main(["export-hf", "--checkpoint", str(tmp_path / "ckpts" / "last.ckpt"), "--out", str(tmp_path / "again")])
+    assert re.search("trained the text model of the multimodal checkpoint .* restore it there", capsys.readouterr().err)
+    assert not (tmp_path / "again").exists()
 
 
 def _checksums(folder: Path) -> dict[str, str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -449,6 +450,51 @@ def test_llama4_text_model_trains_from_its_multimodal_checkpoint(tmp_path):
     assert_stage_parity(run_ranks(_train_steps, WORLD, path, LAYOUTS["TP 2"], STEPS), reference)
     messages = run_ranks(_refusal, WORLD, path, LAYOUTS["EP 2"])
     assert messages[0] is not None and "Llama4TextExperts computes its experts in its own forward" in messages[0]
+
+
+def test_gemma3_text_model_trains_from_its_multimodal_checkpoint_and_exports_it_whole(tmp_path):
+    """Gemma 3's checkpoints (4B and up) hold the language model beside a SigLIP vision tower, and transformers' causal-LM
+    class for them is the whole Gemma3ForConditionalGeneration, which no plan, attention hook or stage split covers
+    (TP, CP and PP were refused). ultrascale trains the text model alone (`text_model_config`): built as
+    Gemma3ForCausalLM, loaded from the composite keys (each weight equal to transformers' own load of the whole
+    model), exact under TP, ring CP and PP against one process; the export is the whole model again, its vision
+    tower and projector the source's bit for bit, in the source's key layout."""
+    import transformers
+    from safetensors import safe_open
+
+    text = dict(_COMMON, head_dim=8, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+    config = transformers.Gemma3Config(text_config=text, vision_config={**TINY_VISION, "model_type": "siglip_vision_model"},
+                                       mm_tokens_per_image=4)
+    path = save_perturbed_multimodal(config, tmp_path / "gemma3")
+    whole = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    assert type(whole).__name__ == "Gemma3ForConditionalGeneration"
+    module = make_hf(path)
+    module.configure_model()
+    assert type(module.model).__name__ == "Gemma3ForCausalLM"
+    whole_state = whole.state_dict()
+    for name, value in module.model.state_dict().items():
+        assert torch.equal(value, whole_state[name.replace("model.", "model.language_model.", 1)]), name
+
+    reference = reference_run(make_hf(path), data(), global_batch=MICRO_BATCH, steps=STEPS, accumulate=ACCUMULATE)
+    for layout in ("TP 2", "CP 2 ring", "PP 2 (1F1B)"):
+        results = run_ranks(_train, WORLD, path, LAYOUTS[layout], str(tmp_path / layout.split()[0]))
+        assert_stage_parity(results, reference)
+
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "TP", local_files_only=True)
+    assert type(exported).__name__ == "Gemma3ForConditionalGeneration"
+    state = exported.state_dict()
+    for name, value in whole_state.items():
+        if ".language_model." not in name and not name.startswith("lm_head"):
+            assert torch.equal(state[name], value), name  # the vision tower and projector, as they were
+    for name, value in reference["final_params"].items():
+        trained = name[len("model."):].replace("model.", "model.language_model.", 1)
+        assert_close(state[trained], value, rtol=0, atol=5e-5, msg=lambda m: f"exported {trained}: {m}")
+
+    def keys(folder):
+        with safe_open(str(next(Path(folder).glob("*.safetensors"))), "pt") as file:
+            return set(file.keys())
+
+    assert keys(tmp_path / "TP") == keys(path)
 
 
 def test_a_window_only_the_mask_holds_is_kept_under_context_parallel(tmp_path):

@@ -19,7 +19,13 @@ from torch.distributed.tensor import DTensor
 
 from ultrascale.contract import stage_mesh
 from ultrascale.models.hf_folder import check_export_target, write_hf_folder
-from ultrascale.models.hf_load import check_hf_folder, check_sharded_loading_supported, load_hf_weights, local_and_indices
+from ultrascale.models.hf_load import (
+    check_hf_folder,
+    check_sharded_loading_supported,
+    load_hf_weights,
+    local_and_indices,
+    text_model_config,
+)
 from ultrascale.models.lm import CausalLMModule, attached_strategy
 from ultrascale.parallel.rules import not_built
 
@@ -132,9 +138,13 @@ class HFCausalLM(CausalLMModule):
                 check_export_target(lora_dir, self.pretrained_path, export_overwrite)
         elif lora_dir is not None:
             raise ValueError("HFCausalLM: `lora_dir` is where the trained LoRA adapter goes; set `lora` too")
-        self.config = AutoConfig.from_pretrained(
+        folder_config = AutoConfig.from_pretrained(
             self.pretrained_path, local_files_only=True, trust_remote_code=trust_remote_code
         )
+        # The model trained: a multimodal checkpoint's text model where its causal-LM class holds the vision tower too
+        # (Gemma 3); the export writes the rest back from `pretrained_path`.
+        self.config = text_model_config(folder_config)
+        self.multimodal_source = self.config is not folder_config
         self.model: Optional[torch.nn.Module] = None
 
     @property
@@ -187,6 +197,10 @@ class HFCausalLM(CausalLMModule):
                 trust_remote_code=self.hparams.trust_remote_code,
             )
             self._weights_pending = True  # loaded by `init_weights` after sharding
+        elif self.multimodal_source:  # transformers loads no text model alone from this checkpoint: the loader does
+            self.model = AutoModelForCausalLM.from_config(self.config, dtype=dtype, attn_implementation=attention)
+            load_hf_weights(self.model, self.pretrained_path)
+            self._weights_pending = False
         else:
             self.model = AutoModelForCausalLM.from_pretrained(
                 self.pretrained_path, dtype=dtype, local_files_only=True,
@@ -243,6 +257,7 @@ class HFCausalLM(CausalLMModule):
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         # `export-hf` rebuilds the model from this even if the original folder has moved.
         checkpoint["hf_config"] = self.config.to_dict()
+        checkpoint["hf_multimodal_source"] = self.multimodal_source
 
     def on_fit_end(self) -> None:
         if self.hparams.get("lora") is not None:
@@ -378,6 +393,11 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path, max_shard_
         raise ValueError("--tokenizer is for LlamaLM checkpoints: an HFCausalLM export copies its model folder's tokenizer")
     source = hparams.get("pretrained_path")
     source = source if source and Path(source).is_dir() else None
+    if meta.get("hf_multimodal_source") and source is None:
+        raise FileNotFoundError(
+            f"{path} trained the text model of the multimodal checkpoint {hparams.get('pretrained_path')}, whose other "
+            "weights (the vision tower) the export writes back from that folder, and it is gone: restore it there"
+        )
     check_export_target(out_dir, source, overwrite)  # before reading any tensor
     config_dict = dict(meta["hf_config"])
     model_type = config_dict.pop("model_type")

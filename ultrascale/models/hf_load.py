@@ -8,6 +8,7 @@ a conversion this loader cannot reproduce is refused, naming it (`check_sharded_
 from __future__ import annotations
 
 import contextlib
+import copy
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,6 +18,51 @@ from torch.distributed.tensor import DTensor
 from ultrascale.parallel.rules import not_built
 
 WEIGHT_SUFFIX = ".safetensors"
+
+
+def text_model_config(config: Any) -> Any:
+    """The config of the model a causal-LM fine-tune trains for a checkpoint's `config`: a multimodal checkpoint's text
+    model where transformers' causal-LM class for the whole checkpoint holds more than that (Gemma 3's
+    Gemma3ForConditionalGeneration and its vision tower): the text model alone is then built, sharded and trained, and
+    an export writes the other parts back as they were. The config itself otherwise, Qwen 3.5's and Llama 4's
+    included (their causal-LM class is their text model already)."""
+    text = getattr(config, "text_config", None)
+    if text is None:
+        return config
+    from transformers import AutoModelForCausalLM
+
+    mapping = AutoModelForCausalLM._model_mapping
+    if type(config) not in mapping or type(text) not in mapping or mapping[type(config)] is mapping[type(text)]:
+        return config
+    # The whole model ties its head to the embedding as its own config says (the text config may say otherwise).
+    text = copy.deepcopy(text)
+    text.tie_word_embeddings = getattr(config, "tie_word_embeddings", text.tie_word_embeddings)
+    return text
+
+
+def composite_names(text_model: torch.nn.Module, composite: torch.nn.Module) -> Any:
+    """A text model's parameter name -> the same tensor's name in the multimodal model it was taken from: its base
+    model is the composite's submodule of the same class (Gemma 3: `model` -> `model.language_model`), its head the
+    composite's output embeddings."""
+    paths = {id(module): name for name, module in composite.named_modules()}
+    base = getattr(text_model, text_model.base_model_prefix)
+    inside = [name for name, module in composite.named_modules() if type(module) is type(base)]
+    if len(inside) != 1:
+        raise ValueError(f"{type(composite).__name__} holds {len(inside)} modules of the text model's class "
+                         f"{type(base).__name__}; expected one")
+    renames = [(text_model.base_model_prefix + ".", inside[0] + ".")]
+    head, composite_head = text_model.get_output_embeddings(), composite.get_output_embeddings()
+    if head is not None and composite_head is not None:
+        head_name = next(name for name, module in text_model.named_modules() if module is head)
+        renames.append((head_name + ".", paths[id(composite_head)] + "."))
+
+    def rename(name: str) -> str:
+        for old, new in renames:
+            if name.startswith(old):
+                return new + name[len(old):]
+        raise ValueError(f"{name} is neither in {type(text_model).__name__}'s base model nor its head")
+
+    return rename
 
 
 def check_hf_folder(path: str | Path) -> Path:
@@ -282,14 +328,18 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
 
     path = check_hf_folder(path)
     config = getattr(model, "config", None)
-    if config is not None:
-        check_sharded_loading_supported(config)
-    available = safetensors_keys(path)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
     # A PEFT-wrapped model (the transformers model inside a PeftModel): a wrapped layer keeps its weights under
     # `<layer>.base_layer.`, and the adapters (`.lora_A.` ...) are not in the checkpoint (initialised instead).
     state = {k: v for k, v in model.state_dict().items() if ".lora_" not in k}
     checkpoint_name = {key: key.replace(".base_layer.", ".") for key in state}
-    tied = bool(getattr(config, "tie_word_embeddings", False))
+    on_disk = _multimodal_source(model, path)
+    if on_disk is not None:  # the text model of a multimodal checkpoint: its keys are found as the whole model's
+        rename, model, config = on_disk
+        checkpoint_name = {key: rename(name) for key, name in checkpoint_name.items()}
+    if config is not None:
+        check_sharded_loading_supported(config)
+    available = safetensors_keys(path)
     direct, stacked = _disk_layout(model, config, available, set(checkpoint_name.values()))
 
     wanted = {direct[checkpoint_name[key]]: value for key, value in state.items() if checkpoint_name[key] in direct}
@@ -326,6 +376,35 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
     if not any(isinstance(v, DTensor) for v in wanted.values()):
         # Plain tensors: DCP may load into copies; make sure the module holds the values.
         model.load_state_dict({k: v for k, v in state.items() if k not in fused}, strict=False)
+
+
+def multimodal_folder_config(model_config: Any, path: str | Path) -> Optional[Any]:
+    """The config of the multimodal checkpoint at `path` where `model_config` is its text model's
+    (`text_model_config`); None otherwise."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    try:  # a type transformers knows (a remote-code model's config is not read here)
+        config_class = CONFIG_MAPPING[json.loads((Path(path) / "config.json").read_text()).get("model_type")]
+    except KeyError:
+        return None
+    folder_config = config_class.from_pretrained(str(path), local_files_only=True)
+    text = text_model_config(folder_config)
+    return folder_config if text is not folder_config and type(model_config) is type(text) else None
+
+
+def _multimodal_source(model: torch.nn.Module, path: Path) -> Optional[tuple[Any, torch.nn.Module, Any]]:
+    """(name map, the whole model on the meta device, its config) where `model` is the text model of the multimodal
+    checkpoint at `path`; None otherwise."""
+    from transformers import AutoModelForCausalLM
+
+    folder_config = multimodal_folder_config(getattr(model, "config", None), path)
+    if folder_config is None:
+        return None
+    with torch.device("meta"):
+        composite = AutoModelForCausalLM.from_config(folder_config)
+    return composite_names(model, composite), composite, folder_config
 
 
 class _Rows:
