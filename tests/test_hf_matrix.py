@@ -497,6 +497,31 @@ def test_gemma3_text_model_trains_from_its_multimodal_checkpoint_and_exports_it_
     assert keys(tmp_path / "TP") == keys(path)
 
 
+def test_qwen3_5_text_model_trains_from_its_multimodal_checkpoint_and_exports_it_whole(tmp_path):
+    """Qwen 3.5 ships only multimodal checkpoints; transformers' causal-LM class for them is the text model (gated
+    DeltaNet and attention layers). Exact under TP and PP against one process, and its export is the whole model
+    again (it was the text model alone, under the whole model's config: the vision tower would have loaded random)."""
+    import transformers
+
+    text = dict(_COMMON, head_dim=8, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+    vision = dict(hidden_size=32, intermediate_size=64, depth=1, num_heads=4, out_hidden_size=32)
+    path = save_perturbed_multimodal(transformers.Qwen3_5Config(text_config=text, vision_config=vision), tmp_path / "qwen")
+    reference = reference_run(make_hf(path), data(), global_batch=MICRO_BATCH, steps=STEPS, accumulate=ACCUMULATE)
+    for layout in ("TP 2", "PP 2 (1F1B)"):
+        assert_stage_parity(run_ranks(_train, WORLD, path, LAYOUTS[layout], str(tmp_path / layout.split()[0])), reference)
+    whole = transformers.AutoModelForImageTextToText.from_pretrained(path, local_files_only=True).state_dict()
+    exported = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "PP", local_files_only=True).state_dict()
+    assert set(exported) == set(whole)
+    vision_names = [name for name in whole if ".visual." in name]
+    assert vision_names and all(torch.equal(exported[name], whole[name]) for name in vision_names)
+    for name, value in reference["final_params"].items():
+        trained = name[len("model."):].replace("model.", "model.language_model.", 1)
+        # 1e-4: the DeltaNet's dt_bias ends 5.1e-5 from one process after ten Adam steps (3e-3 each): Adam's
+        # lr·g/(|g| + eps) amplifies a summation-order difference of a small gradient, as AFMoE's (docs/huggingface.md).
+        assert_close(exported[trained], value, rtol=0, atol=1e-4, msg=lambda m: f"exported {trained}: {m}")
+
+
 def test_a_window_only_the_mask_holds_is_kept_under_context_parallel(tmp_path):
     """Qwen2-MoE with `use_sliding_window` windows its sliding layers through the mask alone (the attention module
     holds `sliding_window` but does not hand it on): context parallel takes the window the mask would have, by

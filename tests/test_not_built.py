@@ -104,6 +104,19 @@ def _sharded_prompt_adapter(rank: int, world_size: int) -> str:
     return "not refused"
 
 
+def _llama4_router_with_a_balance_loss() -> None:
+    import transformers
+
+    from ultrascale.models.moe import attach_hf_routing
+
+    config = transformers.Llama4TextConfig(vocab_size=16, hidden_size=8, intermediate_size=16, intermediate_size_mlp=16,
+                                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                                           num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=1)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    attach_hf_routing(model, aux_loss_coef=0.01, z_loss_coef=0.0)
+    model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+
+
 def _fork_launcher_second_fit() -> None:
     from lightning.pytorch.trainer.states import TrainerFn
 
@@ -126,6 +139,7 @@ PROBES: dict[str, Callable[[Path], None]] = {
     "accelerate_ulysses_kernel": lambda _: ultrascale.UltraScaleStrategy.from_accelerate(
         {"dp_shard_size": 1, "sp_size": 2, "sp_handler": {"sp_attn_implementation": "flash_attention_2"}}),
     "hf_conversion_not_per_expert": lambda _: _unreadable_conversion(),
+    "hf_router_form": lambda _: _llama4_router_with_a_balance_loss(),
     "measure_expert_parallel": lambda _: _measure(model="tiny_moe", ep=2),
     "measure_pipeline_accumulation": lambda _: _measure(pp=2, grad_accumulation=2),
     "fork_launcher_second_fit": lambda _: _fork_launcher_second_fit(),

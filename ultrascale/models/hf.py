@@ -141,8 +141,7 @@ class HFCausalLM(CausalLMModule):
         folder_config = AutoConfig.from_pretrained(
             self.pretrained_path, local_files_only=True, trust_remote_code=trust_remote_code
         )
-        # The model trained: a multimodal checkpoint's text model where its causal-LM class holds the vision tower too
-        # (Gemma 3); the export writes the rest back from `pretrained_path`.
+        # The model trained: a multimodal checkpoint's text model; the export writes the rest back from `pretrained_path`.
         self.config = text_model_config(folder_config)
         self.multimodal_source = self.config is not folder_config
         self.model: Optional[torch.nn.Module] = None
@@ -197,7 +196,7 @@ class HFCausalLM(CausalLMModule):
                 trust_remote_code=self.hparams.trust_remote_code,
             )
             self._weights_pending = True  # loaded by `init_weights` after sharding
-        elif self.multimodal_source:  # transformers loads no text model alone from this checkpoint: the loader does
+        elif self.multimodal_source:  # transformers loads no text model alone from some (Gemma 3's): the loader does
             self.model = AutoModelForCausalLM.from_config(self.config, dtype=dtype, attn_implementation=attention)
             load_hf_weights(self.model, self.pretrained_path)
             self._weights_pending = False

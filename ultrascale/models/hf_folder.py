@@ -73,18 +73,18 @@ def _write_hf_files(state: dict[str, torch.Tensor], config: Any, source_dir: Opt
                     max_shard_size: str, tokenizer: Any = None) -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from ultrascale.models.hf_load import composite_names, multimodal_folder_config
+    from ultrascale.models.hf_load import composite_names, multimodal_source
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if tied:
         state = {k: v for k, v in state.items() if not k.endswith("lm_head.weight")}
-    whole = multimodal_folder_config(config, source_dir) if source_dir else None
+    whole = multimodal_source(config, source_dir) if source_dir else None
     if whole is not None:
         # The text model of a multimodal checkpoint: written back into the whole model, whose other parts (the vision
         # tower, the projector) are the source's, untouched; transformers saves it in the checkpoint's own key layout.
-        composite = AutoModelForCausalLM.from_pretrained(source_dir, local_files_only=True)
+        composite = whole[1].from_pretrained(source_dir, local_files_only=True)
         rename = composite_names(model, composite)
         _, unexpected = composite.load_state_dict({rename(k): v for k, v in state.items()}, strict=False, assign=True)
         if unexpected:

@@ -22,39 +22,42 @@ WEIGHT_SUFFIX = ".safetensors"
 
 def text_model_config(config: Any) -> Any:
     """The config of the model a causal-LM fine-tune trains for a checkpoint's `config`: a multimodal checkpoint's text
-    model where transformers' causal-LM class for the whole checkpoint holds more than that (Gemma 3's
-    Gemma3ForConditionalGeneration and its vision tower): the text model alone is then built, sharded and trained, and
-    an export writes the other parts back as they were. The config itself otherwise, Qwen 3.5's and Llama 4's
-    included (their causal-LM class is their text model already)."""
+    model (Gemma 3, Qwen 3.5, Llama 4: the language model beside a vision tower), built, sharded, trained and loaded
+    alone, its head tied as the whole model's config says; an export writes the other parts back as they were
+    (`multimodal_source`). The config itself otherwise."""
     text = getattr(config, "text_config", None)
-    if text is None:
-        return config
     from transformers import AutoModelForCausalLM
 
-    mapping = AutoModelForCausalLM._model_mapping
-    if type(config) not in mapping or type(text) not in mapping or mapping[type(config)] is mapping[type(text)]:
+    if text is None or type(text) not in AutoModelForCausalLM._model_mapping:
         return config
-    # The whole model ties its head to the embedding as its own config says (the text config may say otherwise).
-    text = copy.deepcopy(text)
+    text = copy.deepcopy(text)  # the whole model ties its head to the embedding as its own config says
     text.tie_word_embeddings = getattr(config, "tie_word_embeddings", text.tie_word_embeddings)
     return text
 
 
 def composite_names(text_model: torch.nn.Module, composite: torch.nn.Module) -> Any:
-    """A text model's parameter name -> the same tensor's name in the multimodal model it was taken from: its base
-    model is the composite's submodule of the same class (Gemma 3: `model` -> `model.language_model`), its head the
-    composite's output embeddings."""
+    """A text model's parameter name -> the same tensor's name in the multimodal model it was taken from: the
+    composite's submodule of the text model's class (Llama 4: `language_model.`), or else of its decoder's (Gemma 3:
+    `model.` -> `model.language_model.`), with the head at the composite's output embeddings."""
     paths = {id(module): name for name, module in composite.named_modules()}
-    base = getattr(text_model, text_model.base_model_prefix)
-    inside = [name for name, module in composite.named_modules() if type(module) is type(base)]
-    if len(inside) != 1:
-        raise ValueError(f"{type(composite).__name__} holds {len(inside)} modules of the text model's class "
-                         f"{type(base).__name__}; expected one")
-    renames = [(text_model.base_model_prefix + ".", inside[0] + ".")]
-    head, composite_head = text_model.get_output_embeddings(), composite.get_output_embeddings()
-    if head is not None and composite_head is not None:
-        head_name = next(name for name, module in text_model.named_modules() if module is head)
-        renames.append((head_name + ".", paths[id(composite_head)] + "."))
+
+    def inside(kind: type) -> list[str]:
+        return [name for name, module in composite.named_modules() if type(module) is kind and name]
+
+    if len(inside(type(text_model))) == 1:
+        renames = [("", inside(type(text_model))[0] + ".")]
+    else:
+        decoder = text_model.get_decoder()
+        found = inside(type(decoder))
+        if len(found) != 1:
+            raise ValueError(f"{type(composite).__name__} holds {len(found)} modules of the text model's decoder class "
+                             f"{type(decoder).__name__}; expected one")
+        decoder_name = next(name for name, module in text_model.named_modules() if module is decoder)
+        renames = [(decoder_name + ".", found[0] + ".")]
+        head, composite_head = text_model.get_output_embeddings(), composite.get_output_embeddings()
+        if head is not None and composite_head is not None:
+            head_name = next(name for name, module in text_model.named_modules() if module is head)
+            renames.append((head_name + ".", paths[id(composite_head)] + "."))
 
     def rename(name: str) -> str:
         for old, new in renames:
@@ -333,7 +336,7 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
     # `<layer>.base_layer.`, and the adapters (`.lora_A.` ...) are not in the checkpoint (initialised instead).
     state = {k: v for k, v in model.state_dict().items() if ".lora_" not in k}
     checkpoint_name = {key: key.replace(".base_layer.", ".") for key in state}
-    on_disk = _multimodal_source(model, path)
+    on_disk = _multimodal_layout(model, path)
     if on_disk is not None:  # the text model of a multimodal checkpoint: its keys are found as the whole model's
         rename, model, config = on_disk
         checkpoint_name = {key: rename(name) for key, name in checkpoint_name.items()}
@@ -378,32 +381,37 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
         model.load_state_dict({k: v for k, v in state.items() if k not in fused}, strict=False)
 
 
-def multimodal_folder_config(model_config: Any, path: str | Path) -> Optional[Any]:
-    """The config of the multimodal checkpoint at `path` where `model_config` is its text model's
-    (`text_model_config`); None otherwise."""
+def multimodal_source(model_config: Any, path: str | Path) -> Optional[tuple[Any, type]]:
+    """(the folder's config, the class of its whole model) where the checkpoint at `path` is multimodal and
+    `model_config` its text model's: Gemma 3's (whose causal-LM class is the whole model), Qwen 3.5's and Llama 4's
+    (whose causal-LM class is the text model, the whole one their image-text-to-text class). None otherwise."""
     import json
 
-    from transformers import CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForImageTextToText
 
     try:  # a type transformers knows (a remote-code model's config is not read here)
         config_class = CONFIG_MAPPING[json.loads((Path(path) / "config.json").read_text()).get("model_type")]
     except KeyError:
         return None
     folder_config = config_class.from_pretrained(str(path), local_files_only=True)
-    text = text_model_config(folder_config)
-    return folder_config if text is not folder_config and type(model_config) is type(text) else None
+    text = getattr(folder_config, "text_config", None)
+    if text is None or type(model_config) is not type(text):
+        return None
+    causal, whole = AutoModelForCausalLM._model_mapping, AutoModelForImageTextToText._model_mapping
+    if type(folder_config) in causal and causal[type(folder_config)] is not causal.get(type(text), None):
+        return folder_config, causal[type(folder_config)]
+    return (folder_config, whole[type(folder_config)]) if type(folder_config) in whole else None
 
 
-def _multimodal_source(model: torch.nn.Module, path: Path) -> Optional[tuple[Any, torch.nn.Module, Any]]:
+def _multimodal_layout(model: torch.nn.Module, path: Path) -> Optional[tuple[Any, torch.nn.Module, Any]]:
     """(name map, the whole model on the meta device, its config) where `model` is the text model of the multimodal
     checkpoint at `path`; None otherwise."""
-    from transformers import AutoModelForCausalLM
-
-    folder_config = multimodal_folder_config(getattr(model, "config", None), path)
-    if folder_config is None:
+    source = multimodal_source(getattr(model, "config", None), path)
+    if source is None:
         return None
+    folder_config, whole_class = source
     with torch.device("meta"):
-        composite = AutoModelForCausalLM.from_config(folder_config)
+        composite = whole_class._from_config(folder_config)
     return composite_names(model, composite), composite, folder_config
 
 

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ultrascale.parallel.rules import not_built
+
 from ultrascale.parallel.expert import (
     ROUTER_LOAD_ATTRIBUTE,
     RouterLoad,
@@ -179,6 +181,14 @@ def attach_hf_routing(model: nn.Module, *, aux_loss_coef: float, z_loss_coef: fl
         setattr(router, ROUTER_LOAD_ATTRIBUTE, load)
 
         def hook(module: nn.Module, args: Any, output: Any, load: RouterLoad = load) -> Any:
+            if not (isinstance(output, tuple) and len(output) == 3):
+                # Llama 4's router returns (scores over every expert, logits): no choices to count or balance.
+                if aux_loss_coef or z_loss_coef:
+                    raise not_built("hf_router_form", (
+                        f"{type(module).__name__} returns {len(output) if isinstance(output, tuple) else 1} value(s), "
+                        "not (logits, weights, indices): ultrascale's router balance and z-losses read that form; "
+                        "set router_aux_loss_coef=0 and router_z_loss_coef=0 for this model"))
+                return output
             logits, scores, chosen = output  # (B T, E), (B T, k), (B T, k)
             rows = module._ultrascale_rows
             aux = balance_terms(logits, chosen, rows, load, aux_coef=aux_loss_coef, z_coef=z_loss_coef)

@@ -101,6 +101,8 @@ NOT_BUILT: dict[str, NotBuilt] = {
     "hf_conversion_not_per_expert": NotBuilt("Hugging Face checkpoints whose load-time conversion the sharded loader "
                                              "cannot rebuild one expert at a time (the error names the operation)",
                                              layout=False),
+    "hf_router_form": NotBuilt("router balance and z-losses on a Hugging Face MoE whose router does not return "
+                               "(logits, weights, indices) (Llama 4's)", layout=False),
     "export_lora_checkpoint": NotBuilt("`export-hf` of a LoRA run's checkpoint (export the adapter or the merged model "
                                        "when fit ends)", layout=False),
     "export_moe_llama": NotBuilt("`export-hf` of the built-in Llama's MoE variant (the dense one exports)", layout=False),

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -109,10 +109,13 @@ def per_head_parameters_left_whole(module: nn.Module, plan: TPPlan, head_counts:
     def style_of(path: str) -> Optional[ParallelStyle]:
         return next((style for key, style in plan.items() if fnmatch(path, key)), None)
 
+    def splits_heads(style: Optional[ParallelStyle]) -> bool:  # column-parallel, its output left split (not gathered)
+        return isinstance(style, ColwiseParallel) and tuple(style.output_layouts) == (Shard(-1),)
+
     found = []
     for name, owner in module.named_modules():
         prefix = f"{name}." if name else ""
-        if not any(isinstance(style_of(prefix + child), ColwiseParallel) for child, _ in owner.named_children()):
+        if not any(splits_heads(style_of(prefix + child)) for child, _ in owner.named_children()):
             continue
         own_style = style_of(name)
         split = set(own_style.placements) if isinstance(own_style, OwnParamsParallel) else set()
