@@ -17,8 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ultrascale.parallel.rules import not_built
-
 from ultrascale.parallel.expert import (
     ROUTER_LOAD_ATTRIBUTE,
     RouterLoad,
@@ -27,6 +25,7 @@ from ultrascale.parallel.expert import (
     capacity_mask,
     experts_forward,
 )
+from ultrascale.parallel.rules import not_built
 
 
 class Router(nn.Module):
