@@ -6,7 +6,9 @@ dropout and router jitter off, since they draw differently per process), `save_p
 world 2 against the one-process reference (`tests/_parity.py`: first-step loss, every gradient, weights after step 1,
 the 10-step curve). A cell is `exact`, `refused` (ultrascale's own error, before or at the first step), or `FAILS`
 (another error, or no parity). A model type whose tiny config cannot be built from its defaults is listed apart:
-that is the shrinking here, not ultrascale. Encoders, encoder-decoders and multimodal wrappers are left out.
+that is the shrinking here, not ultrascale. Encoders and encoder-decoders are left out. A multimodal type (a
+`text_config` beside a vision tower: Gemma 3, Llama 4, Qwen 3.5) is saved whole, as the Hub ships it, its text config
+shrunk as above and its other parts to one small layer; ultrascale trains the text model.
 
     python benchmarks/hf_sweep.py [--types llama,qwen3]   # about 10 minutes on 2 cores for all of them
 """
@@ -30,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import tests.test_hf_matrix as matrix  # noqa: E402
 from tests._dist import run_ranks  # noqa: E402
+from tests._parity import save_perturbed_hf, save_perturbed_multimodal  # noqa: E402
 
 NOT_DECODERS = set(
     "bart bert bert-generation big_bird bigbird_pegasus blenderbot blenderbot-small camembert cpmant ctrl data2vec-text "
@@ -45,6 +48,10 @@ TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_lay
             num_experts=4, num_local_experts=4, n_routed_experts=4, n_shared_experts=1, router_jitter_noise=0.0,
             input_jitter_noise=0.0, decoder_sparse_step=1, mlp_only_layers=[])
 MAX_PARAMS = 2_000_000
+TINY_TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=1, num_attention_heads=4, num_heads=4,
+                  out_hidden_size=32, image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                  projector_output_dim=32, hidden_dim=32, embed_dim=32)
+"""A multimodal checkpoint's vision / audio parts, one small layer (the fields its config has)."""
 
 
 def tiny_fields(model_type: str) -> dict:
@@ -62,6 +69,23 @@ def tiny_fields(model_type: str) -> dict:
     return fields
 
 
+def tiny_config(model_type: str):
+    """The tiny config of `model_type`, and whether it is multimodal (saved whole, `tests._parity.save_perturbed_multimodal`)."""
+    from transformers import CONFIG_MAPPING
+
+    defaults = CONFIG_MAPPING[model_type]()
+    text = getattr(defaults, "text_config", None)
+    if text is None:
+        return CONFIG_MAPPING[model_type](**tiny_fields(model_type)), False
+    subs = {"text_config": tiny_fields(text.model_type)}
+    for name in getattr(defaults, "sub_configs", {}):
+        part = getattr(defaults, name, None)
+        if name != "text_config" and part is not None:
+            subs[name] = {"model_type": part.model_type, **{k: v for k, v in TINY_TOWER.items() if hasattr(part, k)}}
+    extra = {"mm_tokens_per_image": 4} if hasattr(defaults, "mm_tokens_per_image") else {}
+    return CONFIG_MAPPING[model_type](**subs, **extra), True
+
+
 def outcome(error: str) -> str:
     found = re.findall(r"(LayoutError|LayoutNotImplemented|NotImplementedError|ValueError): ([^\n]*)", error)
     if found and ("UltraScaleStrategy" in found[-1][1] or found[-1][0] != "ValueError" or "ultrascale" in error):
@@ -72,26 +96,26 @@ def outcome(error: str) -> str:
 
 def sweep(types: list[str], folder: Path) -> list[dict]:
     import transformers
-    from transformers import CONFIG_MAPPING
+
+    from ultrascale.models.adapters import hf_num_experts
 
     rows = []
     for model_type in types:
         started = time.time()
         try:
-            fields = tiny_fields(model_type)
+            config, multimodal = tiny_config(model_type)
+            whole = transformers.AutoModelForImageTextToText if multimodal else transformers.AutoModelForCausalLM
             with torch.device("meta"):
-                size = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(
-                    CONFIG_MAPPING[model_type](**fields)).parameters())
+                size = sum(p.numel() for p in whole.from_config(config).parameters())
             if size > MAX_PARAMS:
                 raise ValueError(f"the tiny config still has {size:,} parameters")
-            matrix.ARCHITECTURES[model_type] = (model_type, fields)
-            matrix._COMMON.clear()
-            path = matrix.make_checkpoint(folder / model_type, model_type)
+            save = save_perturbed_multimodal if multimodal else save_perturbed_hf
+            path = save(config, folder / model_type)
             reference = matrix._reference(model_type, path)
         except Exception as error:  # the tiny config, not ultrascale
             rows.append({"type": model_type, "setup": f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"})
             continue
-        moe = any(k in fields for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+        moe = hf_num_experts(config.get_text_config()) > 0
         cells = {}
         for layout, knobs in matrix.LAYOUTS.items():
             if layout == "EP 2" and not moe:

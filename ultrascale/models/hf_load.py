@@ -139,6 +139,20 @@ def _conversions(model_type: Optional[str]) -> tuple[list[Any], list[Any]]:
     return [entry for entry in mapping if not isinstance(entry, WeightConverter)], converters
 
 
+def _model_conversions(model: torch.nn.Module, model_type: Optional[str]) -> tuple[list[Any], list[Any]]:
+    """`_conversions` as `from_pretrained` collects them for a built model: each transformers sub-model's own mapping,
+    scoped to its place (a multimodal model's language model brings its expert stacking: Qwen 3.5-MoE's whole-model
+    type has no mapping of its own)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+    except ImportError:  # transformers without per-model collection: the type's own mapping
+        return _conversions(model_type)
+    mapping = list(get_model_conversion_mapping(model))
+    converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
+    return [entry for entry in mapping if not isinstance(entry, WeightConverter)], converters
+
+
 def _stacking(converter: Any, model_type: Optional[str]) -> Optional[int]:
     """How the sharded loader rebuilds a converter's target one expert at a time: the dim (of the stacked tensor)
     its per-expert sources are concatenated along, None for a single source stacked alone. Refuses, naming the
@@ -279,7 +293,7 @@ def _disk_layout(model: torch.nn.Module, config: Any, available: set[str], names
     {model key: disk key} for the tensors read as stored, and {model key: _Stacked or _Part} for those a converter
     builds."""
     model_type = getattr(config, "model_type", None)
-    renamings, converters = _conversions(model_type)
+    renamings, converters = _model_conversions(model, model_type)
     direct: dict[str, str] = {}
     stacked: dict[str, Any] = {}
     try:
