@@ -497,6 +497,28 @@ def test_gemma3_text_model_trains_from_its_multimodal_checkpoint_and_exports_it_
     assert keys(tmp_path / "TP") == keys(path)
 
 
+def test_lora_on_a_multimodal_checkpoint_exports_the_whole_model_merged(tmp_path):
+    """LoRA on Gemma 3's text model: the merged export is the whole model, the vision tower the source's (it was the
+    text model alone: the merged export found no source folder for a text model built from the whole one's config)."""
+    import transformers
+
+    text = dict(_COMMON, head_dim=8)
+    config = transformers.Gemma3Config(text_config=text, vision_config={**TINY_VISION, "model_type": "siglip_vision_model"},
+                                       mm_tokens_per_image=4)
+    path = save_perturbed_multimodal(config, tmp_path / "gemma3")
+    import lightning as L
+
+    module = make_hf(path, lora=LORA, export_dir=str(tmp_path / "merged"))
+    L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+              enable_checkpointing=False).fit(module, ParityData(data(), MICRO_BATCH))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True).state_dict()
+    source = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True).state_dict()
+    assert set(merged) == set(source)
+    assert all(torch.equal(merged[name], value) for name, value in source.items() if ".vision_tower." in name)
+    assert not torch.equal(merged["model.language_model.layers.0.self_attn.q_proj.weight"],
+                           source["model.language_model.layers.0.self_attn.q_proj.weight"])  # the adapters merged in
+
+
 def test_qwen3_5_text_model_trains_from_its_multimodal_checkpoint_and_exports_it_whole(tmp_path):
     """Qwen 3.5 ships only multimodal checkpoints; transformers' causal-LM class for them is the text model (gated
     DeltaNet and attention layers). Exact under TP and PP against one process, and its export is the whole model

@@ -32,6 +32,7 @@ def text_model_config(config: Any) -> Any:
         return config
     text = copy.deepcopy(text)  # the whole model ties its head to the embedding as its own config says
     text.tie_word_embeddings = getattr(config, "tie_word_embeddings", text.tie_word_embeddings)
+    text._name_or_path = config._name_or_path  # where its model came from: a merged LoRA export writes back there
     return text
 
 
