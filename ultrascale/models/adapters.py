@@ -410,10 +410,11 @@ def _modules_on_split_activations(hf: nn.Module, styles: Mapping[str, ParallelSt
 
     from ultrascale.parallel.tensor_styles import ReplicatedWithGradAllReduce
 
-    head_dim = hf_head_dim(hf.config)
+    # The layers' own head widths (Gemma 4's differ by layer type, and its config refuses one global `head_dim`).
+    head_dims = {m.head_dim for m in hf.modules() if isinstance(getattr(m, "head_dim", None), int)} or {hf_head_dim(hf.config)}
 
     def unindexed(param: nn.Parameter) -> bool:
-        return param.numel() == 1 or (param.dim() == 1 and head_dim is not None and param.shape[0] == head_dim)
+        return param.numel() == 1 or (param.dim() == 1 and param.shape[0] in head_dims)
 
     def split(style: ParallelStyle) -> Optional[str]:
         if isinstance(style, ColwiseParallel) and style.output_layouts == (Shard(-1),) and style.use_local_output:
