@@ -125,6 +125,9 @@ def test_what_the_cost_model_does_not_describe_is_named():
                                              n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
     with pytest.raises(ValueError, match=r"DeepseekV3Attention\) has no q/k/v projections .*multi-head latent"):
         ModelShape.from_hf_config(deepseek)
+    # Gemma 4's heterogeneous config (head widths by layer type) refuses one global head_dim: named, not a traceback.
+    with pytest.raises(ValueError, match=r"Gemma4TextConfig gives its layers different head widths \(\[256, 512\]\)"):
+        ModelShape.from_hf_config(transformers.Gemma4Config().text_config)
 
 
 # --------------------------------------------------------------------------- model-state formulas

@@ -390,6 +390,11 @@ class ModelShape:
         for a decoder whose layers this cost model does not describe (multi-head latent attention, learned
         positions), so the planner never prices a model it misreads. Cached per config."""
         c = config
+        per_layer = getattr(c, "per_layer_config", None)  # transformers' heterogeneous configs (Gemma 4)
+        if per_layer is not None and len({getattr(layer, "head_dim", None) for layer in per_layer}) > 1:
+            widths = sorted({getattr(layer, "head_dim", None) for layer in per_layer})
+            raise ValueError(f"ModelShape: {type(c).__name__} gives its layers different head widths ({widths}); the cost "
+                             "model prices layers of one shape")
         needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
         missing = [key for key in needed if not hasattr(c, key)]
         if missing:
