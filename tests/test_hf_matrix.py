@@ -531,6 +531,21 @@ def test_gemma4_text_model_first_step_is_as_exact_as_fp32_allows(tmp_path):
     assert messages[0] is not None and "holds parameters outside its embedding, layers, final norm and head" in messages[0]
 
 
+def test_an_embedding_that_computes_more_than_a_lookup_stays_whole_under_tp(tmp_path):
+    """Inkling's input embedding normalises its lookup (an nn.Embedding holding a norm) and its plan leaves it out.
+    ultrascale's default vocab-parallel entry would have normed partial lookups (and torch's embedding style failed
+    re-registering the norm's weight, a KeyError): such an embedding runs whole on every tp rank. TP parity over ten
+    steps (its router returns more than (logits, weights, indices), which the MoE hooks once failed to unpack)."""
+    import transformers
+
+    config = transformers.InklingTextConfig(**{**_COMMON, **_MOE}, head_dim=8, sliding_window=WINDOW, num_local_experts=4,
+                                            n_routed_experts=4, n_shared_experts=1, attention_dropout=0.0,
+                                            layer_types=["hybrid_sliding", "hybrid"])
+    path = save_perturbed_hf(config, tmp_path / "inkling")
+    reference = reference_run(make_hf(path), data(), global_batch=MICRO_BATCH, steps=STEPS, accumulate=ACCUMULATE)
+    assert_stage_parity(run_ranks(_train_steps, WORLD, path, LAYOUTS["TP 2"], STEPS), reference)
+
+
 def test_lora_on_a_multimodal_checkpoint_exports_the_whole_model_merged(tmp_path):
     """LoRA on Gemma 3's text model: the merged export is the whole model, the vision tower the source's (it was the
     text model alone: the merged export found no source folder for a text model built from the whole one's config)."""

@@ -387,7 +387,8 @@ def hf_tp_plan(
     paths = {id(module): name for name, module in hf.named_modules()}
     embedding, head = hf.get_input_embeddings(), hf.get_output_embeddings()
     embed_path = prefix + paths[id(embedding)] if embedding is not None and id(embedding) in paths else None
-    if embed_path is not None and not any(fnmatch(embed_path, key) for key in styles):
+    # Vocab-parallel unless placed, or more than a lookup (Inkling's normed embedding: it then runs whole on every rank).
+    if embed_path and not any(fnmatch(embed_path, k) for k in styles) and len(list(embedding.parameters())) == 1:
         styles[embed_path] = RowwiseParallel(input_layouts=Replicate())
     if head is not None and id(head) in paths:
         styles[prefix + paths[id(head)]] = ColwiseParallel(
