@@ -307,13 +307,13 @@ def make_hf_checkpoint(folder: Any, arch: str, *, vocab_size: int, hidden_size: 
     return save_perturbed_hf(config, folder)
 
 
-def save_perturbed_hf(config: Any, folder: Any) -> str:
+def save_perturbed_hf(config: Any, folder: Any, auto_class: str = "AutoModelForCausalLM") -> str:
     """The model of a Hugging Face `config` with every weight moved off its init (norms at 1 and biases at 0 would
     hide mistakes), seeded, saved to `folder` with `save_pretrained`."""
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = getattr(transformers, auto_class).from_config(config)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -324,15 +324,7 @@ def save_perturbed_hf(config: Any, folder: Any) -> str:
 def save_perturbed_multimodal(config: Any, folder: Any) -> str:
     """`save_perturbed_hf` of a multimodal (image-text-to-text) model: the composite checkpoint as the Hub ships Gemma 3,
     Llama 4 and Qwen 3.5, the language model's keys beside the vision tower's."""
-    import transformers
-
-    torch.manual_seed(0)
-    model = transformers.AutoModelForImageTextToText.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    model.save_pretrained(folder)
-    return str(folder)
+    return save_perturbed_hf(config, folder, "AutoModelForImageTextToText")
 
 
 def make_hf(path: str, export_dir: Optional[str] = None, **kwargs: Any) -> L.LightningModule:
