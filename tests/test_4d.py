@@ -87,7 +87,10 @@ def test_auto_layout_is_the_planners_and_exact(world, global_batch, strategy, fi
     reference = reference_run(make_llama(n_layers), masked_data(), global_batch=global_batch, steps=STEPS)
     losses = step_losses(results)
     assert all(math.isfinite(v) for v in losses)
-    assert_parity(merge_stages(results), reference, losses)
+    # The planner may recompute (cp fixed at 4: ZeRO-2's reduce-scatter outlasts one backward, and the recomputed forward
+    # hides it at no cost): the wrapped blocks' names lose their wrapper.
+    assert_parity(merge_stages(results, strip="_checkpoint_wrapped_module." if expected.recompute != "none" else ""),
+                  reference, losses)
 
 
 def test_auto_layout_follows_this_machines_calibration(tmp_path):

@@ -404,9 +404,12 @@ def multimodal_source(model_config: Any, path: str | Path) -> Optional[tuple[Any
 
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    config_file = Path(path) / "config.json"  # (a LlamaLM export's source is a tokenizer folder)
     try:  # a type transformers knows (a remote-code model's config is not read here)
-        config_class = CONFIG_MAPPING[json.loads((Path(path) / "config.json").read_text()).get("model_type")]
+        config_class = CONFIG_MAPPING[json.loads(config_file.read_text()).get("model_type")] if config_file.is_file() else None
     except KeyError:
+        return None
+    if config_class is None:
         return None
     folder_config = config_class.from_pretrained(str(path), local_files_only=True)
     text = getattr(folder_config, "text_config", None)
