@@ -351,14 +351,15 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
     # `<layer>.base_layer.`, and the adapters (`.lora_A.` ...) are not in the checkpoint (initialised instead).
     state = {k: v for k, v in model.state_dict().items() if ".lora_" not in k}
     checkpoint_name = {key: key.replace(".base_layer.", ".") for key in state}
+    layout_model, layout_config = model, config
     on_disk = _multimodal_layout(model, path)
     if on_disk is not None:  # the text model of a multimodal checkpoint: its keys are found as the whole model's
-        rename, model, config = on_disk
+        rename, layout_model, layout_config = on_disk
         checkpoint_name = {key: rename(name) for key, name in checkpoint_name.items()}
-    if config is not None:
-        check_sharded_loading_supported(config)
+    if layout_config is not None:
+        check_sharded_loading_supported(layout_config)
     available = safetensors_keys(path)
-    direct, stacked = _disk_layout(model, config, available, set(checkpoint_name.values()))
+    direct, stacked = _disk_layout(layout_model, layout_config, available, set(checkpoint_name.values()))
 
     wanted = {direct[checkpoint_name[key]]: value for key, value in state.items() if checkpoint_name[key] in direct}
     fused = {key: value for key, value in state.items() if checkpoint_name[key] in stacked}
