@@ -403,12 +403,12 @@ def _modules_on_split_activations(hf: nn.Module, styles: Mapping[str, ParallelSt
     row-parallel layer with a split input of one parent, and whose parameters the split dim does not index: scalars
     (Apertus's xIELU activation, alpha_p and alpha_n, between up_proj and down_proj) and per-head vectors of the head
     width (GLM-4-MoE's and Sarvam-MoE's q_norm / k_norm with `use_qk_norm`, between q/k_proj and o_proj). Such a
-    module runs on this rank's slice of the features or heads, so each rank's gradient is its part of the sum over
-    them, d/dw = sum over heads (or features) of its per-slice terms; left out, the tp ranks' copies would drift
-    apart. `replicated_with_grad_allreduce` sums the parts."""
+    module runs on this rank's slice of the features or heads, so each rank's gradient is its part of the sum over them,
+    d/dw = sum over heads (or features) of its per-slice terms; left out, the tp ranks' copies would drift apart."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import RowwiseParallel
 
+    from ultrascale.parallel.tensor import leaves_output_split
     from ultrascale.parallel.tensor_styles import ReplicatedWithGradAllReduce
 
     # The layers' own head widths (Gemma 4's differ by layer type, and its config refuses one global `head_dim`).
@@ -418,7 +418,7 @@ def _modules_on_split_activations(hf: nn.Module, styles: Mapping[str, ParallelSt
         return param.numel() == 1 or (param.dim() == 1 and param.shape[0] in head_dims)
 
     def split(style: ParallelStyle) -> Optional[str]:
-        if isinstance(style, ColwiseParallel) and style.output_layouts == (Shard(-1),) and style.use_local_output:
+        if leaves_output_split(style):
             return "column"
         if isinstance(style, RowwiseParallel) and style.input_layouts == (Shard(-1),):
             return "row"

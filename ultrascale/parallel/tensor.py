@@ -98,6 +98,12 @@ def split_parameter_entries(module: nn.Module, plan: TPPlan, *, drop_unmatched: 
     return result
 
 
+def leaves_output_split(style: Optional[ParallelStyle]) -> bool:
+    """A column-parallel style whose output stays split over tp as plain local tensors (the heads or features of each
+    rank), not gathered: what runs after it sees this rank's slice."""
+    return isinstance(style, ColwiseParallel) and tuple(style.output_layouts) == (Shard(-1),) and style.use_local_output
+
+
 def per_head_parameters_left_whole(module: nn.Module, plan: TPPlan, head_counts: set[int]) -> list[str]:
     """Bare parameters with one value per head (leading dim in `head_counts`) of a module whose column-parallel layers
     split its heads, where the plan leaves them whole: each rank would run its heads with every head's values (Doge's
@@ -109,13 +115,10 @@ def per_head_parameters_left_whole(module: nn.Module, plan: TPPlan, head_counts:
     def style_of(path: str) -> Optional[ParallelStyle]:
         return next((style for key, style in plan.items() if fnmatch(path, key)), None)
 
-    def splits_heads(style: Optional[ParallelStyle]) -> bool:  # column-parallel, its output left split (not gathered)
-        return isinstance(style, ColwiseParallel) and tuple(style.output_layouts) == (Shard(-1),)
-
     found = []
     for name, owner in module.named_modules():
         prefix = f"{name}." if name else ""
-        if not any(splits_heads(style_of(prefix + child)) for child, _ in owner.named_children()):
+        if not any(leaves_output_split(style_of(prefix + child)) for child, _ in owner.named_children()):
             continue
         own_style = style_of(name)
         split = set(own_style.placements) if isinstance(own_style, OwnParamsParallel) else set()
