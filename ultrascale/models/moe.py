@@ -151,6 +151,13 @@ def hf_routers(model: nn.Module) -> list[nn.Module]:
     return routers
 
 
+def behind_experts_interface(experts: nn.Module) -> bool:
+    """Whether transformers' ExpertsInterface dispatches this experts module (its class wrapped by
+    `use_experts_implementation`, whose __init__ sets `has_gate`): routed by a top-k router of the form
+    (logits, weights, indices) beside it. Llama 4's computes every expert for every token in its own forward."""
+    return "has_gate" in vars(experts)
+
+
 def hf_experts_problem(model: nn.Module) -> Optional[str]:
     """Why `experts_forward` cannot compute some experts module of `model`, or None. It computes gated experts in
     every layout transformers' `use_experts_implementation` declares with `has_gate` (concatenated or interleaved
@@ -158,7 +165,7 @@ def hf_experts_problem(model: nn.Module) -> Optional[str]:
     after each expert. An experts module whose class that decorator did not wrap computes its experts itself, which
     the dispatch cannot replace (Llama 4's runs every token through every expert, weighted by its score)."""
     for experts in hf_experts_modules(model):
-        if "has_gate" not in vars(experts):  # set by `use_experts_implementation`'s __init__
+        if not behind_experts_interface(experts):
             return (f"{type(experts).__name__} computes its experts in its own forward, not through transformers' "
                     "ExpertsInterface (`use_experts_implementation`)")
         if experts.has_gate is not True:
@@ -172,8 +179,17 @@ def attach_hf_routing(model: nn.Module, *, aux_loss_coef: float, z_loss_coef: fl
     """Give each router of a transformers MoE model a `RouterLoad` (per-expert token counts, logged by
     ultrascale strategies) and, when a coefficient is set, ultrascale's balance terms: computed from
     the router's logits and choices by a forward hook and attached to its routing weights, so they
-    join backward with the experts' output (see `ultrascale.parallel.expert`). Idempotent."""
-    for layer, router in enumerate(hf_routers(model)):
+    join backward with the experts' output (see `ultrascale.parallel.expert`). Idempotent. Routers whose experts
+    transformers' ExpertsInterface does not dispatch (Llama 4's) route their own way: they get none, and the balance
+    and z-losses on them are refused by name."""
+    routers = [router for router in hf_routers(model) if behind_experts_interface(_moe_block(model, router).experts)]
+    if len(routers) < len(hf_routers(model)) and (aux_loss_coef or z_loss_coef):
+        own = next(r for r in hf_routers(model) if r not in routers)
+        raise not_built("hf_router_form", (
+            f"{type(_moe_block(model, own).experts).__name__} routes its tokens itself, not through transformers' "
+            "ExpertsInterface: ultrascale's router balance and z-losses read a top-k router's (logits, weights, indices); "
+            "set router_aux_loss_coef=0 and router_z_loss_coef=0 for this model"))
+    for layer, router in enumerate(routers):
         if hasattr(router, ROUTER_LOAD_ATTRIBUTE):
             continue
         load = RouterLoad(router.weight.shape[0], router.top_k, layer)
@@ -181,7 +197,7 @@ def attach_hf_routing(model: nn.Module, *, aux_loss_coef: float, z_loss_coef: fl
 
         def hook(module: nn.Module, args: Any, output: Any, load: RouterLoad = load) -> Any:
             if not (isinstance(output, tuple) and len(output) == 3):
-                # Llama 4's router returns (scores over every expert, logits): no choices to count or balance.
+                # Inkling's also returns its shared experts' gammas (and its weight holds their rows): not counted.
                 if aux_loss_coef or z_loss_coef:
                     raise not_built("hf_router_form", (
                         f"{type(module).__name__} returns {len(output) if isinstance(output, tuple) else 1} value(s), "
@@ -199,8 +215,12 @@ def attach_hf_routing(model: nn.Module, *, aux_loss_coef: float, z_loss_coef: fl
             router._ultrascale_rows = args[0].shape[0] if args[0].dim() == 3 else 1  # the MoE block sees (B, T, H)
 
         router.register_forward_hook(hook)
-        parent = next(m for m in model.modules() if any(getattr(m, name, None) is router for name in ROUTER_NAMES))
-        parent.register_forward_pre_hook(rows_hook)
+        _moe_block(model, router).register_forward_pre_hook(rows_hook)
+
+
+def _moe_block(model: nn.Module, router: nn.Module) -> nn.Module:
+    """The MoE block holding `router` beside its `experts`."""
+    return next(m for m in model.modules() if any(getattr(m, name, None) is router for name in ROUTER_NAMES))
 
 
 def register_hf_experts() -> None:

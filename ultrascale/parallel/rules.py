@@ -102,7 +102,7 @@ NOT_BUILT: dict[str, NotBuilt] = {
                                              "cannot rebuild one expert at a time (the error names the operation)",
                                              layout=False),
     "hf_router_form": NotBuilt("router balance and z-losses on a Hugging Face MoE whose router does not return "
-                               "(logits, weights, indices) (Llama 4's)", layout=False),
+                               "(logits, weights, indices) (Llama 4's, Inkling's)", layout=False),
     "export_lora_checkpoint": NotBuilt("`export-hf` of a LoRA run's checkpoint (export the adapter or the merged model "
                                        "when fit ends)", layout=False),
     "export_moe_llama": NotBuilt("`export-hf` of the built-in Llama's MoE variant (the dense one exports)", layout=False),
