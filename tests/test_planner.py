@@ -26,7 +26,7 @@ from tests._dist import init_gloo, run_ranks
 from tests._parity import ParityData, TokenDataset
 from tests.test_measure import check_sums
 from ultrascale import planner
-from ultrascale.estimate import STATE_BYTES, ActivationModel, ModelShape, model_flops
+from ultrascale.estimate import ActivationModel, ModelShape, model_flops, state_bytes
 from ultrascale.models.adapters import model_shape
 from ultrascale.models.llama import Llama, LlamaConfig
 from ultrascale.models.lm import LlamaLM
@@ -137,9 +137,9 @@ def test_bytes_per_parameter_under_bf16_mixed_adam():
     # Playbook: bf16 weights + bf16 grads + fp32 master + two fp32 moments = 2 + 2 + 4 + 8 = 16; ultrascale's
     # ZeRO-1/2 reduce fp32 gradients under bf16-mixed (as Megatron's distributed optimizer): 2 + 4 + 12 = 18.
     # ultrascale's FSDP holds fp32 weights and grads instead of the master: 4 + 4 + 8 = 16.
-    assert STATE_BYTES[("bf16-mixed", "zero12")] == (2, 4, 12)
-    assert sum(STATE_BYTES[("bf16-mixed", "fsdp")]) == 16
-    assert sum(STATE_BYTES[("32-true", "fsdp")]) == 16
+    assert state_bytes("bf16-mixed", 1) == state_bytes("bf16-mixed", 2) == (2, 4, 12)
+    assert sum(state_bytes("bf16-mixed", 3)) == 16
+    assert sum(state_bytes("32-true", 3)) == 16
 
 
 def _row(preset="llama3_8b", gpus=8, **layout):

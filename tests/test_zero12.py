@@ -9,7 +9,7 @@ import torch
 import ultrascale
 from tests._dist import run_ranks
 from tests._parity import ParityData, Recorder, TokenDataset, assert_parity, parity_trainer, reference_run, step_losses
-from ultrascale.estimate import STATE_BYTES
+from ultrascale.estimate import state_bytes
 from ultrascale.models.lm import LlamaLM
 from ultrascale.parallel import zero as zero_module
 from ultrascale.parallel.memory import model_state_bytes
@@ -137,7 +137,7 @@ def test_model_state_bytes_match_playbook(stage, tp):
     over the dp ranks of each tp group). The planner prices the same bytes."""
     world = 4
     dp = world // tp
-    assert STATE_BYTES[("bf16-mixed", "zero12")] == (2, 4, 12)
+    assert state_bytes("bf16-mixed", 1) == (2, 4, 12)
     for result in run_ranks(_memory, world, stage, tp):
         psi, measured = result["psi"] / tp, result["bytes"]
         assert result["param_dtype"] == "torch.bfloat16"  # bf16 weights for compute, fp32 masters in the optimizer

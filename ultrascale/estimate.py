@@ -22,6 +22,7 @@ __all__ = [
     "ModelStateEstimate",
     "ADAMW_KERNEL",
     "STATE_BYTES",
+    "ZERO12_BYTES",
     "state_bytes",
     "active_params",
     "estimate_model_state_bytes",
@@ -87,36 +88,31 @@ def estimate_model_state_bytes(
     )
 
 
-# (weight, gradient, optimizer) bytes per parameter under Adam, by precision and ZeRO family,
-# as ultrascale holds them by default: FSDP2 (ZeRO-3) keeps fp32 sharded weights and casts gathered
-# copies to bf16; ZeRO-1/2 keep bf16 weights, fp32 gradients (`accumulate_grads_in_fp32`'s default:
-# `parallel.zero.zero12_dtypes`) and fp32 masters inside the optimizer state. `state_bytes` reads the knob.
 ADAMW_KERNEL: dict[str, bool] = {"fused": True}
 """How the built-in modules' AdamW runs (`models.lm.adamw_warmup_cosine`; `measure` builds the same): torch's fused
 kernel, one launch per parameter group, as torchtitan runs it. foreach's step holds a temporary the size of the
 parameters it updates (4 bytes each, measured), and on DTensor parameters its seven foreach ops each pay a sharding
 propagation at the first step: 2.5 s of a 9.5 s 10-step ZeRO-3 fit of the tiny Llama on CPU, fused 0.2 s."""
 
-STATE_BYTES: dict[tuple[str, str], tuple[int, int, int]] = {
-    ("32-true", "fsdp"): (4, 4, 8),
-    ("32-true", "zero12"): (4, 4, 8),
-    ("bf16-mixed", "fsdp"): (4, 4, 8),
-    ("bf16-mixed", "zero12"): (2, 4, 12),
-    ("bf16-true", "fsdp"): (2, 2, 4),
-    ("bf16-true", "zero12"): (2, 2, 4),
-}
+STATE_BYTES: dict[str, tuple[int, int, int]] = {"32-true": (4, 4, 8), "bf16-mixed": (4, 4, 8), "bf16-true": (2, 2, 4)}
+"""(weight, gradient, optimizer) bytes per parameter under Adam of FSDP2 (ZeRO-3), by precision: fp32 sharded weights
+cast to bf16 when gathered under bf16-mixed."""
+ZERO12_BYTES: dict[str, tuple[int, int]] = {"32-true": (4, 8), "bf16-mixed": (2, 12), "bf16-true": (2, 4)}
+"""(weight, optimizer) bytes per parameter under Adam of ZeRO-1/2, by precision: bf16 weights under bf16-mixed, with
+the fp32 masters inside the optimizer state (4 + 8); their gradients' bytes follow `parallel.zero.zero12_dtypes`."""
 
 
 def state_bytes(precision: str, zero_stage: int, accumulate_grads_in_fp32: Optional[bool] = None) -> tuple[int, int, int]:
-    """(weight, gradient, optimizer) bytes per parameter of a layout (`STATE_BYTES`), ZeRO-1/2's gradients as the
-    strategy's `accumulate_grads_in_fp32` makes them (`parallel.zero.zero12_dtypes`: None is fp32 under bf16-mixed)."""
+    """(weight, gradient, optimizer) bytes per parameter of a layout: ZeRO-3's (`STATE_BYTES`), or ZeRO-1/2's with
+    the gradients the strategy's `accumulate_grads_in_fp32` makes (`parallel.zero.zero12_dtypes`: None is fp32 under
+    bf16-mixed: 2 + 4 + 12)."""
     if zero_stage == 3:
-        return STATE_BYTES[(precision, "fsdp")]
+        return STATE_BYTES[precision]
     from ultrascale.parallel.zero import zero12_dtypes
 
-    weight, _, optimizer = STATE_BYTES[(precision, "zero12")]
+    weight, optimizer = ZERO12_BYTES[precision]
     accumulate_dtype = zero12_dtypes(precision, accumulate_grads_in_fp32)[1]
-    return weight, (4 if accumulate_dtype is not None else weight), optimizer
+    return weight, (accumulate_dtype.itemsize if accumulate_dtype is not None else weight), optimizer
 
 
 # --------------------------------------------------------------------------- FLOPs

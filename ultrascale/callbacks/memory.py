@@ -128,8 +128,7 @@ class MemoryMonitor(Callback):
             shard, model_parallel = dims.dp_shard_cp, dims.tp * dims.pp
         element = params[0].element_size()  # DTensor/shards report the dtype of their local data
         engines = _engines(trainer)  # ZeRO-1/2 may hold gradients in another dtype than the weights (fp32)
-        grad_element = (torch.finfo(engines[0].buckets[0].accumulate_dtype).bits // 8 if engines and engines[0].buckets
-                        else element)
+        grad_element = engines[0].buckets[0].accumulate_dtype.itemsize if engines and engines[0].buckets else element
         # The optimizer's own parameters decide the state dtype: ZeRO-1/2 under bf16-mixed step
         # fp32 master copies of bf16 weights (+4 bytes per parameter, the Playbook's 12 = 4 + 8).
         optimizer_params = [p for o in trainer.optimizers for g in o.param_groups for p in g["params"]]

@@ -90,7 +90,7 @@ _gather_for_inspection = _all_gather  # not the training path: tests count `_all
 def zero12_dtypes(precision: str, accumulate_in_fp32: Optional[bool] = None) -> tuple[Optional[torch.dtype], Optional[torch.dtype]]:
     """(compute_dtype, accumulate_dtype) of a `ZeroEngine` under a Trainer precision (None: the weights' dtype).
     bf16-mixed: bf16 weights for compute (fp32 masters in the optimizer) and, unless `accumulate_in_fp32=False`, fp32
-    gradients, as FSDP's `reduce_dtype` and Megatron's distributed optimizer under bf16 (`estimate.STATE_BYTES`)."""
+    gradients, as FSDP's `reduce_dtype` and Megatron's distributed optimizer under bf16 (`estimate.state_bytes`)."""
     if accumulate_in_fp32 is None:
         accumulate_in_fp32 = precision == "bf16-mixed"
     return (torch.bfloat16 if precision == "bf16-mixed" else None), (torch.float32 if accumulate_in_fp32 else None)
