@@ -143,7 +143,7 @@ class HFCausalLM(CausalLMModule):
         )
         # The model trained: a multimodal checkpoint's text model; the export writes the rest back from `pretrained_path`.
         self.config = text_model_config(folder_config)
-        self.multimodal_source = self.config is not folder_config
+        self.text_of_multimodal = self.config is not folder_config
         self.model: Optional[torch.nn.Module] = None
 
     @property
@@ -196,7 +196,7 @@ class HFCausalLM(CausalLMModule):
                 trust_remote_code=self.hparams.trust_remote_code,
             )
             self._weights_pending = True  # loaded by `init_weights` after sharding
-        elif self.multimodal_source:  # transformers loads no text model alone from some (Gemma 3's): the loader does
+        elif self.text_of_multimodal:  # transformers loads no text model alone from some (Gemma 3's): the loader does
             self.model = AutoModelForCausalLM.from_config(self.config, dtype=dtype, attn_implementation=attention)
             load_hf_weights(self.model, self.pretrained_path)
             self._weights_pending = False
@@ -256,7 +256,7 @@ class HFCausalLM(CausalLMModule):
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         # `export-hf` rebuilds the model from this even if the original folder has moved.
         checkpoint["hf_config"] = self.config.to_dict()
-        checkpoint["hf_multimodal_source"] = self.multimodal_source
+        checkpoint["hf_text_of_multimodal"] = self.text_of_multimodal
 
     def on_fit_end(self) -> None:
         if self.hparams.get("lora") is not None:
@@ -392,7 +392,7 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path, max_shard_
         raise ValueError("--tokenizer is for LlamaLM checkpoints: an HFCausalLM export copies its model folder's tokenizer")
     source = hparams.get("pretrained_path")
     source = source if source and Path(source).is_dir() else None
-    if meta.get("hf_multimodal_source") and source is None:
+    if meta.get("hf_text_of_multimodal") and source is None:
         raise FileNotFoundError(
             f"{path} trained the text model of the multimodal checkpoint {hparams.get('pretrained_path')}, whose other "
             "weights (the vision tower) the export writes back from that folder, and it is gone: restore it there"
