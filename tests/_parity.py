@@ -82,8 +82,13 @@ class ParityData(L.LightningDataModule):
         return DataLoader(self.dataset, batch_size=sampler.local_batch_size, sampler=sampler, drop_last=True)
 
 
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """fp32, or fp64 kept (a `precision="64-true"` run's numbers, compared to ~1e-12)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().clone().cpu()
+    return wide((t.full_tensor() if isinstance(t, DTensor) else t).detach()).clone().cpu()
 
 
 class _StepLogger(Logger):
@@ -128,7 +133,7 @@ class Recorder(L.Callback):
         if self.first_grads is None:
             engine = engine_for(optimizer, getattr(trainer.strategy, "zero_engines", ()))
             if engine is not None:  # ZeRO-1/2: the reduced gradients are sharded slices of flat buckets
-                self.first_grads = {n: g.float() for n, g in engine.full_gradients().items()}
+                self.first_grads = {n: wide(g) for n, g in engine.full_gradients().items()}
             else:
                 self.first_grads = {n: full(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
 
@@ -165,7 +170,7 @@ def step_losses(results: list[dict[str, Any]]) -> list[float]:
 def inline_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The definition, written out: sum of token cross-entropies over valid labels / their number."""
     valid = labels != -100
-    log_probs = F.log_softmax(logits.float(), dim=-1)  # (B, T, V)
+    log_probs = F.log_softmax(wide(logits), dim=-1)  # (B, T, V)
     token_losses = -log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (B, T)
     return (token_losses * valid).sum() / valid.sum().clamp(min=1)
 
@@ -185,9 +190,16 @@ def reference_run(
     accumulate: int = 1,
     clip: float | None = None,
     clip_algorithm: str = "norm",
+    backward_on_sums: bool = False,
 ) -> dict[str, Any]:
     """Single-process training of `module`'s model: one forward and backward per step over the whole
-    global batch (`accumulate` micro-batches of `global_batch` rows), loss written inline."""
+    global batch (`accumulate` micro-batches of `global_batch` rows), loss written inline.
+
+    `backward_on_sums`: instead, one backward per micro-batch of its token sum / `accumulate`, and the summed
+    gradients scaled by `accumulate` / (the step's valid tokens) after, the order the strategies take. The same
+    gradient; for an fp64 comparison the same numbers too, where the model computes in fp32 inside (transformers'
+    norms cast to fp32: their backward rounds the incoming gradient, whose mantissas depend on where 1/N was
+    applied)."""
     module = copy.deepcopy(module)
     module.configure_model()
     configured = module.configure_optimizers()
@@ -203,10 +215,25 @@ def reference_run(
     out: dict[str, Any] = {"grads": None, "params": None}
     for step in range(steps):
         batch = next(batches)
-        positions = (batch["position_ids"],) if "position_ids" in batch else ()  # packed documents
-        loss = inline_token_loss(module(batch["input_ids"], *positions), batch["labels"])
-        loss.backward()
-        losses.append(float(loss.detach()))
+        if backward_on_sums:
+            valid = int((batch["labels"] != -100).sum())
+            total = 0.0
+            for rows in range(0, global_batch * accumulate, global_batch):
+                micro = {key: value[rows : rows + global_batch] for key, value in batch.items()}
+                positions = (micro["position_ids"],) if "position_ids" in micro else ()
+                count = int((micro["labels"] != -100).sum())
+                token_sum = inline_token_loss(module(micro["input_ids"], *positions), micro["labels"]) * count
+                (token_sum / accumulate).backward()
+                total += float(token_sum.detach())
+            for p in module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(accumulate / max(valid, 1))
+            losses.append(total / max(valid, 1))
+        else:
+            positions = (batch["position_ids"],) if "position_ids" in batch else ()  # packed documents
+            loss = inline_token_loss(module(batch["input_ids"], *positions), batch["labels"])
+            loss.backward()
+            losses.append(float(loss.detach()))
         if step == 0:
             out["grads"] = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
         norms.append(grad_norm(module.parameters()))

@@ -10,6 +10,31 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 
 
+SUITE_PACKAGES = ("torch", "lightning", "transformers", "accelerate", "datasets", "safetensors", "torchao", "peft",
+                  "pytest", "pytest-timeout", "pytest-xdist", "ruff")
+"""What the suite's behaviour depends on: their versions head every run's log (CI's too), so a failure on a fresh
+machine can be told from one on an older install."""
+
+
+def pytest_sessionstart(session):
+    """The versions, printed once by the process that reports (not by each pytest-xdist worker), also under -q."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not hasattr(session.config, "workerinput"):
+        reporter.write_line(suite_versions())
+
+
+def suite_versions() -> str:
+    from importlib import metadata
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return "versions: " + ", ".join(f"{name} {version(name)}" for name in SUITE_PACKAGES)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

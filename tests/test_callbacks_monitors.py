@@ -3,6 +3,7 @@ model-state bytes beside their formula, per-rank traces; and the YAML recipe tha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -403,18 +404,36 @@ GPU_NAMES = {"H100 SXM": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200", "A100":
              "H100 PCIe": "NVIDIA H100 PCIe", "L4": "NVIDIA L4", "MI300X": "AMD Instinct MI300X"}
 
 
-@pytest.mark.parametrize("precision, tf32, dtype", [("bf16-mixed", False, "bf16"), ("16-mixed", False, "fp16"),
-                                                    ("32-true", True, "tf32"), ("32-true", False, "fp32")])
-def test_every_gpu_kind_has_a_peak_for_every_precision(monkeypatch, precision, tf32, dtype):
+@contextlib.contextmanager
+def fp32_matmul_precision(matmul: str, everywhere: str = "ieee"):
+    """torch's TF32 settings (`fp32_precision`, the API torch 2.13 reads without raising) set, and put back after."""
+    before = torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision
+    torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision = everywhere, matmul
+    try:
+        yield
+    finally:
+        torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision = before
+
+
+@pytest.mark.parametrize("precision, matmul, everywhere, dtype", [
+    ("bf16-mixed", "ieee", "ieee", "bf16"), ("16-mixed", "ieee", "ieee", "fp16"), ("32-true", "tf32", "ieee", "tf32"),
+    ("32-true", "none", "tf32", "tf32"), ("32-true", "ieee", "ieee", "fp32"), ("32-true", "none", "ieee", "fp32"),
+], ids=["bf16", "fp16", "tf32-matmul", "tf32-inherited", "fp32", "fp32-inherited"])
+def test_every_gpu_kind_has_a_peak_for_every_precision(monkeypatch, precision, matmul, everywhere, dtype):
     """`32-true` on CUDA without TF32 (torch's default) asks for the fp32 column: every device of the table has one,
     and a device the table does not know (H800, L40S, the NVL parts) gives tokens/s under the CLI's `mfu=None`
-    and a clear error under `mfu=True`."""
+    and a clear error under `mfu=True`. TF32 is read from torch's `fp32_precision` (the matmul's, or where it says
+    "none" the global one): torch 2.13 raises on a read of the legacy `allow_tf32` once they are set."""
+    with fp32_matmul_precision(matmul, everywhere):
+        _every_gpu_kind_has_a_peak(monkeypatch, precision, dtype)
+
+
+def _every_gpu_kind_has_a_peak(monkeypatch, precision, dtype):
     from types import SimpleNamespace
 
     from ultrascale.hardware import GPU_TABLE
 
     assert set(GPU_NAMES) == set(GPU_TABLE)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
     trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), precision=precision, callbacks=[])
     for key, name in GPU_NAMES.items():
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_, name=name: name)

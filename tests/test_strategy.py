@@ -72,8 +72,8 @@ def test_bad_knob_values():
 
 
 def test_unsupported_precision():
-    with pytest.raises(ValueError, match=r"supports `precision` in \('32-true', 'bf16-mixed', 'bf16-true'\).*64-true"):
-        trainer("ultrascale_zero3", precision="64-true")
+    with pytest.raises(ValueError, match=r"supports `precision` in \('32-true', 'bf16-mixed', 'bf16-true', '64-true'\).*16-true"):
+        trainer("ultrascale_zero3", precision="16-true")
 
 
 def test_fp16_mixed_is_refused_and_lightning_turns_it_into_bf16_on_cpu():
@@ -89,9 +89,11 @@ def test_fp16_mixed_is_refused_and_lightning_turns_it_into_bf16_on_cpu():
 
 
 def test_precision_mapping():
-    for name in ("32-true", "bf16-mixed", "bf16-true"):
+    for name, dtype in (("32-true", torch.float32), ("bf16-mixed", torch.float32), ("bf16-true", torch.bfloat16),
+                        ("64-true", torch.float64)):  # 64-true: Lightning's DoublePrecision, translated
         plugin = trainer("ultrascale_zero3", precision=name).strategy.precision_plugin
         assert isinstance(plugin, ultrascale.UltraScalePrecision) and plugin.precision == name
+        assert plugin.param_dtype == dtype, name
     policy = trainer("ultrascale_zero3", precision="bf16-mixed").strategy.precision_plugin.mixed_precision_policy()
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
 

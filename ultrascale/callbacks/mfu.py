@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from ultrascale.callbacks._common import parallel_dims_of
 from ultrascale.estimate import ModelFlops, model_flops, recompute_flops_per_token
 from ultrascale.hardware import find_peak_tflops
+from ultrascale.parallel.device import cuda_matmul_in_tf32
 
 __all__ = ["MFUMonitor", "ModelFlops", "measure_matmul_tflops", "model_flops"]
 
@@ -123,7 +124,7 @@ class MFUMonitor(Callback):
             return "bf16"
         if precision.startswith("16"):
             return "fp16"
-        if device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        if device.type == "cuda" and cuda_matmul_in_tf32():
             return "tf32"
         return "fp32"
 

@@ -11,10 +11,11 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from ultrascale.parallel.numerics import upcast
 from ultrascale.parallel.rules import not_built
 
 # (out, lse) = forward(q, k, v, causal, bias, scale):  q (B, H, Tq, D), k/v (B, Hkv, Tk, D),
-#   bias None or additive (B|1, 1, Tq, Tk) in q's dtype; out (B, H, Tq, D), lse (B, H, Tq) fp32.
+#   bias None or additive (B|1, 1, Tq, Tk) in q's dtype; out (B, H, Tq, D), lse (B, H, Tq) fp32 (fp64 for fp64 q).
 # (dq, dk, dv) = backward(dout, q, k, v, out, lse, causal, bias, scale) with the *merged* out and lse.
 
 
@@ -164,11 +165,11 @@ _KERNELS = {"cpu": (_cpu_forward, _cpu_backward), "cuda": (_cuda_forward, _cuda_
 def _softcap_scores(q, k, causal, bias, scale, softcap):
     """(S, T): T = tanh(scale·QKᵀ / c), S = c·T masked (-inf where the bias or causality hides a key)."""
     k = repeat_kv(k, q.shape[1] // k.shape[1])
-    raw = (q.float() @ k.float().transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    raw = (upcast(q) @ upcast(k).transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
     tanh = torch.tanh(raw / softcap)
     scores = tanh * softcap
     if bias is not None:
-        scores = scores + bias.float()
+        scores = scores + bias.to(scores.dtype)
     if causal:
         scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(), float("-inf"))
     return scores, tanh
@@ -184,20 +185,20 @@ def softcap_kernel(softcap: float) -> tuple[Any, Any]:
         scores, _ = _softcap_scores(q, k, causal, bias, scale, softcap)
         lse = torch.logsumexp(scores, dim=-1)  # (B, H, Tq); -inf for a row that sees no key
         probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
-        out = probs @ repeat_kv(v, q.shape[1] // v.shape[1]).float()
+        out = probs @ upcast(repeat_kv(v, q.shape[1] // v.shape[1]))
         return out.to(q.dtype), lse
 
     def backward(dout, q, k, v, out, lse, causal, bias, scale):
         groups = q.shape[1] // k.shape[1]
         scores, tanh = _softcap_scores(q, k, causal, bias, scale, softcap)
         probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))  # (B, H, Tq, Tk)
-        dout, out = dout.float(), out.float()
+        dout, out = upcast(dout), upcast(out)
         dv = probs.transpose(-1, -2) @ dout  # (B, H, Tk, Dv)
-        dprobs = dout @ repeat_kv(v, groups).float().transpose(-1, -2)
+        dprobs = dout @ upcast(repeat_kv(v, groups)).transpose(-1, -2)
         dscores = probs * (dprobs - (dout * out).sum(-1, keepdim=True))
         draw = dscores * (1 - tanh * tanh) * (scale if scale is not None else q.shape[-1] ** -0.5)
-        dq = draw @ repeat_kv(k, groups).float()
-        dk = draw.transpose(-1, -2) @ q.float()
+        dq = draw @ upcast(repeat_kv(k, groups))
+        dk = draw.transpose(-1, -2) @ upcast(q)
         if groups > 1:  # the repeated heads' gradients sum back onto their kv head
             dk, dv = (x.unflatten(1, (k.shape[1], groups)).sum(2) for x in (dk, dv))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

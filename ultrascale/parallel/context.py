@@ -59,6 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ultrascale.parallel.attention_kernels import attention_kernel, repeat_kv, softcap_kernel
 from ultrascale.parallel.device import all_gather_single, grouped_sdpa, reduce_scatter_single
 from ultrascale.parallel.dims import context_chunks, sequence_split_problem
+from ultrascale.parallel.numerics import accumulation_dtype, upcast
 from ultrascale.parallel.rules import CONTEXT_PARALLEL_METHODS, choice_problems, raise_first, ulysses_problems
 
 ContextParallelMethod = Literal["allgather", "ring", "alltoall", "usp"]
@@ -270,13 +271,13 @@ def _sources(kv: torch.Tensor, group: dist.ProcessGroup, method: str) -> Iterato
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """out, lse (fp32, in place) <- the softmax over both key sets; rows that saw no key yet keep -inf."""
+    """out, lse (fp32 or wider, in place) <- the softmax over both key sets; rows that saw no key yet keep -inf."""
     new_lse = torch.logaddexp(lse, block_lse)
     seen = torch.isfinite(new_lse)
     safe = torch.where(seen, new_lse, torch.zeros_like(new_lse))
     old_weight = torch.where(seen, torch.exp(lse - safe), torch.zeros_like(lse)).unsqueeze(-1)
     new_weight = torch.where(seen, torch.exp(block_lse - safe), torch.zeros_like(lse)).unsqueeze(-1)
-    out.mul_(old_weight).add_(block_out.float() * new_weight)
+    out.mul_(old_weight).add_(block_out.to(out.dtype) * new_weight)
     lse.copy_(new_lse)
 
 
@@ -295,12 +296,13 @@ class _ContextAttention(torch.autograd.Function):
         layout = cp.current_layout()
         group, rank = cp.group, cp.rank
         kernel_forward, _ = softcap_kernel(softcap) if softcap is not None else attention_kernel(q.device)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, H, Tl, D)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # (B, H, Tl)
+        wide = accumulation_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=wide, device=q.device)  # (B, H, Tl, D)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=wide, device=q.device)  # (B, H, Tl)
         if sinks is not None:
             # A sink is one more logit per head whose value row is zero: the merge starts from it (out 0, lse = sink),
             # so every block's weight exp(lse_block - lse) already counts the sink's share of the softmax.
-            lse.copy_(sinks.float().reshape(1, -1, 1).expand_as(lse))
+            lse.copy_(sinks.to(wide).reshape(1, -1, 1).expand_as(lse))
         kv = torch.stack([k, v]).contiguous()  # (2, B, Hkv, Tl, D): one message per exchange
         hidden = _hidden_blocks(layout, rank, cp.size, q.device, window)
         for source, kv_source in _sources(kv, group, cp.method):
@@ -326,12 +328,13 @@ class _ContextAttention(torch.autograd.Function):
         group, rank, size = cp.group, cp.rank, cp.size
         _, kernel_backward = softcap_kernel(softcap) if softcap is not None else attention_kernel(q.device)
         dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        wide = accumulation_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=wide, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         gathered_grads = None
         if cp.method == "allgather":  # dK/dV of every source, reduce-scattered to the owners at the end
-            gathered_grads = torch.zeros((size, *kv.shape), dtype=torch.float32, device=kv.device)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # ring: travels with its K/V
+            gathered_grads = torch.zeros((size, *kv.shape), dtype=wide, device=kv.device)
+        dkv = torch.zeros(kv.shape, dtype=wide, device=kv.device)  # ring: travels with its K/V
         pending: list[Any] = []  # ring: the previous step's dK/dV exchange, in flight while this step computes
         incoming = dkv
         for source, kv_source in _sources(kv, group, cp.method):
@@ -368,8 +371,8 @@ class _ContextAttention(torch.autograd.Function):
         if sinks is not None:
             # d sink_h = -sum over rows of P_sink · rowsum(dO ∘ O), P_sink = exp(sink_h - lse): this rank's queries'
             # share (the cp ranks' shares add up where the sinks' gradient is reduced, as every weight's is).
-            rows = (dout.float() * out.float()).sum(-1)  # (B, H, Tl)
-            dsinks = -(torch.exp(sinks.float().reshape(1, -1, 1) - lse) * rows).sum((0, 2)).to(sinks.dtype)
+            rows = (upcast(dout) * upcast(out)).sum(-1)  # (B, H, Tl)
+            dsinks = -(torch.exp(upcast(sinks).reshape(1, -1, 1) - lse) * rows).sum((0, 2)).to(sinks.dtype)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, dsinks
 
 
@@ -492,12 +495,12 @@ def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     head whose value row is zero: it only takes probability mass), out = P[:, :, :, :T]·V."""
     groups = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    scores = (q @ k.transpose(-1, -2)).float() * (scale if scale is not None else q.shape[-1] ** -0.5)  # (B, H, T, T)
+    scores = upcast(q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)  # (B, H, T, T)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is not None:
-        sink = sinks.float().reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)

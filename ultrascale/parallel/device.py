@@ -127,6 +127,20 @@ def flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+def cuda_matmul_in_tf32() -> bool:
+    """Whether CUDA runs fp32 matmuls in TF32: torch's `torch.backends.cuda.matmul.fp32_precision` ("tf32"; "none"
+    inherits `torch.backends.fp32_precision`), or the legacy `allow_tf32` on a torch without them. torch 2.13 raises on
+    a read of `allow_tf32` once the new setting was used, so the new one is read wherever it exists."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        precision = matmul.fp32_precision
+    except AttributeError:  # torch < 2.9
+        return bool(matmul.allow_tf32)
+    if precision == "none":
+        precision = getattr(torch.backends, "fp32_precision", "ieee")
+    return precision == "tf32"
+
+
 def attention_backend(device: torch.device, dtype: torch.dtype) -> str:
     """The attention kernel for this device and compute dtype: "flash" or "sdpa".
 

@@ -31,6 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from ultrascale.parallel.numerics import accumulation_dtype, upcast
+
 IGNORE_INDEX = -100
 """Label value that marks a position without a target (prompt tokens, padding)."""
 
@@ -45,10 +47,10 @@ def cross_entropy_sum(
 
     ``logits`` ``(..., V)`` may be vocab-sharded DTensors (loss parallel): the replicated
     DTensor sum comes back as a plain tensor (``to_local`` keeps the graph). The sum is taken
-    in fp32: a bf16 log-softmax over a large vocabulary is lossy. Labels are already shifted
+    in fp32 (fp64 for fp64 logits, ``numerics.upcast``): a bf16 log-softmax over a large vocabulary is lossy. Labels are already shifted
     (``labels[t]`` is the target of position t). No valid label gives ``(0, 0)``, never NaN.
     """
-    loss_sum = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=ignore_index, reduction="sum")
+    loss_sum = F.cross_entropy(upcast(logits).flatten(0, -2), labels.flatten(), ignore_index=ignore_index, reduction="sum")
     if isinstance(loss_sum, DTensor):
         loss_sum = loss_sum.to_local()
     return loss_sum, (labels != ignore_index).sum()
@@ -109,8 +111,9 @@ def scale_gradients(grads: Iterable[torch.Tensor | None], factor: float | torch.
             continue
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         groups.setdefault((local.device, local.dtype), []).append(local)
-    for (device, _), tensors in groups.items():
-        scale = factor.to(device=device, dtype=torch.float32) if isinstance(factor, torch.Tensor) else factor
+    for (device, dtype), tensors in groups.items():
+        # An fp64 gradient takes the factor unrounded (k / N in fp32 is off by up to 6e-8 of every gradient).
+        scale = factor.to(device=device, dtype=accumulation_dtype(dtype)) if isinstance(factor, torch.Tensor) else factor
         torch._foreach_mul_(tensors, scale)
 
 

@@ -150,8 +150,17 @@ class Problem:
 
 
 PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
-"""The precisions ultrascale trains in (FSDP2 mixed-precision policies); the strategies' precision plugin, the
-planner, its auto layout and `measure_layout` accept these and no other."""
+"""The precisions ultrascale trains in (FSDP2 mixed-precision policies); the planner, its auto layout and
+`measure_layout` price these and no other."""
+
+CHECKING_PRECISION = "64-true"
+"""fp64 everywhere, to check a layout rather than to train: a sum taken in another order moves an fp64 result by
+~1e-16 of its size instead of fp32's ~1e-7 (which a 512-wide head or a long reduction grows to 1e-5, and by how
+much depends on the CPU's kernels), so a layout that computes one process's numbers agrees with it to ~1e-12.
+The strategies accept it; the planner does not price it (no GPU trains in fp64)."""
+
+STRATEGY_PRECISIONS: tuple[str, ...] = (*PRECISIONS, CHECKING_PRECISION)
+"""What the strategies' precision plugin accepts."""
 
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 """Activation recompute as the planner and `measure_layout` price it: none, `ActivationCheckpointing`'s

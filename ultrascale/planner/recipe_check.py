@@ -15,7 +15,7 @@ from ultrascale.estimate import ModelShape
 from ultrascale.hardware import FLOAT8_SPEEDUP, GPU_SPECS, Cluster, GpuSpec
 from ultrascale.models.adapters import model_shape
 from ultrascale.parallel.dims import ParallelDims, context_chunks
-from ultrascale.parallel.rules import batch_problems, choice_problems, raise_first
+from ultrascale.parallel.rules import CHECKING_PRECISION, PRECISIONS, batch_problems, choice_problems, raise_first
 from ultrascale.planner.calibration import calibrated, load_calibration
 from ultrascale.planner.cost import PlanRow, Workload, evaluate, matmul_gains
 from ultrascale.planner.layouts import Layout
@@ -151,7 +151,6 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
     import torch
 
     from ultrascale.models.llama import LlamaConfig
-    from ultrascale.strategies.precision import SUPPORTED_PRECISION
 
     cli = parse_recipe(path, overrides)
     trainer_args = cli.config_init["trainer"]
@@ -177,7 +176,10 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
 
     precision = str(trainer_args.get("precision"))
     precision = _PRECISION_ALIASES.get(precision, precision)
-    raise_first(choice_problems("trainer.precision", precision, SUPPORTED_PRECISION))
+    if precision == CHECKING_PRECISION:
+        raise ValueError(f"`trainer.precision={precision!r}` checks a layout against one process and is not priced (no GPU "
+                         f"trains in fp64): plan the recipe in one of {', '.join(PRECISIONS)}")
+    raise_first(choice_problems("trainer.precision", precision, PRECISIONS))
 
     seq_len = getattr(datamodule, "seq_len", None)
     global_batch = getattr(datamodule, "global_batch_size", None)

@@ -7,16 +7,16 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, Optional
 
 import torch
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
 from ultrascale.parallel.grad import clip_grad_norm_
-from ultrascale.parallel.rules import PRECISIONS, choice_problems, raise_first
+from ultrascale.parallel.rules import CHECKING_PRECISION, STRATEGY_PRECISIONS, choice_problems, raise_first
 from ultrascale.parallel.zero import ZeroEngine
 
-PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true"]
-SUPPORTED_PRECISION: tuple[str, ...] = PRECISIONS  # the rulebook's list, under the name the strategies' messages use
+PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true", "64-true"]
+SUPPORTED_PRECISION: tuple[str, ...] = STRATEGY_PRECISIONS  # the rulebook's list, under the name the strategies' messages use
 
 
 class UltraScalePrecision(Precision):
@@ -25,6 +25,7 @@ class UltraScalePrecision(Precision):
     parameters to bf16 for compute (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`),
     so no autocast is needed; ZeRO-1/2 keep bf16 weights and fp32 gradients (`parallel.zero.zero12_dtypes`).
     `bf16-true`: weights, gradients and optimizer state in bf16.
+    `64-true`: fp64 everywhere, to check a layout against one process to ~1e-12 (`rules.CHECKING_PRECISION`).
     """
 
     def __init__(self, precision: PrecisionName = "32-true") -> None:
@@ -52,6 +53,8 @@ class UltraScalePrecision(Precision):
 
     @property
     def param_dtype(self) -> torch.dtype:
+        if self.precision == CHECKING_PRECISION:
+            return torch.float64
         return torch.bfloat16 if self.precision == "bf16-true" else torch.float32
 
     def mixed_precision_policy(self) -> MixedPrecisionPolicy:
@@ -99,14 +102,14 @@ class UltraScalePrecision(Precision):
 
 def translate_precision_plugin(plugin: Optional[Precision], owner: str) -> Optional[UltraScalePrecision]:
     """The plugin a strategy stores for the `precision_plugin` Lightning gives it: ours (or None) as it is,
-    Lightning's generic `Precision` / `MixedPrecision` / `HalfPrecision` as the `UltraScalePrecision` of the
-    same name. ValueError naming `owner` for anything else."""
+    Lightning's generic `Precision` / `MixedPrecision` / `HalfPrecision` / `DoublePrecision` as the
+    `UltraScalePrecision` of the same name. ValueError naming `owner` for anything else."""
     if plugin is None or isinstance(plugin, UltraScalePrecision):
         return plugin
     name = getattr(plugin, "precision", None)
-    # Only Lightning's generic plugins are translated; a specialised one (double,
-    # bitsandbytes, transformer-engine, a user's own) is rejected, not silently replaced.
-    if type(plugin) not in (Precision, MixedPrecision, HalfPrecision) or name not in SUPPORTED_PRECISION:
+    # Only Lightning's generic plugins are translated; a specialised one (bitsandbytes,
+    # transformer-engine, a user's own) is rejected, not silently replaced.
+    if type(plugin) not in (Precision, MixedPrecision, HalfPrecision, DoublePrecision) or name not in SUPPORTED_PRECISION:
         raise ValueError(
             f"{owner} supports `precision` in {SUPPORTED_PRECISION} (FSDP2 mixed precision), "
             f"got {type(plugin).__name__}(precision={name!r})"
