@@ -444,7 +444,7 @@ def test_errors(tmp_path, tok_dir, data) -> None:
                                          r"\['answer', 'prompt'\]"):
         _dm(str(tmp_path / "fields.jsonl"), tok_dir).setup()
     datasets.Dataset.from_dict({"question": ["a"], "response": ["b"]}).save_to_disk(str(tmp_path / "ds"))
-    with pytest.raises(ValueError, match=r"field `prompt` is not a column.*\['question', 'response'\]"):
+    with pytest.raises(ValueError, match=r"ds row 0: field `prompt` is missing; fields present: \['question', 'response'\]"):
         _dm(str(tmp_path / "ds"), tok_dir).setup()
     _write_jsonl(tmp_path / "types.jsonl", [{"prompt": "a", "response": 3}])
     with pytest.raises(ValueError, match="`response` must be a string, got int"):

@@ -37,10 +37,13 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 
+from ultrascale.data.chat import LEARN, TRUNCATION, ChatEncoder, Conversation, conversation_of, resolve_chat_template
 from ultrascale.data.sampling import BlockDataModule, split_blocks
 from ultrascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
-__all__ = ["InstructionBlockDataset", "InstructionDataModule", "PackedBlocks", "pack_examples", "read_examples"]
+__all__ = [
+    "InstructionBlockDataset", "InstructionDataModule", "PackedBlocks", "pack_examples", "read_examples", "read_records",
+]
 
 IGNORE_INDEX = -100
 """Label of positions without a loss (prompt targets, padding); ``cross_entropy``'s default ``ignore_index``."""
@@ -54,7 +57,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 # --------------------------------------------------------------------------- reading
 
 
-def _read_jsonl(files: Sequence[Path], fields: tuple[str, str]) -> Iterator[tuple[str, str]]:
+def _read_jsonl(files: Sequence[Path]) -> Iterator[tuple[str, dict[str, Any]]]:
     for f in files:
         with f.open(encoding="utf-8") as lines:
             for lineno, line in enumerate(lines, 1):
@@ -66,10 +69,22 @@ def _read_jsonl(files: Sequence[Path], fields: tuple[str, str]) -> Iterator[tupl
                     raise ValueError(f"{f}:{lineno}: not valid JSON ({e.msg})") from None
                 if not isinstance(record, dict):
                     raise ValueError(f"{f}:{lineno}: expected a JSON object per line, got {type(record).__name__}")
-                yield _fields_of(record, fields, where=f"{f}:{lineno}")
+                yield f"{f}:{lineno}", record
 
 
-def _read_saved_dataset(folder: Path, fields: tuple[str, str]) -> Iterator[tuple[str, str]]:
+def _read_parquet(files: Sequence[Path]) -> Iterator[tuple[str, dict[str, Any]]]:
+    import pyarrow.parquet as pq  # a dependency of `datasets`; imported lazily: only needed for this input kind
+
+    for f in files:
+        row = 0
+        # Batched so `max_examples` can stop early without materialising the whole file.
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=1000):
+            for record in batch.to_pylist():
+                yield f"{f} row {row}", record
+                row += 1
+
+
+def _read_saved_dataset(folder: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     import datasets  # imported lazily: only needed for this input kind
 
     ds = datasets.load_from_disk(str(folder))
@@ -81,15 +96,10 @@ def _read_saved_dataset(folder: Path, fields: tuple[str, str]) -> Iterator[tuple
             )
         # The validation split is carved from the tail of the packed blocks, so only one split is read.
         ds = ds["train"]
-    missing = [name for name in fields if name not in ds.column_names]
-    if missing:
-        raise ValueError(
-            f"field `{missing[0]}` is not a column of `data_path={str(folder)!r}`; columns: {ds.column_names}"
-        )
-    # Batched so `max_examples` can stop early without materialising the whole dataset.
-    for b, batch in enumerate(ds.select_columns(list(fields)).iter(batch_size=1000)):
-        for i, pair in enumerate(zip(batch[fields[0]], batch[fields[1]])):
-            yield _check_strings(pair, fields, where=f"{folder} row {b * 1000 + i}")
+    for b, batch in enumerate(ds.iter(batch_size=1000)):
+        columns = list(batch)
+        for i, values in enumerate(zip(*(batch[c] for c in columns))):
+            yield f"{folder} row {b * 1000 + i}", dict(zip(columns, values))
 
 
 def _fields_of(record: dict[str, Any], fields: tuple[str, str], where: str) -> tuple[str, str]:
@@ -106,34 +116,45 @@ def _check_strings(pair: tuple[Any, Any], fields: tuple[str, str], where: str) -
     return pair
 
 
-def read_examples(
-    data_path: str, prompt_field: str = "prompt", response_field: str = "response"
-) -> Iterator[tuple[str, str]]:
-    """Yield ``(prompt, response)`` strings from a ``.jsonl`` file, a folder of them, or a saved dataset.
+def read_records(data_path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield ``(where, record)`` from a ``.jsonl`` or ``.parquet`` file, a folder of them, or a saved dataset;
+    ``where`` is ``FILE:LINE`` (``FILE row N`` for Parquet, ``FOLDER row N`` for a saved dataset).
 
     A folder holding ``state.json`` or ``dataset_dict.json`` is read with
     ``datasets.load_from_disk`` (its ``train`` split for a ``DatasetDict``);
-    any other folder contributes its ``*.jsonl`` files (not recursive), in
-    sorted name order so every rank reads the same sequence.
+    any other folder contributes its ``*.jsonl`` and ``*.parquet`` files (not
+    recursive), in sorted name order so every rank reads the same sequence.
     """
     path = Path(data_path)
-    fields = (prompt_field, response_field)
     if path.is_file():
-        return _read_jsonl([path], fields)
+        return _read_parquet([path]) if path.suffix == ".parquet" else _read_jsonl([path])
     if not path.is_dir():
         raise FileNotFoundError(
-            f"`data_path={data_path!r}` does not exist; expected a .jsonl file, a folder of .jsonl files "
+            f"`data_path={data_path!r}` does not exist; expected a .jsonl or .parquet file, a folder of them "
             "or a folder written by `Dataset.save_to_disk`"
         )
     if any((path / marker).is_file() for marker in _SAVED_DATASET_MARKERS):
-        return _read_saved_dataset(path, fields)
-    files = sorted(p for p in path.glob("*.jsonl") if p.is_file())
+        return _read_saved_dataset(path)
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".jsonl", ".parquet"))
     if not files:
         raise ValueError(
-            f"`data_path={data_path!r}` is a folder with no *.jsonl files and is not a saved `datasets` "
+            f"`data_path={data_path!r}` is a folder with no *.jsonl or *.parquet files and is not a saved `datasets` "
             f"dataset (no {' / '.join(_SAVED_DATASET_MARKERS)}); it is empty for instruction data"
         )
-    return _read_jsonl(files, fields)
+    return _read_files(files)
+
+
+def _read_files(files: Sequence[Path]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for f in files:
+        yield from _read_parquet([f]) if f.suffix == ".parquet" else _read_jsonl([f])
+
+
+def read_examples(
+    data_path: str, prompt_field: str = "prompt", response_field: str = "response"
+) -> Iterator[tuple[str, str]]:
+    """Yield ``(prompt, response)`` strings from the records of `data_path` (:func:`read_records`)."""
+    fields = (prompt_field, response_field)
+    return (_fields_of(record, fields, where) for where, record in read_records(data_path))
 
 
 # --------------------------------------------------------------------------- packing
@@ -173,14 +194,16 @@ class PackedBlocks:
 
 
 def pack_examples(
-    examples: Sequence[tuple[Sequence[int], int]], seq_len: int, pad_id: int, *, pack: bool = True
+    examples: Sequence[tuple[Sequence[int], int | np.ndarray]], seq_len: int, pad_id: int, *, pack: bool = True
 ) -> PackedBlocks:
-    """Turn tokenized examples into blocks of ``seq_len`` inputs with prompt-masked, shifted labels.
+    """Turn tokenized examples into blocks of ``seq_len`` inputs with masked, shifted labels.
 
     Args:
-        examples: ``(ids, num_prompt)`` per example: ``ids`` is the whole sequence
-            (BOS if any, prompt, response, EOS) and its first ``num_prompt`` ids
-            are the prompt, whose positions are never targets.
+        examples: ``(ids, learned)`` per example: ``ids`` is the whole sequence
+            (BOS if any, prompt, response, EOS); ``learned`` is either the number
+            of leading prompt ids, whose positions are never targets, or a bool
+            array over ``ids`` saying which ids are targets (a conversation's
+            assistant turns, :class:`~ultrascale.data.chat.ChatEncoder`).
         seq_len: Input positions per block.
         pad_id: Input id of the padding (its labels are -100).
         pack: Put as many whole examples as fit in a block, next-fit in the given
@@ -194,17 +217,19 @@ def pack_examples(
         raise ValueError(f"pack_examples: `seq_len={seq_len}` must be >= 1")
     segments: list[tuple[int, np.ndarray, np.ndarray]] = []  # (example index, input, labels)
     num_truncated = num_dropped = num_empty = 0
-    for index, (ids, num_prompt) in enumerate(examples):
+    for index, (ids, learned) in enumerate(examples):
         ids = np.asarray(ids, dtype=np.int32)
+        if isinstance(learned, (int, np.integer)):
+            learned = np.arange(ids.size) >= learned
         if ids.size < 2:
             num_empty += 1
             continue
         if ids.size - 1 > seq_len:
-            ids = ids[: seq_len + 1]
+            ids, learned = ids[: seq_len + 1], learned[: seq_len + 1]
             num_truncated += 1
         labels = ids[1:].copy()
-        # labels[j] is ids[j + 1]: a prompt target when j + 1 < num_prompt.
-        labels[: max(num_prompt - 1, 0)] = IGNORE_INDEX
+        # labels[j] is ids[j + 1]: a target only where ids[j + 1] is learned.
+        labels[~learned[1:]] = IGNORE_INDEX
         if (labels == IGNORE_INDEX).all():
             num_dropped += 1
             continue
@@ -323,6 +348,21 @@ class InstructionDataModule(BlockDataModule):
         seed: Seed of the per-epoch shuffle of blocks (epoch ``e`` uses ``seed + e``).
         num_workers: DataLoader worker processes; 0 loads in the main process.
         max_examples: Read at most this many examples (in file order); ``None`` reads all.
+        messages_field: Field (column) of a conversation: a list of ``{"role", "content"}``
+            messages (:mod:`ultrascale.data.chat`). The first record decides: a data set is
+            all conversations (this field, or TRL's prompt-completion message lists) or all
+            prompt/response pairs.
+        chat_template: The Jinja chat template conversations are rendered with (its text, or a
+            file holding it); ``None``: the tokenizer's own. Kept in the checkpoint, and
+            ``export-hf`` writes it into the exported tokenizer.
+        learn: Which tokens of a conversation carry the loss: ``"assistant"`` (every assistant
+            turn), ``"last"`` (the last assistant turn), ``"all"`` (system and user turns too).
+        learn_end_of_turn: Learn the end-of-turn token with its turn.
+        end_of_turn: The template's end-of-turn token (e.g. ``"<|im_end|>"``); ``None``: the
+            tokenizer's EOS.
+        truncation: A conversation longer than ``seq_len + 1`` tokens: ``"drop_turns"`` cuts it
+            after its last assistant turn that fits (skipped, and counted in one warning, when
+            none does); ``"error"`` refuses it, naming the record.
     """
 
     train_dataset: InstructionBlockDataset | None
@@ -342,6 +382,12 @@ class InstructionDataModule(BlockDataModule):
         seed: int = 1234,
         num_workers: int = 0,
         max_examples: int | None = None,
+        messages_field: str = "messages",
+        chat_template: str | None = None,
+        learn: str = "assistant",
+        learn_end_of_turn: bool = True,
+        end_of_turn: str | None = None,
+        truncation: str = "drop_turns",
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -358,7 +404,14 @@ class InstructionDataModule(BlockDataModule):
         if prompt_field == response_field:
             raise ValueError(f"{name}: `prompt_field` and `response_field` are both {prompt_field!r}")
         _check_template(name, prompt_template)
+        if learn not in LEARN:
+            raise ValueError(f"{name}: `learn={learn!r}` must be one of {', '.join(LEARN)}")
+        if truncation not in TRUNCATION:
+            raise ValueError(f"{name}: `truncation={truncation!r}` must be one of {', '.join(TRUNCATION)}")
+        if chat_template is not None:
+            chat_template = resolve_chat_template(chat_template, None, str(tokenizer_path))  # a missing file: now
         self.save_hyperparameters()
+        self.hparams["chat_template"] = chat_template  # the text, never the file: the checkpoint carries it
         self.data_path = data_path
         self.tokenizer_path = tokenizer_path
         self.prompt_field = prompt_field
@@ -371,6 +424,12 @@ class InstructionDataModule(BlockDataModule):
         self.seed = seed
         self.num_workers = num_workers
         self.max_examples = max_examples
+        self.messages_field = messages_field
+        self.chat_template = chat_template
+        self.learn = learn
+        self.learn_end_of_turn = learn_end_of_turn
+        self.end_of_turn = end_of_turn
+        self.truncation = truncation
         # Loaded eagerly when the path is known (errors surface at construction), otherwise
         # on first use from the LightningModule's `tokenizer_path`.
         self._tokenizer: HFTokenizer | ByteTokenizer | None = None
@@ -417,13 +476,52 @@ class InstructionDataModule(BlockDataModule):
             out.append((np.asarray(ids, dtype=np.int32), len(prompt_ids)))
         return out
 
-    def _pairs(self) -> list[tuple[str, str]]:
-        pairs = []
-        for pair in read_examples(self.data_path, self.prompt_field, self.response_field):
-            if self.max_examples is not None and len(pairs) >= self.max_examples:
+    def encode_conversations(self, conversations: Sequence[Conversation]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``(ids, learned)`` per conversation that keeps a learned token (:class:`~ultrascale.data.chat.ChatEncoder`);
+        the others are counted in ``self.chat_counts``."""
+        encoder = self.chat_encoder()
+        encoded = [encoder.encode(c) for c in conversations]
+        self.chat_counts = encoder.counts
+        return [e for e in encoded if e is not None]
+
+    def chat_encoder(self) -> ChatEncoder:
+        """The encoder of this module's conversations, with the template resolved (and kept in the hparams)."""
+        tokenizer = self.tokenizer
+        assert isinstance(tokenizer, HFTokenizer)
+        path = self.tokenizer_path or getattr(tokenizer.tokenizer, "name_or_path", "")
+        template = resolve_chat_template(self.chat_template, tokenizer.tokenizer, str(path))
+        self.hparams["chat_template"] = template
+        return ChatEncoder(tokenizer.tokenizer, template, self.seq_len + 1, learn=self.learn,
+                           learn_end_of_turn=self.learn_end_of_turn, end_of_turn=self.end_of_turn,
+                           truncation=self.truncation)
+
+    def read(self) -> list[tuple[str, str]] | list[Conversation]:
+        """The records of `data_path` (at most `max_examples`): all conversations or all ``(prompt, response)``
+        pairs, as the first record is."""
+        fields = (self.prompt_field, self.response_field)
+        out: list[Any] = []
+        chat: bool | None = None
+        for where, record in read_records(self.data_path):
+            if self.max_examples is not None and len(out) >= self.max_examples:
                 break
-            pairs.append(pair)
-        return pairs
+            conversation = conversation_of(record, self.messages_field, where)
+            if chat is None:
+                chat = conversation is not None
+            if chat and conversation is None:
+                raise ValueError(f"{where}: field `{self.messages_field}` is missing (the first record is a "
+                                 f"conversation, so every record is one); fields present: {sorted(record)}")
+            if not chat and conversation is not None:
+                raise ValueError(f"{where}: a conversation among prompt/response records (the first record is a "
+                                 "pair, so every record is one)")
+            if chat:
+                out.append(conversation)
+            elif all(name in record for name in fields) or self.messages_field in record:
+                out.append(_fields_of(record, fields, where))
+            else:
+                missing = next(name for name in fields if name not in record)
+                raise ValueError(f"{where}: field `{missing}` is missing; fields present: {sorted(record)} (a record "
+                                 f"is a prompt/response pair, or a conversation in `{self.messages_field}`)")
+        return out
 
     def setup(self, stage: str | None = None) -> None:
         """Read, tokenize and pack the examples; split the blocks into train/val (once; later calls are no-ops)."""
@@ -431,11 +529,20 @@ class InstructionDataModule(BlockDataModule):
             return
         name = type(self).__name__
         source = f"`data_path={self.data_path!r}`"
-        pairs = self._pairs()
-        if not pairs:
+        records = self.read()
+        if not records:
             raise ValueError(f"{name}: {source} is empty (no examples)")
-        examples = self.encode_examples(pairs)  # resolves the tokenizer first, which sets pad_id
+        chat = isinstance(records[0], Conversation)
+        # Either encoding resolves the tokenizer first, which sets pad_id.
+        examples = self.encode_conversations(records) if chat else self.encode_examples(records)
         packed = pack_examples(examples, self.seq_len, self.pad_id, pack=self.pack)
+        if chat and (self.chat_counts.cut or self.chat_counts.skipped):
+            rank_zero_warn(
+                f"{name}: {self.chat_counts.cut} of {len(records)} conversations are longer than `seq_len + 1 = "
+                f"{self.seq_len + 1}` tokens and were cut after their last assistant turn that fits; "
+                f"{self.chat_counts.skipped} conversations had no token to learn (left) and were skipped. Raise "
+                "`seq_len` to keep them whole."
+            )
         if packed.num_truncated:
             rank_zero_warn(
                 f"{name}: {packed.num_truncated} of {len(examples)} examples are longer than `seq_len={self.seq_len}` "
@@ -444,7 +551,7 @@ class InstructionDataModule(BlockDataModule):
             )
         if packed.num_blocks == 0:
             raise ValueError(
-                f"{name}: {source} has {len(examples)} examples but none with a token to learn "
+                f"{name}: {source} has {len(records)} examples but none with a token to learn "
                 f"({packed.num_empty} empty, {packed.num_dropped} with the prompt alone filling "
                 f"`seq_len={self.seq_len}`)"
             )

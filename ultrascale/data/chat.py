@@ -1,0 +1,269 @@
+"""Conversations for supervised fine-tuning: the model's own chat template, the loss on the assistant's turns.
+
+A record is a conversation: ``{"messages": [{"role", "content"}, ...]}`` (roles ``system``, ``user``,
+``assistant``, ``tool``), or TRL's conversational prompt-completion form, ``{"prompt": [...], "completion":
+[...]}`` (both message lists; only the completion's assistant turns are learned). It is rendered and tokenized
+by ``tokenizer.apply_chat_template`` exactly as TRL's ``SFTTrainer`` does (``tokenize=True``, no special tokens
+added beyond the template's own), so the token ids are the ones the model is prompted with at inference.
+
+Which tokens are learned:
+
+* A template that marks generations (``{% generation %}`` ... ``{% endgeneration %}``): transformers'
+  ``return_assistant_tokens_mask``, the tokens inside the markers. This is TRL's ``assistant_only_loss``.
+* A template without markers: rendering the conversation's prefixes. With ``T(k)`` the tokens of turns
+  ``0..k`` rendered alone and ``G(k)`` those of turns ``0..k-1`` with the generation prompt, assistant turn
+  ``k`` is ``T(k)[len(G(k)):]`` (its header, the generation prompt, is not learned), provided every ``T(k)``
+  and ``G(k)`` is a prefix of the whole conversation's tokens. A template for which that does not hold (one that
+  renders earlier turns differently once later ones follow, or whose tokens merge across a turn boundary) is
+  refused, naming the record: which tokens are the assistant's cannot be told, and is never guessed.
+  What the template writes after a turn's end-of-turn token (ChatML's newline) belongs to no turn.
+
+The end-of-turn token (``end_of_turn``, by default the tokenizer's EOS) is learned with its turn unless
+``learn_end_of_turn=False``. ``learn="last"`` keeps the last assistant turn only; ``learn="all"`` every token.
+
+A conversation longer than ``seq_len + 1`` tokens is cut after its last assistant turn that fits (whole turns
+dropped from the end), or refused with ``truncation="error"``; one left without a learned token is skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+__all__ = ["LEARN", "ROLES", "TRUNCATION", "ChatEncoder", "Conversation", "conversation_of", "resolve_chat_template"]
+
+ROLES = ("system", "user", "assistant", "tool")
+LEARN = ("assistant", "last", "all")
+"""Which tokens carry a loss: every assistant turn; the last assistant turn; every token of the conversation."""
+TRUNCATION = ("drop_turns", "error")
+
+_GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One record's messages, checked."""
+
+    messages: list[dict[str, Any]]
+    first_learned: int
+    """Index of the first message whose assistant turns may be learned: 0, or the prompt's length in TRL's
+    prompt-completion form (the prompt's own assistant turns are context)."""
+    where: str
+    """``FILE:LINE`` or ``FOLDER row N``: where the record is, for every message about it."""
+
+
+def conversation_of(record: dict[str, Any], messages_field: str, where: str) -> Optional[Conversation]:
+    """The record's conversation; None where it is not one (no `messages_field`, no message-list prompt and
+    completion). ValueError naming `where` and the field for a malformed one."""
+    if messages_field in record:
+        messages = _messages(record[messages_field], messages_field, where)
+        return Conversation(messages, 0, where)
+    prompt, completion = record.get("prompt"), record.get("completion")
+    if isinstance(prompt, list) and isinstance(completion, list):
+        head = _messages(prompt, "prompt", where, allow_empty=True)
+        tail = _messages(completion, "completion", where)
+        return Conversation(head + tail, len(head), where)
+    return None
+
+
+def _messages(value: Any, field: str, where: str, allow_empty: bool = False) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: field `{field}` must be a list of {{\"role\", \"content\"}} messages, got "
+                         f"{type(value).__name__}")
+    if not value and not allow_empty:
+        raise ValueError(f"{where}: field `{field}` is an empty conversation")
+    for i, message in enumerate(value):
+        at = f"{where}: field `{field}[{i}]`"
+        if not isinstance(message, dict):
+            raise ValueError(f"{at} must be a {{\"role\", \"content\"}} object, got {type(message).__name__}")
+        for key in ("role", "content"):
+            if key not in message:
+                raise ValueError(f"{at} has no `{key}`; keys present: {sorted(message)}")
+        if message["role"] not in ROLES:
+            raise ValueError(f"{at}.role is {message['role']!r}; known roles: {', '.join(ROLES)}")
+        if not isinstance(message["content"], str):
+            raise ValueError(f"{at}.content must be a string, got {type(message['content']).__name__}")
+    return list(value)
+
+
+def resolve_chat_template(given: Optional[str], tokenizer: Any, tokenizer_path: str) -> str:
+    """The Jinja template to render with: `given` (the text, or a file holding it), else the tokenizer's own."""
+    if given is not None:
+        if "{%" in given or "{{" in given:
+            return given
+        path = Path(given)
+        if not path.is_file():
+            raise FileNotFoundError(f"`chat_template={given!r}` is neither a Jinja template (no {{% or {{{{ in it) "
+                                    "nor a file")
+        return path.read_text(encoding="utf-8")
+    own = getattr(tokenizer, "chat_template", None)
+    if isinstance(own, dict):  # several named templates: transformers renders the "default" one
+        own = own.get("default")
+    if not own:
+        raise ValueError(f"the tokenizer in `tokenizer_path={tokenizer_path!r}` has no chat template (a base model's): "
+                         "give one with `chat_template:` (the Jinja text, or a file holding it)")
+    return own
+
+
+@dataclass
+class ChatCounts:
+    """What encoding did to the conversations, for one warning."""
+
+    cut: int = 0
+    """Conversations longer than ``seq_len + 1`` tokens whose last turns were dropped."""
+    skipped: int = 0
+    """Conversations without a learned token once cut (or at all)."""
+
+
+class ChatEncoder:
+    """Conversations into ``(ids, learned)``: token ids and, per id, whether it is a target.
+
+    Args:
+        tokenizer: a transformers tokenizer (fast, where the template has generation markers).
+        template: the Jinja chat template's text.
+        max_ids: ids a conversation may keep (``seq_len + 1``: the inputs are ``ids[:-1]``).
+        learn: one of :data:`LEARN`.
+        learn_end_of_turn: whether the end-of-turn ids inside a learned turn are learned.
+        end_of_turn: the end-of-turn token's text; None: the tokenizer's EOS.
+        truncation: one of :data:`TRUNCATION`.
+    """
+
+    def __init__(self, tokenizer: Any, template: str, max_ids: int, *, learn: str = "assistant",
+                 learn_end_of_turn: bool = True, end_of_turn: Optional[str] = None,
+                 truncation: str = "drop_turns") -> None:
+        if learn not in LEARN:
+            raise ValueError(f"`learn={learn!r}` must be one of {', '.join(LEARN)}")
+        if truncation not in TRUNCATION:
+            raise ValueError(f"`truncation={truncation!r}` must be one of {', '.join(TRUNCATION)}")
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError(f"conversations need a fast tokenizer (a tokenizer.json: its offsets place each turn's "
+                             f"tokens); {type(tokenizer).__name__} is not one")
+        self.tokenizer = tokenizer
+        self.template = template
+        self.max_ids = max_ids
+        self.learn = learn
+        self.learn_end_of_turn = learn_end_of_turn
+        self.truncation = truncation
+        self.marked = bool(_GENERATION_MARKER.search(template))
+        """The template marks generations: transformers' assistant mask is the answer."""
+        token = end_of_turn if end_of_turn is not None else tokenizer.eos_token
+        if token is None:
+            raise ValueError("the tokenizer has no EOS token: name the template's end-of-turn token with `end_of_turn:`")
+        ids = tokenizer.convert_tokens_to_ids([token])
+        if not ids or ids[0] is None or ids[0] == tokenizer.unk_token_id:
+            raise ValueError(f"`end_of_turn={token!r}` is not a token of the tokenizer")
+        self.end_of_turn_id = int(ids[0])
+        self.counts = ChatCounts()
+
+    # ------------------------------------------------------------------ rendering
+
+    def _render(self, conversation: Conversation, messages: Sequence[dict[str, Any]], *, tokenize: bool,
+                generation_prompt: bool = False, assistant_mask: bool = False) -> Any:
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages), chat_template=self.template, tokenize=tokenize, return_dict=tokenize,
+                add_generation_prompt=generation_prompt, return_assistant_tokens_mask=assistant_mask,
+            )
+        except Exception as error:  # jinja's TemplateError, raise_exception() in the template, a missing key
+            raise ValueError(f"{conversation.where}: the chat template failed to render this conversation "
+                             f"({type(error).__name__}: {error})") from None
+
+    def _turn_spans(self, conversation: Conversation, text: str, token_starts: np.ndarray) -> list[tuple[int, int, int]]:
+        """``(start, stop, message index)``: each message's tokens, from rendering the conversation's prefixes as
+        text. Turn k's characters are what rendering turns 0..k adds to 0..k-1 (to 0..k-1 and the generation prompt,
+        for an assistant turn); its tokens those that start among them, so a token merged across the boundary
+        belongs to the turn it starts in. ValueError naming the record where a prefix is not the head of the whole."""
+        spans, stop = [], 0
+        messages = conversation.messages
+        for k, message in enumerate(messages):
+            start = stop
+            if message["role"] == "assistant" and k:
+                prompt = self._render(conversation, messages[:k], tokenize=False, generation_prompt=True)
+                self._check_prefix(conversation, text, prompt, k, "its generation prompt")
+                start = max(start, len(prompt))
+            head = text if k == len(messages) - 1 else self._render(conversation, messages[: k + 1], tokenize=False)
+            self._check_prefix(conversation, text, head, k, "the turns before it")
+            stop = len(head)
+            spans.append((start, stop, k))
+        return [(int(np.searchsorted(token_starts, a)), int(np.searchsorted(token_starts, b)), k) for a, b, k in spans]
+
+    def _check_prefix(self, conversation: Conversation, text: str, head: str, k: int, what: str) -> None:
+        if not text.startswith(head):
+            role = conversation.messages[k]["role"]
+            raise ValueError(
+                f"{conversation.where}: the chat template does not render message {k} ({role}) with {what} as the "
+                "start of the whole conversation (it renders earlier turns differently once later ones follow), so "
+                "which tokens are the assistant's cannot be told by rendering prefixes; use a template that marks "
+                "them with {% generation %} ... {% endgeneration %}"
+            )
+
+    # ------------------------------------------------------------------ encoding
+
+    def encode(self, conversation: Conversation) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """``(ids, learned)`` int32 / bool arrays of one conversation, cut to `max_ids`; None where nothing is
+        left to learn (counted in `counts.skipped`)."""
+        mask = None
+        if self.marked and self.learn != "all":
+            whole = self._render(conversation, conversation.messages, tokenize=True, assistant_mask=True)
+            ids, mask = list(whole["input_ids"]), list(whole["assistant_masks"])
+        spans = None
+        if mask is None or self.learn == "last" or conversation.first_learned or len(ids) > self.max_ids:
+            # apply_chat_template(tokenize=True)'s tokens: the rendered text, no special tokens added.
+            text = self._render(conversation, conversation.messages, tokenize=False)
+            encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids = list(encoded["input_ids"])
+            spans = self._turn_spans(conversation, text, np.asarray([a for a, _ in encoded["offset_mapping"]]))
+        learned = self._learned(conversation, ids, mask, spans)
+        if len(ids) > self.max_ids:
+            if self.truncation == "error":
+                raise ValueError(f"{conversation.where}: the conversation is {len(ids)} tokens, more than "
+                                 f"`seq_len + 1 = {self.max_ids}` (`truncation=\"error\"`)")
+            assert spans is not None
+            ends = [stop for _, stop, k in spans if conversation.messages[k]["role"] == "assistant" and stop <= self.max_ids]
+            cut = next((end for end in reversed(ends) if learned[:end].any()), None)
+            self.counts.cut += 1
+            if cut is None:
+                self.counts.skipped += 1
+                return None
+            if self.learn == "last":  # the last assistant turn of what is kept
+                kept = Conversation(conversation.messages[: next(k for _, stop, k in spans if stop == cut) + 1],
+                                    conversation.first_learned, conversation.where)
+                return self.encode(kept)
+            ids, learned = ids[:cut], learned[:cut]
+        if not learned[1:].any():  # the first token is never a target
+            self.counts.skipped += 1
+            return None
+        return np.asarray(ids, dtype=np.int32), learned
+
+    def _learned(self, conversation: Conversation, ids: list[int], mask: Optional[list[int]],
+                 spans: Optional[list[tuple[int, int, int]]]) -> np.ndarray:
+        learned = np.zeros(len(ids), dtype=bool)
+        if self.learn == "all":
+            learned[:] = True
+            return learned
+        assistant = [(start, stop, k) for start, stop, k in (spans or [])
+                     if conversation.messages[k]["role"] == "assistant" and k >= conversation.first_learned]
+        if self.learn == "last":
+            assistant = assistant[-1:]
+        if mask is not None:
+            marked = np.asarray(mask, dtype=bool)
+            if spans is None:
+                learned = marked
+            else:  # the template's marks, inside the turns this option keeps
+                for start, stop, _ in assistant:
+                    learned[start:stop] = marked[start:stop]
+        else:
+            array = np.asarray(ids)
+            for start, stop, _ in assistant:
+                ends = np.flatnonzero(array[start:stop] == self.end_of_turn_id)
+                # What the template writes after the turn's end-of-turn token is no one's answer.
+                stop = start + int(ends[-1]) + 1 if ends.size else stop
+                learned[start:stop] = True
+        if not self.learn_end_of_turn:
+            learned &= np.asarray(ids) != self.end_of_turn_id
+        return learned
