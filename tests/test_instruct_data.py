@@ -457,7 +457,7 @@ def test_errors(tmp_path, tok_dir, data) -> None:
     with pytest.raises(ValueError, match="empty"):
         _dm(str(tmp_path / "blank.jsonl"), tok_dir).setup()
     (tmp_path / "empty_dir").mkdir()
-    with pytest.raises(ValueError, match="no \\*.jsonl files"):
+    with pytest.raises(ValueError, match=r"no \*.jsonl or \*.parquet files"):
         _dm(str(tmp_path / "empty_dir"), tok_dir).setup()
     _write_jsonl(tmp_path / "few.jsonl", records[:3])
     with pytest.raises(ValueError, match="fewer than one global batch"):
