@@ -9,9 +9,11 @@ Single process and offline: a tiny BPE tokenizer with the templates' special tok
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from ultrascale.data import InstructionDataModule
 from ultrascale.data.instruct import IGNORE_INDEX
@@ -286,3 +288,130 @@ def test_templates_that_cannot_be_used_are_refused_by_record(tmp_path, folders, 
             dm_for(path, folders["marked"], **bad)
     with pytest.raises(ValueError, match="`end_of_turn='<eot>'` is not a token"):
         dm_for(path, folders["marked"], end_of_turn="<eot>").setup()
+
+
+# --------------------------------------------------------------------------- under the layouts
+
+PARITY_SEQ, PARITY_MICRO, PARITY_ACCUMULATE, PARITY_STEPS = 64, 2, 2, 10
+PARITY_LAYOUTS = {
+    "TP 2": {"tensor_parallel": 2, "data_parallel_shard": 1},
+    "CP 2": {"context_parallel": 2, "data_parallel_shard": 1},
+    "PP 2": {"pipeline_parallel": 2, "pipeline_microbatches": 2, "data_parallel_shard": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def packed_chats(tmp_path_factory):
+    """(checkpoint folder, the packed chat blocks): a tiny Llama whose vocabulary is the ChatML tokenizer's, and
+    enough blocks of seq_len 64 for ten steps of two micro-batches of two."""
+    from tests._parity import make_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("chat_parity")
+    tokenizer = save_chat_tokenizer(root / "tok", CHATML_MARKED, "<|im_end|>")
+    data = write_jsonl(root / "chats.jsonl", [{"messages": m} for m in conversations(120, seed=5, max_words=5)])
+    dm = dm_for(data, tokenizer, seq_len=PARITY_SEQ, global_batch_size=PARITY_MICRO)
+    dm.setup()
+    need = PARITY_STEPS * PARITY_MICRO * PARITY_ACCUMULATE
+    assert len(dm.train_dataset) >= need, len(dm.train_dataset)
+    from torch.utils.data import Subset
+
+    blocks = Subset(dm.train_dataset, range(need))
+    path = make_hf_checkpoint(root / "llama", "llama", vocab_size=dm.vocab_size, hidden_size=32)
+    return path, blocks
+
+
+def _train_chat(rank, world_size, path, blocks, strategy_kwargs):
+    import ultrascale
+    from tests._parity import ParityData, Recorder, make_hf, parity_trainer
+
+    recorder = Recorder()
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**strategy_kwargs), recorder, PARITY_STEPS,
+                             accumulate_grad_batches=PARITY_ACCUMULATE)
+    trainer.fit(make_hf(path), ParityData(blocks, PARITY_MICRO))
+    return recorder.result()
+
+
+@pytest.mark.parametrize("layout", list(PARITY_LAYOUTS))
+def test_chat_blocks_train_like_one_process(layout, packed_chats) -> None:
+    """Packed conversations (labels only on the assistant turns, uneven per row and micro-batch; positions
+    restarting per conversation) under tp 2, cp 2 and pp 2: first-step loss and gradients, the weights after it and
+    the ten-step curve of the inline one-process reference."""
+    from tests._dist import run_ranks
+    from tests._parity import assert_parity, make_hf, merge_stages, reference_run, step_losses
+
+    path, blocks = packed_chats
+    learned = torch.stack([blocks[i]["labels"] for i in range(len(blocks))]) != IGNORE_INDEX
+    per_micro_batch = learned.reshape(-1, PARITY_MICRO, PARITY_SEQ).sum(dim=(1, 2))
+    assert len(set(learned.sum(dim=1).tolist())) > 3 and len(set(per_micro_batch.tolist())) > 3  # uneven counts
+    reference = reference_run(make_hf(path), blocks, global_batch=PARITY_MICRO, steps=PARITY_STEPS,
+                              accumulate=PARITY_ACCUMULATE)
+    results = run_ranks(_train_chat, 2, path, blocks, PARITY_LAYOUTS[layout])
+    result = merge_stages(results) if layout.startswith("PP") else results[0]
+    assert_parity(result, reference, step_losses(results))
+
+
+
+# --------------------------------------------------------------------------- the command line
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "hf_chat.yaml"
+
+
+def _base_model_with_data(root: Path) -> tuple[str, str]:
+    """A tiny Llama checkpoint whose tokenizer has no chat template (a base model), and 40 conversations."""
+    from tests._parity import make_hf_checkpoint
+
+    tokenizer = save_chat_tokenizer(root / "base", None, "<|im_end|>")
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(tokenizer, local_files_only=True))
+    make_hf_checkpoint(root / "base", "llama", vocab_size=vocab, hidden_size=32)
+    return str(root / "base"), write_jsonl(root / "chats.jsonl", [{"messages": m} for m in conversations(40, seed=3)])
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_chat_recipe_end_to_end_and_export_keeps_the_template(tmp_path, capfd, monkeypatch) -> None:
+    """README's three commands, a base model given the recipe's template: `ultrascale fit --config
+    recipes/hf_chat.yaml` (ZeRO-3 over 2), then `export-hf`; the exported tokenizer renders with that template."""
+    from tests._cli import run_main
+    from tests.test_hf import FORKED_ZERO3
+
+    source, data = _base_model_with_data(tmp_path)
+    (tmp_path / "chatml.jinja").write_text(CHATML_MARKED)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(
+        capfd, "fit", "--config", str(RECIPE), "--model.pretrained_path", source, "--data.data_path", data,
+        "--data.init_args.chat_template", str(tmp_path / "chatml.jinja"), "--data.init_args.seq_len", "64",
+        "--data.init_args.global_batch_size", "4", "--trainer.max_steps", "4", "--trainer.val_check_interval", "4",
+        "--trainer.callbacks.init_args.every_n_train_steps", "4", "--trainer.log_every_n_steps", "1", *FORKED_ZERO3)
+    assert code == 0, (out + err)[-3000:]
+    events = b"".join(f.read_bytes() for f in (tmp_path / "runs" / "hf_chat" / "version_0").glob("events.out.tfevents*"))
+    assert b"val_loss" in events and b"train_loss" in events
+    code, out, err = run_main(capfd, "export-hf", "--checkpoint", "runs/hf_chat", "--out", str(tmp_path / "out"))
+    assert code == 0, (out + err)[-3000:]
+    exported = hf_tokenizer(str(tmp_path / "out"))
+    assert exported.chat_template == CHATML_MARKED
+    messages = conversations(1)[0]
+    assert exported.apply_chat_template(messages, tokenize=False) == hf_tokenizer(
+        save_chat_tokenizer(tmp_path / "ref", CHATML_MARKED)).apply_chat_template(messages, tokenize=False)
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"messages": [{"role": "robot", "content": "a"}]}, "field `messages[0]`.role is 'robot'"),
+    ({"prompt": "a", "response": "b"}, "field `messages` is missing"),
+])
+def test_a_bad_record_is_one_message_before_any_rank_starts(tmp_path, capfd, record, message) -> None:
+    """`ultrascale fit` on 2 ranks: exit 2, one line naming file, line and field, no traceback, no run folder."""
+    from tests._cli import run_main
+    from tests.test_hf import FORKED_ZERO3
+
+    source, data = _base_model_with_data(tmp_path)
+    lines = Path(data).read_text().splitlines()
+    bad = write_jsonl(tmp_path / "bad.jsonl", [json.loads(line) for line in lines[:3]] + [record])
+    code, out, err = run_main(
+        capfd, "fit", "--config", str(RECIPE), "--model.pretrained_path", source, "--data.data_path", bad,
+        "--data.init_args.chat_template", CHATML_MARKED, "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
+        *FORKED_ZERO3)
+    assert code == 2, (out + err)[-3000:]
+    assert f"ultrascale fit: error: {bad}:4: {message}" in err, err
+    assert "Traceback" not in err and "[rank" not in err
+    assert not (tmp_path / "runs").exists()

@@ -64,6 +64,7 @@ class UltraScaleCLI(DefaultCallbacksCLI):
 
     def before_fit(self) -> None:
         self._check_layout_fits_the_world()
+        self._check_data_before_launch()
         self._restore_interrupted_last()
         self._resolve_auto_resume()
         self._verify_given_checkpoint()
@@ -100,6 +101,18 @@ class UltraScaleCLI(DefaultCallbacksCLI):
         strategy = self.trainer.strategy
         if hasattr(strategy, "resolve_dims") and hasattr(strategy, "layout_knobs"):
             strategy.resolve_dims(self.trainer.num_nodes * self.trainer.num_devices)
+
+    def _check_data_before_launch(self) -> None:
+        """A data module's cheap checks (`check_before_launch`: the path, the first records' fields, the chat
+        template on the first conversations) in the launching process, so a mistake in the data is one message
+        (`RecipeError`, exit status 2 in `main`) before any rank starts."""
+        check = getattr(self.datamodule, "check_before_launch", None)
+        if check is None:
+            return
+        try:
+            check(self.model)
+        except (ValueError, FileNotFoundError) as error:
+            raise RecipeError(str(error)) from None
 
     def _verify_given_checkpoint(self) -> None:
         """`--ckpt_path PATH`: a checkpoint that is missing or damaged (its manifest, or DCP's index for one saved

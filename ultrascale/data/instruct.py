@@ -495,14 +495,30 @@ class InstructionDataModule(BlockDataModule):
                            learn_end_of_turn=self.learn_end_of_turn, end_of_turn=self.end_of_turn,
                            truncation=self.truncation)
 
-    def read(self) -> list[tuple[str, str]] | list[Conversation]:
-        """The records of `data_path` (at most `max_examples`): all conversations or all ``(prompt, response)``
-        pairs, as the first record is."""
+    def check_before_launch(self, module: Any = None, records: int = 1000, rendered: int = 100) -> None:
+        """What can be checked cheaply, in the launching process before any rank starts (`ultrascale fit` calls it):
+        the path, the tokenizer (``module.tokenizer_path`` where this module names none), the first `records`
+        records' fields, and the first `rendered` conversations through the chat template. ValueError /
+        FileNotFoundError naming the record; a fault deeper in the data is found by `setup`."""
+        if self._tokenizer is None and getattr(module, "tokenizer_path", None) is not None:
+            self._set_tokenizer(module.tokenizer_path)
+        first = self.read(limit=records)
+        if not first:
+            raise ValueError(f"{type(self).__name__}: `data_path={self.data_path!r}` is empty (no examples)")
+        if isinstance(first[0], Conversation) and self._tokenizer is not None:
+            encoder = self.chat_encoder()
+            for conversation in first[:rendered]:
+                encoder.encode(conversation)
+
+    def read(self, limit: int | None = None) -> list[tuple[str, str]] | list[Conversation]:
+        """The records of `data_path` (at most `max_examples`, or `limit`): all conversations or all
+        ``(prompt, response)`` pairs, as the first record is."""
         fields = (self.prompt_field, self.response_field)
         out: list[Any] = []
         chat: bool | None = None
+        limits = [n for n in (self.max_examples, limit) if n is not None]
         for where, record in read_records(self.data_path):
-            if self.max_examples is not None and len(out) >= self.max_examples:
+            if limits and len(out) >= min(limits):
                 break
             conversation = conversation_of(record, self.messages_field, where)
             if chat is None:

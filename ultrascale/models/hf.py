@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ultrascale.contract import stage_mesh
-from ultrascale.models.hf_folder import check_export_target, write_hf_folder
+from ultrascale.models.hf_folder import check_export_target, trained_chat_template, write_hf_folder
 from ultrascale.models.hf_load import (
     check_hf_folder,
     check_sharded_loading_supported,
@@ -352,7 +352,9 @@ def export_hf_from_module(module: HFCausalLM, out_dir: str | Path, overwrite: Op
     if overwrite is None:
         overwrite = bool(module.hparams.get("export_overwrite", False))
     if state is not None:
-        write_hf_folder(state, module.config, module.pretrained_path, out_dir, overwrite=overwrite)
+        datamodule = getattr(module.trainer, "datamodule", None) if module._trainer is not None else None
+        write_hf_folder(state, module.config, module.pretrained_path, out_dir, overwrite=overwrite,
+                        chat_template=trained_chat_template(getattr(datamodule, "hparams", None)))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
 
@@ -402,7 +404,8 @@ def export_hf_checkpoint(checkpoint: str | Path, out_dir: str | Path, max_shard_
     model_type = config_dict.pop("model_type")
     config = AutoConfig.for_model(model_type, **config_dict)
     hf_state = {key[len("model."):]: value for key, value in _model_state(path).items()}
-    return write_hf_folder(hf_state, config, source, out_dir, max_shard_size, overwrite)
+    return write_hf_folder(hf_state, config, source, out_dir, max_shard_size, overwrite,
+                           chat_template=trained_chat_template(meta.get("datamodule_hyper_parameters")))
 
 
 def _model_state(path: Path) -> dict[str, torch.Tensor]:

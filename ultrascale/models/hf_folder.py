@@ -39,13 +39,23 @@ def check_export_target(out_dir: str | Path, source_dir: Optional[str | Path], o
 
 
 def write_hf_folder(state: dict[str, torch.Tensor], config: Any, source_dir: Optional[str], out_dir: str | Path,
-                    max_shard_size: str = "2GB", overwrite: bool = False, tokenizer: Any = None) -> Path:
+                    max_shard_size: str = "2GB", overwrite: bool = False, tokenizer: Any = None,
+                    chat_template: Optional[str] = None) -> Path:
     """Write HF-named weights as a Hugging Face folder: sharded safetensors, config, generation config, tokenizer.
 
-    The tokenizer files are `source_dir`'s, or `tokenizer` (a transformers tokenizer) saved. Checked first
-    (`check_export_target`), then written and published by `publish_folder`."""
+    The tokenizer files are `source_dir`'s, or `tokenizer` (a transformers tokenizer) saved; `chat_template` (the
+    one the conversations were rendered with) becomes the exported tokenizer's, so `apply_chat_template` on the
+    folder prompts the model the way it was trained. Checked first (`check_export_target`), then written and
+    published by `publish_folder`."""
     final = check_export_target(out_dir, source_dir, overwrite)
-    return publish_folder(final, lambda out: _write_hf_files(state, config, source_dir, out, max_shard_size, tokenizer))
+    return publish_folder(final, lambda out: _write_hf_files(state, config, source_dir, out, max_shard_size, tokenizer,
+                                                             chat_template))
+
+
+def trained_chat_template(datamodule_hparams: Any) -> Optional[str]:
+    """The chat template a run's data module rendered its conversations with (kept in its hyperparameters), or None."""
+    template = datamodule_hparams.get("chat_template") if datamodule_hparams else None
+    return template if isinstance(template, str) else None
 
 
 def publish_folder(final: Path, write: Callable[[Path], None]) -> Path:
@@ -70,7 +80,7 @@ def publish_folder(final: Path, write: Callable[[Path], None]) -> Path:
 
 
 def _write_hf_files(state: dict[str, torch.Tensor], config: Any, source_dir: Optional[str], out: Path,
-                    max_shard_size: str, tokenizer: Any = None) -> None:
+                    max_shard_size: str, tokenizer: Any = None, chat_template: Optional[str] = None) -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from ultrascale.models.hf_load import composite_names, multimodal_source
@@ -103,3 +113,10 @@ def _write_hf_files(state: dict[str, torch.Tensor], config: Any, source_dir: Opt
                 shutil.copy2(Path(source_dir) / name, out / name)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+    if chat_template is not None and any((out / name).is_file() for name in TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        exported = AutoTokenizer.from_pretrained(out, local_files_only=True)
+        if exported.chat_template != chat_template:
+            exported.chat_template = chat_template
+            exported.save_pretrained(out)
