@@ -415,3 +415,42 @@ def test_a_bad_record_is_one_message_before_any_rank_starts(tmp_path, capfd, rec
     assert f"ultrascale fit: error: {bad}:4: {message}" in err, err
     assert "Traceback" not in err and "[rank" not in err
     assert not (tmp_path / "runs").exists()
+
+
+# --------------------------------------------------------------------------- prepared once
+
+def test_prepared_conversations_give_the_raw_blocks(tmp_path, folders, chats, capsys) -> None:
+    """`ultrascale prepare-data --chat` (one worker or two: the same bytes) then InstructionDataModule on the folder:
+    the blocks of the raw JSONL, at every seq_len and learn option (cut and selected when read)."""
+    from tests._cli import run_main
+
+    for workers in ("1", "2"):
+        code, out, err = run_main(capsys, "prepare-data", folders["data"], "--tokenizer", folders["llama3"], "--chat",
+                                  "--out", str(tmp_path / f"prepared{workers}"), "--workers", workers, "--no-progress")
+        assert code == 0, err
+        assert f"{len(chats)} conversations" in out
+    for name in ("tokens.bin", "assistant.bin", "documents.npy"):
+        assert (tmp_path / "prepared1" / name).read_bytes() == (tmp_path / "prepared2" / name).read_bytes()
+    for options in ({}, {"learn": "last", "seq_len": 48}, {"learn_end_of_turn": False}, {"learn": "all", "pack": False}):
+        raw = dm_for(folders["data"], folders["llama3"], **options)
+        prepared = dm_for(str(tmp_path / "prepared1"), folders["llama3"], **options)
+        for dm in (raw, prepared):
+            dm.setup()
+        assert (raw.packed.labels == prepared.packed.labels).all() and (raw.packed.input_ids == prepared.packed.input_ids).all()
+        assert (raw.packed.position_ids == prepared.packed.position_ids).all()
+    assert prepared.hparams["chat_template"] == LLAMA3
+
+    with pytest.raises(ValueError, match="is not the tokenizer .* was prepared with"):
+        dm_for(str(tmp_path / "prepared1"), folders["marked"]).setup()
+    with pytest.raises(ValueError, match="differs from the one .* was rendered with"):
+        dm_for(str(tmp_path / "prepared1"), folders["llama3"], chat_template=CHATML).setup()
+    from ultrascale.data import CausalLMDataModule
+
+    with pytest.raises(ValueError, match="holds prepared conversations"):
+        CausalLMDataModule(data_path=str(tmp_path / "prepared1"), seq_len=16).setup()
+
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": chats[0]}, {"messages": [{"role": "user", "content": 3}]}])
+    code, out, err = run_main(capsys, "prepare-data", bad, "--tokenizer", folders["llama3"], "--chat",
+                              "--out", str(tmp_path / "never"), "--no-progress")
+    assert code == 2 and f"ultrascale prepare-data: error: {bad}:2: field `messages[0]`.content must be a string" in err, err
+    assert not (tmp_path / "never").exists() and not list(tmp_path.glob(".never*"))

@@ -114,13 +114,14 @@ def prepare_data_main(args: list[str]) -> None:
     """`ultrascale prepare-data`: argument parsing around `ultrascale.data.prepared.prepare_data`."""
     import argparse
 
-    from ultrascale.data.prepared import prepare_data
+    from ultrascale.data.prepared import prepare_chat_data, prepare_data
 
     parser = argparse.ArgumentParser(
         prog="ultrascale prepare-data",
         description="Tokenize a corpus once into a folder that CausalLMDataModule(data_path=FOLDER) memory-maps on "
                     "every rank: text files (one document each), JSONL and Parquet (a field per record), folders of "
-                    "them, or a `datasets` dataset saved with save_to_disk.")
+                    "them, or a `datasets` dataset saved with save_to_disk. With --chat: conversations rendered with "
+                    "the chat template, their assistant turns marked, for InstructionDataModule(data_path=FOLDER).")
     parser.add_argument("inputs", nargs="+", metavar="INPUT")
     parser.add_argument("--tokenizer", required=True, help="local folder of a Hugging Face tokenizer")
     parser.add_argument("--out", required=True, help="folder to write (written beside it, renamed when complete)")
@@ -130,20 +131,33 @@ def prepare_data_main(args: list[str]) -> None:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--strict", action="store_true",
                         help="refuse bytes that are not UTF-8 (default: replace them with U+FFFD and count them)")
+    parser.add_argument("--chat", action="store_true",
+                        help="the records are conversations (`messages`, or prompt/completion message lists)")
+    parser.add_argument("--messages-field", default="messages", help="with --chat: the field holding the messages")
+    parser.add_argument("--chat-template", default=None,
+                        help="with --chat: the Jinja template (text or file); default: the tokenizer's own")
+    parser.add_argument("--end-of-turn", default=None, help="with --chat: the end-of-turn token; default: the EOS")
     options = parser.parse_args(args)
     try:
-        out = prepare_data(options.inputs, options.tokenizer, options.out, workers=options.workers,
-                           text_field=options.text_field, overwrite=options.overwrite, progress=not options.no_progress,
-                           strict=options.strict)
+        if options.chat:
+            out = prepare_chat_data(options.inputs, options.tokenizer, options.out, chat_template=options.chat_template,
+                                    messages_field=options.messages_field, end_of_turn=options.end_of_turn,
+                                    workers=options.workers, overwrite=options.overwrite,
+                                    progress=not options.no_progress)
+        else:
+            out = prepare_data(options.inputs, options.tokenizer, options.out, workers=options.workers,
+                               text_field=options.text_field, overwrite=options.overwrite,
+                               progress=not options.no_progress, strict=options.strict)
     except (ValueError, FileNotFoundError, FileExistsError) as error:
         print(f"ultrascale prepare-data: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     import json
 
     metadata = json.loads((out / "metadata.json").read_text())
-    print(f"wrote {out}: {metadata['num_tokens']:,} tokens ({metadata['dtype']}), {metadata['num_documents']:,} documents "
+    unit = "conversations" if metadata.get("kind") == "chat" else "documents"
+    print(f"wrote {out}: {metadata['num_tokens']:,} tokens ({metadata['dtype']}), {metadata['num_documents']:,} {unit} "
           f"in {_duration_and_rate(metadata['seconds'], metadata['num_tokens'])}, {metadata['workers']} worker(s)")
-    if metadata["replaced_bytes"]:
+    if metadata.get("replaced_bytes"):
         print(f"ultrascale prepare-data: {metadata['replaced_bytes']:,} bytes that are not UTF-8, in "
               f"{metadata['documents_with_replaced_bytes']:,} document(s), were replaced by U+FFFD (--strict refuses them)")
 

@@ -204,66 +204,73 @@ class ChatEncoder:
 
     # ------------------------------------------------------------------ encoding
 
+    def assistant_tokens(self, conversation: Conversation) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, assistant)``: the conversation's token ids (int32, whole) and, per id, whether it belongs to an
+        assistant turn that may be learned (from `first_learned` on), its end-of-turn token included. What
+        :func:`learned_tokens` cuts and selects from; what `prepare-data` stores."""
+        messages = conversation.messages
+        if self.marked and not conversation.first_learned:
+            whole = self._render(conversation, messages, tokenize=True, assistant_mask=True)
+            return np.asarray(whole["input_ids"], dtype=np.int32), np.asarray(whole["assistant_masks"], dtype=bool)
+        # apply_chat_template(tokenize=True)'s tokens: the rendered text, no special tokens added.
+        text = self._render(conversation, messages, tokenize=False)
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(encoded["input_ids"], dtype=np.int32)
+        starts = np.asarray([a for a, _ in encoded["offset_mapping"]], dtype=np.int64).reshape(-1)
+        assistant = np.zeros(ids.size, dtype=bool)
+        if self.marked:  # TRL's prompt-completion form: the template's marks, after the prompt
+            marked = self._render(conversation, messages, tokenize=True, assistant_mask=True)["assistant_masks"]
+            prompt = self._render(conversation, messages[: conversation.first_learned], tokenize=False,
+                                  generation_prompt=True)
+            self._check_prefix(conversation, text, prompt, conversation.first_learned, "its generation prompt")
+            assistant[:] = np.asarray(marked, dtype=bool)
+            assistant[: int(np.searchsorted(starts, len(prompt)))] = False
+            return ids, assistant
+        for start, stop, k in self._turn_spans(conversation, text, starts):
+            if messages[k]["role"] != "assistant" or k < conversation.first_learned:
+                continue
+            ends = np.flatnonzero(ids[start:stop] == self.end_of_turn_id)
+            # What the template writes after the turn's end-of-turn token is no one's answer.
+            assistant[start : start + int(ends[-1]) + 1 if ends.size else stop] = True
+        return ids, assistant
+
     def encode(self, conversation: Conversation) -> Optional[tuple[np.ndarray, np.ndarray]]:
         """``(ids, learned)`` int32 / bool arrays of one conversation, cut to `max_ids`; None where nothing is
-        left to learn (counted in `counts.skipped`)."""
-        mask = None
-        if self.marked and self.learn != "all":
-            whole = self._render(conversation, conversation.messages, tokenize=True, assistant_mask=True)
-            ids, mask = list(whole["input_ids"]), list(whole["assistant_masks"])
-        spans = None
-        if mask is None or self.learn == "last" or conversation.first_learned or len(ids) > self.max_ids:
-            # apply_chat_template(tokenize=True)'s tokens: the rendered text, no special tokens added.
-            text = self._render(conversation, conversation.messages, tokenize=False)
-            encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            ids = list(encoded["input_ids"])
-            spans = self._turn_spans(conversation, text, np.asarray([a for a, _ in encoded["offset_mapping"]]))
-        learned = self._learned(conversation, ids, mask, spans)
-        if len(ids) > self.max_ids:
-            if self.truncation == "error":
-                raise ValueError(f"{conversation.where}: the conversation is {len(ids)} tokens, more than "
-                                 f"`seq_len + 1 = {self.max_ids}` (`truncation=\"error\"`)")
-            assert spans is not None
-            ends = [stop for _, stop, k in spans if conversation.messages[k]["role"] == "assistant" and stop <= self.max_ids]
-            cut = next((end for end in reversed(ends) if learned[:end].any()), None)
-            self.counts.cut += 1
-            if cut is None:
-                self.counts.skipped += 1
-                return None
-            if self.learn == "last":  # the last assistant turn of what is kept
-                kept = Conversation(conversation.messages[: next(k for _, stop, k in spans if stop == cut) + 1],
-                                    conversation.first_learned, conversation.where)
-                return self.encode(kept)
-            ids, learned = ids[:cut], learned[:cut]
-        if not learned[1:].any():  # the first token is never a target
-            self.counts.skipped += 1
-            return None
-        return np.asarray(ids, dtype=np.int32), learned
+        left to learn (counted in `counts`)."""
+        ids, assistant = self.assistant_tokens(conversation)
+        return self.learned(ids, assistant, conversation.where)
 
-    def _learned(self, conversation: Conversation, ids: list[int], mask: Optional[list[int]],
-                 spans: Optional[list[tuple[int, int, int]]]) -> np.ndarray:
-        learned = np.zeros(len(ids), dtype=bool)
-        if self.learn == "all":
-            learned[:] = True
-            return learned
-        assistant = [(start, stop, k) for start, stop, k in (spans or [])
-                     if conversation.messages[k]["role"] == "assistant" and k >= conversation.first_learned]
-        if self.learn == "last":
-            assistant = assistant[-1:]
-        if mask is not None:
-            marked = np.asarray(mask, dtype=bool)
-            if spans is None:
-                learned = marked
-            else:  # the template's marks, inside the turns this option keeps
-                for start, stop, _ in assistant:
-                    learned[start:stop] = marked[start:stop]
-        else:
-            array = np.asarray(ids)
-            for start, stop, _ in assistant:
-                ends = np.flatnonzero(array[start:stop] == self.end_of_turn_id)
-                # What the template writes after the turn's end-of-turn token is no one's answer.
-                stop = start + int(ends[-1]) + 1 if ends.size else stop
-                learned[start:stop] = True
-        if not self.learn_end_of_turn:
-            learned &= np.asarray(ids) != self.end_of_turn_id
-        return learned
+    def learned(self, ids: np.ndarray, assistant: np.ndarray, where: str) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """:func:`learned_tokens` with this encoder's options, counted."""
+        out = learned_tokens(ids, assistant, max_ids=self.max_ids, learn=self.learn,
+                             learn_end_of_turn=self.learn_end_of_turn, end_of_turn_id=self.end_of_turn_id,
+                             truncation=self.truncation, where=where)
+        self.counts.cut += len(ids) > self.max_ids
+        self.counts.skipped += out is None
+        return out
+
+
+def learned_tokens(ids: np.ndarray, assistant: np.ndarray, *, max_ids: int, learn: str, learn_end_of_turn: bool,
+                   end_of_turn_id: int, truncation: str, where: str) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """``(ids, learned)`` of a conversation with assistant mask `assistant` (:meth:`ChatEncoder.assistant_tokens`):
+    cut after its last assistant turn that ends within `max_ids` ids where it is longer (ValueError naming `where`
+    under ``truncation="error"``), then the `learn` selection; None where no target is left."""
+    edges = np.diff(np.concatenate([[0], assistant.astype(np.int8), [0]]))
+    run_starts, run_ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)  # assistant turns: [start, end)
+    if ids.size > max_ids:
+        if truncation == "error":
+            raise ValueError(f"{where}: the conversation is {ids.size} tokens, more than `seq_len + 1 = {max_ids}` "
+                             "(`truncation=\"error\"`)")
+        fits = run_ends[run_ends <= max_ids]
+        if not fits.size:
+            return None
+        ids, assistant = ids[: fits[-1]], assistant[: fits[-1]]
+        run_starts = run_starts[run_starts < fits[-1]]
+    learned = np.ones(ids.size, dtype=bool) if learn == "all" else assistant.copy()
+    if learn == "last" and run_starts.size:
+        learned[: run_starts[-1]] = False
+    if not learn_end_of_turn:
+        learned &= ids != end_of_turn_id
+    if not learned[1:].any():  # the first token is never a target
+        return None
+    return ids, learned

@@ -340,7 +340,11 @@ def _prepared_sources(owner: str, data_path: Any, dataset_path: Optional[str],
             raise ValueError(f"{owner}: blend entry {path!r} is not a prepared folder (`ultrascale prepare-data`)")
         if weight <= 0:
             raise ValueError(f"{owner}: blend entry {path!r} has weight {weight}; weights must be positive")
-        sources.append((PreparedTokens.open(path), weight))
+        source = PreparedTokens.open(path)
+        if source.is_chat:
+            raise ValueError(f"{owner}: {path} holds prepared conversations (`prepare-data --chat`): they are read by "
+                             "InstructionDataModule, whose labels learn the assistant turns only")
+        sources.append((source, weight))
     fingerprints = {s.tokenizer_sha256 for s, _ in sources}
     if len(fingerprints) > 1:
         names = [f"{s.path}: {s.metadata['tokenizer']['name']}" for s, _ in sources]

@@ -37,7 +37,17 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 
-from ultrascale.data.chat import LEARN, TRUNCATION, ChatEncoder, Conversation, conversation_of, resolve_chat_template
+from ultrascale.data.chat import (
+    LEARN,
+    TRUNCATION,
+    ChatCounts,
+    ChatEncoder,
+    Conversation,
+    conversation_of,
+    learned_tokens,
+    resolve_chat_template,
+)
+from ultrascale.data.prepared import PreparedTokens, is_prepared, tokenizer_fingerprint
 from ultrascale.data.sampling import BlockDataModule, split_blocks
 from ultrascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -439,6 +449,7 @@ class InstructionDataModule(BlockDataModule):
 
     def _set_tokenizer(self, path: str) -> None:
         self._tokenizer = _load_hf_tokenizer(path)
+        self._tokenizer_dir = path
         self.add_bos = _adds_bos(self._tokenizer)
         self.pad_id = _pad_id(self._tokenizer)
 
@@ -495,6 +506,50 @@ class InstructionDataModule(BlockDataModule):
                            learn_end_of_turn=self.learn_end_of_turn, end_of_turn=self.end_of_turn,
                            truncation=self.truncation)
 
+    def open_prepared(self) -> PreparedTokens | None:
+        """`data_path` as conversations `ultrascale prepare-data --chat` wrote (None where it is not a prepared
+        folder), checked against this module: the same tokenizer, the same template and end-of-turn token."""
+        if not is_prepared(self.data_path):
+            return None
+        name, prepared = type(self).__name__, PreparedTokens.open(self.data_path)
+        if not prepared.is_chat:
+            raise ValueError(f"{name}: {self.data_path} holds prepared text (CausalLMDataModule's); prepare "
+                             "conversations with `ultrascale prepare-data --chat`")
+        tokenizer = self.tokenizer
+        if tokenizer_fingerprint(self._tokenizer_dir) != prepared.tokenizer_sha256:
+            raise ValueError(f"{name}: `tokenizer_path={self._tokenizer_dir!r}` is not the tokenizer {self.data_path} "
+                             f"was prepared with ({prepared.metadata['tokenizer']['name']})")
+        template = prepared.metadata["chat_template"]
+        if self.chat_template is not None and self.chat_template != template:
+            raise ValueError(f"{name}: `chat_template` differs from the one {self.data_path} was rendered with; "
+                             "prepare it again with this template, or leave `chat_template` unset")
+        eot = prepared.metadata["end_of_turn_id"]
+        if self.end_of_turn is not None and tokenizer.tokenizer.convert_tokens_to_ids(self.end_of_turn) != eot:
+            raise ValueError(f"{name}: `end_of_turn={self.end_of_turn!r}` is not the end-of-turn token {self.data_path} "
+                             f"was prepared with (id {eot})")
+        self.hparams["chat_template"] = template
+        return prepared
+
+    def prepared_examples(self, prepared: PreparedTokens) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``(ids, learned)`` of each prepared conversation that keeps a learned token at this `seq_len` and these
+        `learn` options (:func:`~ultrascale.data.chat.learned_tokens`, as for conversations read raw)."""
+        counts = self.chat_counts = ChatCounts()
+        starts = np.asarray(prepared.document_starts)
+        out = []
+        stop = len(starts) - 1 if self.max_examples is None else min(len(starts) - 1, self.max_examples)
+        for d in range(stop):
+            ids = np.asarray(prepared.tokens[starts[d] : starts[d + 1]], dtype=np.int32)
+            assistant = np.asarray(prepared.assistant[starts[d] : starts[d + 1]], dtype=bool)
+            kept = learned_tokens(ids, assistant, max_ids=self.seq_len + 1, learn=self.learn,
+                                  learn_end_of_turn=self.learn_end_of_turn,
+                                  end_of_turn_id=prepared.metadata["end_of_turn_id"], truncation=self.truncation,
+                                  where=f"{self.data_path} conversation {d}")
+            counts.cut += ids.size > self.seq_len + 1
+            counts.skipped += kept is None
+            if kept is not None:
+                out.append(kept)
+        return out
+
     def check_before_launch(self, module: Any = None, records: int = 1000, rendered: int = 100) -> None:
         """What can be checked cheaply, in the launching process before any rank starts (`ultrascale fit` calls it):
         the path, the tokenizer (``module.tokenizer_path`` where this module names none), the first `records`
@@ -502,6 +557,10 @@ class InstructionDataModule(BlockDataModule):
         FileNotFoundError naming the record; a fault deeper in the data is found by `setup`."""
         if self._tokenizer is None and getattr(module, "tokenizer_path", None) is not None:
             self._set_tokenizer(module.tokenizer_path)
+        if is_prepared(self.data_path):
+            if self._tokenizer is not None:
+                self.open_prepared()
+            return
         first = self.read(limit=records)
         if not first:
             raise ValueError(f"{type(self).__name__}: `data_path={self.data_path!r}` is empty (no examples)")
@@ -545,12 +604,16 @@ class InstructionDataModule(BlockDataModule):
             return
         name = type(self).__name__
         source = f"`data_path={self.data_path!r}`"
-        records = self.read()
-        if not records:
-            raise ValueError(f"{name}: {source} is empty (no examples)")
-        chat = isinstance(records[0], Conversation)
-        # Either encoding resolves the tokenizer first, which sets pad_id.
-        examples = self.encode_conversations(records) if chat else self.encode_examples(records)
+        prepared = self.open_prepared()
+        if prepared is not None:
+            records, examples, chat = range(prepared.metadata["num_documents"]), self.prepared_examples(prepared), True
+        else:
+            records = self.read()
+            if not records:
+                raise ValueError(f"{name}: {source} is empty (no examples)")
+            chat = isinstance(records[0], Conversation)
+            # Either encoding resolves the tokenizer first, which sets pad_id.
+            examples = self.encode_conversations(records) if chat else self.encode_examples(records)
         packed = pack_examples(examples, self.seq_len, self.pad_id, pack=self.pack)
         if chat and (self.chat_counts.cut or self.chat_counts.skipped):
             rank_zero_warn(

@@ -9,6 +9,15 @@
     metadata.json   format, dtype, token and document counts, the tokenizer (name, SHA-256 of its files,
                     vocabulary size, EOS id), the sources
 
+Conversations (`prepare_chat_data`, `ultrascale prepare-data --chat`) are rendered with the chat template once
+(`ultrascale.data.chat`) and add
+
+    assistant.bin   uint8 per token: 1 where it belongs to an assistant turn that may be learned (its
+                    end-of-turn token included), the labels `InstructionDataModule` cuts and selects from
+                    at its own `seq_len` and `learn` options; no EOS is appended (the template ends turns)
+
+with `"kind": "chat"`, the template's text and the end-of-turn id in metadata.json.
+
 The folder is written beside the target under a hidden name and renamed when complete, so a reader
 never sees half of one. `PreparedTokens` opens it: the sizes are checked against the metadata (a
 truncated copy fails at once) and the tokens are a read-only `np.memmap`, so a rank's start-up time
@@ -38,11 +47,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["BlendedBlocks", "PreparedTokens", "is_prepared", "prepare_data"]
+__all__ = ["BlendedBlocks", "PreparedTokens", "is_prepared", "prepare_chat_data", "prepare_data"]
 
 FORMAT = "ultrascale-tokens"
 FORMAT_VERSION = 1
-METADATA, TOKENS, DOCUMENTS = "metadata.json", "tokens.bin", "documents.npy"
+METADATA, TOKENS, DOCUMENTS, ASSISTANT = "metadata.json", "tokens.bin", "documents.npy", "assistant.bin"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                     "tokenizer.model", "added_tokens.json")
 _BATCH_DOCUMENTS = 256  # documents per task sent to a tokenizing worker
@@ -314,6 +323,132 @@ def _write(results: Iterable[tuple[np.ndarray, np.ndarray]], sink: Any, lengths:
     return total
 
 
+# --------------------------------------------------------------------------- conversations
+
+_worker_encoder: Any = None
+_BATCH_CONVERSATIONS = 64
+
+
+def _init_chat_worker(tokenizer_dir: str, template: str, end_of_turn: Optional[str]) -> None:
+    from ultrascale.data.chat import ChatEncoder
+
+    global _worker_encoder
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+    _worker_encoder = ChatEncoder(_load(tokenizer_dir), template, max_ids=2**62, end_of_turn=end_of_turn)
+
+
+def _encode_conversations(batch: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One batch of conversations: their tokens, assistant masks (uint8) and lengths, concatenated."""
+    encoded = [_worker_encoder.assistant_tokens(conversation) for conversation in batch]
+    ids = np.concatenate([i for i, _ in encoded]) if encoded else np.zeros(0, np.int32)
+    mask = np.concatenate([m for _, m in encoded]).astype(np.uint8) if encoded else np.zeros(0, np.uint8)
+    return ids, mask, np.array([i.size for i, _ in encoded], dtype=np.int64)
+
+
+def read_conversations(inputs: Sequence[str], messages_field: str = "messages") -> Iterator[Any]:
+    """The conversations of `inputs` (files or folders `InstructionDataModule` reads), checked record by record:
+    a record that is not one is a ValueError naming its file and line (row)."""
+    from ultrascale.data.chat import conversation_of
+    from ultrascale.data.instruct import read_records
+
+    for given in inputs:
+        for where, record in read_records(given):
+            conversation = conversation_of(record, messages_field, where)
+            if conversation is None:
+                raise ValueError(f"{where}: field `{messages_field}` is missing (nor are `prompt` and `completion` "
+                                 f"message lists); fields present: {sorted(record)}")
+            yield conversation
+
+
+def prepare_chat_data(
+    inputs: Sequence[str],
+    tokenizer_dir: str | Path,
+    out: str | Path,
+    *,
+    chat_template: Optional[str] = None,
+    messages_field: str = "messages",
+    end_of_turn: Optional[str] = None,
+    workers: int = 1,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Render and tokenize the conversations of `inputs` once into the folder `out` (the module docstring's
+    `assistant.bin` layout): `chat_template` (its text or a file; None: the tokenizer's own), `end_of_turn` (None:
+    the tokenizer's EOS) as `InstructionDataModule` takes them. Same output for any number of `workers`."""
+    from ultrascale.data.chat import resolve_chat_template
+
+    out = Path(out).resolve()
+    if workers < 1:
+        raise ValueError(f"prepare-data: --workers={workers} must be >= 1")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"prepare-data: {out} exists and is not empty (pass --overwrite to replace it)")
+    if not Path(tokenizer_dir).is_dir():
+        raise FileNotFoundError(f"prepare-data: tokenizer folder {tokenizer_dir} does not exist")
+    tokenizer = _load(str(tokenizer_dir))
+    template = resolve_chat_template(chat_template, tokenizer, str(tokenizer_dir))
+    _init_chat_worker(str(tokenizer_dir), template, end_of_turn)  # the options checked here, before any work
+    eot = _worker_encoder.end_of_turn_id
+    vocab_size = len(tokenizer)
+    dtype = token_dtype(vocab_size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    lengths: list[np.ndarray] = []
+    total, started = 0, time.perf_counter()
+    bar = _progress(progress)
+    try:
+        batches = _batched(read_conversations(inputs, messages_field), _BATCH_CONVERSATIONS)
+        with (staging / TOKENS).open("wb") as tokens, (staging / ASSISTANT).open("wb") as assistant:
+            if workers == 1:
+                results: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]] = map(_encode_conversations, batches)
+                total = _write_chat(results, tokens, assistant, dtype, lengths, bar)
+            else:
+                context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+                with context.Pool(workers, initializer=_init_chat_worker,
+                                  initargs=(str(tokenizer_dir), template, end_of_turn)) as pool:
+                    results = pool.imap(_encode_conversations, batches, chunksize=1)
+                    total = _write_chat(results, tokens, assistant, dtype, lengths, bar)
+        if total == 0:
+            raise ValueError(f"prepare-data: the inputs {list(inputs)} hold no conversation")
+        counts = np.concatenate(lengths)
+        np.save(staging / DOCUMENTS, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+        metadata = {
+            "format": FORMAT, "version": FORMAT_VERSION, "kind": "chat", "dtype": dtype.name, "num_tokens": int(total),
+            "num_documents": int(counts.size),
+            "tokenizer": {"name": getattr(tokenizer, "name_or_path", str(tokenizer_dir)),
+                          "sha256": tokenizer_fingerprint(tokenizer_dir), "vocab_size": vocab_size,
+                          "eos_id": int(tokenizer.eos_token_id)},
+            "chat_template": template, "end_of_turn_id": eot, "messages_field": messages_field,
+            "sources": [str(Path(given)) for given in inputs],
+            "seconds": time.perf_counter() - started, "workers": workers,
+        }
+        (staging / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return out
+
+
+def _write_chat(results: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]], tokens: Any, assistant: Any,
+                dtype: np.dtype, lengths: list[np.ndarray], bar: Any) -> int:
+    total = 0
+    for ids, mask, counts in results:
+        tokens.write(ids.astype(dtype).tobytes())
+        assistant.write(mask.tobytes())
+        lengths.append(counts)
+        total += ids.size
+        if bar is not None:
+            bar.update(ids.size)
+    return total
+
+
 # --------------------------------------------------------------------------- reading a prepared folder
 
 
@@ -330,6 +465,11 @@ class PreparedTokens:
     metadata: dict[str, Any]
     tokens: np.ndarray  # read-only np.memmap
     document_starts: np.ndarray  # (n_documents + 1,) int64, memory-mapped
+    assistant: Optional[np.ndarray] = None  # conversations: uint8 per token, read-only np.memmap
+
+    @property
+    def is_chat(self) -> bool:
+        return self.metadata.get("kind") == "chat"
 
     @classmethod
     def open(cls, path: str | Path) -> "PreparedTokens":
@@ -355,7 +495,15 @@ class PreparedTokens:
         if starts.shape != (metadata["num_documents"] + 1,) or int(starts[-1]) != metadata["num_tokens"]:
             raise ValueError(f"{path / DOCUMENTS} does not match {METADATA} (documents or tokens differ): prepare it again")
         tokens = np.memmap(tokens_file, dtype=dtype, mode="r", shape=(metadata["num_tokens"],))
-        return cls(path, metadata, tokens, starts)
+        assistant = None
+        if metadata.get("kind") == "chat":
+            mask_file = path / ASSISTANT
+            found = mask_file.stat().st_size if mask_file.is_file() else None
+            if found != metadata["num_tokens"]:
+                raise ValueError(f"{mask_file} holds {found if found is not None else 'no'} bytes, one per token of "
+                                 f"{metadata['num_tokens']:,}: the copy is truncated or incomplete; prepare it again")
+            assistant = np.memmap(mask_file, dtype=np.uint8, mode="r", shape=(metadata["num_tokens"],))
+        return cls(path, metadata, tokens, starts, assistant)
 
     @property
     def vocab_size(self) -> int:
