@@ -312,17 +312,14 @@ def test_yaml_blocks_parse_and_name_what_exists(page):
 
 @pytest.mark.parametrize("page", PAGES, ids=_name)
 def test_jsonl_blocks_are_instruction_records(page, tmp_path):
-    import inspect
     import json
 
     from ultrascale.data import InstructionDataModule
-    from ultrascale.data.instruct import read_examples
 
-    defaults = inspect.signature(InstructionDataModule).parameters
-    fields = (defaults["prompt_field"].default, defaults["response_field"].default)
     for block in _blocks(page, "jsonl"):
         (tmp_path / "block.jsonl").write_text(block.code)
-        examples = list(read_examples(str(tmp_path / "block.jsonl"), *fields))  # a missing field or a non-string raises
+        # Pairs or conversations, as the module's defaults read them: a missing field, a bad role or a non-string raises.
+        examples = InstructionDataModule(str(tmp_path / "block.jsonl")).read()
         assert len(examples) == len(block.code.strip().splitlines()) and all(json.loads(line) for line in block.code.splitlines())
 
 

@@ -1,4 +1,5 @@
-"""Instruction (prompt/response) data for supervised fine-tuning, loss masked on the prompt.
+"""Instruction data for supervised fine-tuning: prompt/response pairs, loss masked on the prompt, or conversations
+rendered with the chat template, loss on the assistant turns (:mod:`ultrascale.data.chat`).
 
 Each example becomes one token sequence::
 
@@ -317,7 +318,8 @@ class InstructionBlockDataset(Dataset):
 
 
 class InstructionDataModule(BlockDataModule):
-    """Supervised fine-tuning data: prompt/response pairs, loss on the response only, packed.
+    """Supervised fine-tuning data: prompt/response pairs (loss on the response) or conversations through the chat
+    template (loss on the assistant turns, :mod:`ultrascale.data.chat`), packed.
 
     Every rank reads and tokenizes the data itself in :meth:`setup` (deterministic,
     no cache to share). Batches are ``{"input_ids": (B, seq_len), "labels":
