@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -454,3 +455,109 @@ def test_prepared_conversations_give_the_raw_blocks(tmp_path, folders, chats, ca
                               "--out", str(tmp_path / "never"), "--no-progress")
     assert code == 2 and f"ultrascale prepare-data: error: {bad}:2: field `messages[0]`.content must be a string" in err, err
     assert not (tmp_path / "never").exists() and not list(tmp_path.glob(".never*"))
+
+
+# --------------------------------------------------------------------------- padded to the batch
+
+def test_pad_to_longest_cuts_each_batch_to_its_content(folders) -> None:
+    """Unpacked blocks of known lengths: the batch is cut to its longest, rounded up to the multiple, capped."""
+    from ultrascale.data.instruct import PadToLongest, pack_examples
+
+    examples = [(np.arange(n + 1), 1) for n in (5, 9, 3, 12)]  # inputs of 5, 9, 3, 12 positions
+    packed = pack_examples(examples, seq_len=16, pad_id=0, pack=False)
+    rows = [{"input_ids": torch.from_numpy(packed.input_ids[i].astype(np.int64)),
+             "labels": torch.from_numpy(packed.labels[i].astype(np.int64)),
+             "position_ids": torch.from_numpy(packed.position_ids[i].astype(np.int64))} for i in range(4)]
+    assert PadToLongest(1, 16)(rows[:3])["input_ids"].shape == (3, 9)
+    assert PadToLongest(4, 16)(rows[:3])["labels"].shape == (3, 12)
+    assert PadToLongest(8, 16)(rows[2:3])["position_ids"].shape == (1, 8)
+    assert PadToLongest(8, 16)(rows)["input_ids"].shape == (4, 16)  # 12 rounds to 16
+    assert PadToLongest(5, 16)(rows)["input_ids"].shape == (4, 15)
+    cut = PadToLongest(1, 16)(rows)
+    assert (cut["labels"] == torch.stack([r["labels"] for r in rows])[:, :12]).all()
+
+
+class _Layout:
+    """A strategy's `batch_length_rule` and device, for the data module's collate."""
+
+    def __init__(self, multiple: int, static: bool) -> None:
+        self.rule, self.root_device = (multiple, static), torch.device("cpu")
+
+    def batch_length_rule(self):
+        return self.rule
+
+
+@pytest.mark.parametrize("layout, expected", [((1, False), 1), ((4, False), 4), ((2, False), 2), ((1, True), None)])
+def test_padded_length_follows_the_layout(folders, layout, expected) -> None:
+    """cp 2 (zig-zag: 2 x cp = 4), tp 2 under sequence parallel (2), pipeline stages (one shape: seq_len)."""
+    from types import SimpleNamespace
+
+    dm = dm_for(folders["data"], folders["marked"], pack=False)
+    dm.trainer = SimpleNamespace(strategy=_Layout(*layout))
+    collate = dm.collate_fn()
+    assert (collate is None) if expected is None else collate.multiple == expected
+    assert dm_for(folders["data"], folders["marked"], pad_to="seq_len").collate_fn() is None
+    custom = dm_for(folders["data"], folders["marked"], pad_to_multiple_of=6)
+    custom.trainer = SimpleNamespace(strategy=_Layout(*layout))
+    assert expected is None or custom.collate_fn().multiple == np.lcm(6, expected)
+
+
+MIXED_LAYOUTS = {
+    "ZeRO-3": {"data_parallel_shard": 2},
+    "TP 2 + SP": {"tensor_parallel": 2, "data_parallel_shard": 1},
+    "CP 2": {"context_parallel": 2, "data_parallel_shard": 1},
+    "PP 2": {"pipeline_parallel": 2, "pipeline_microbatches": 2, "data_parallel_shard": 1},
+}
+
+
+def _unpacked_chats(root):
+    tokenizer = save_chat_tokenizer(root / "tok", CHATML_MARKED, "<|im_end|>")
+    data = write_jsonl(root / "chats.jsonl", [{"messages": m} for m in conversations(100, seed=11, max_words=4)])
+    return tokenizer, data
+
+
+def _train_unpacked(rank, world_size, path, tokenizer, data, strategy_kwargs):
+    import ultrascale
+    from tests._parity import Recorder, make_hf, parity_trainer
+
+    recorder, lengths = Recorder(), []
+    dm = dm_for(data, tokenizer, seq_len=PARITY_SEQ, global_batch_size=4, pack=False)
+
+    class Lengths(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            lengths.append(batch["input_ids"].shape[1])
+
+    trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**strategy_kwargs), recorder, PARITY_STEPS,
+                             accumulate_grad_batches=2)
+    trainer.callbacks.append(Lengths())
+    trainer.fit(make_hf(path), dm)
+    return {**recorder.result(), "lengths": lengths}
+
+
+@pytest.mark.parametrize("layout", list(MIXED_LAYOUTS))
+def test_batches_of_mixed_lengths_train_like_one_process(layout, tmp_path) -> None:
+    """Unpacked conversations, each micro-batch cut to its own longest (lengths differ per rank and micro-batch;
+    pipeline stages keep seq_len), accumulation 2: the inline one-process reference on the same global batches at
+    full seq_len, which padding after a sequence cannot change."""
+    from torch.utils.data import Subset
+
+    from tests._dist import run_ranks
+    from tests._parity import assert_parity, make_hf, make_hf_checkpoint, merge_stages, reference_run, step_losses
+    from ultrascale.data import ResumableBlockSampler
+
+    tokenizer, data = _unpacked_chats(tmp_path)
+    dm = dm_for(data, tokenizer, seq_len=PARITY_SEQ, global_batch_size=4, pack=False)
+    dm.setup()
+    path = make_hf_checkpoint(tmp_path / "llama", "llama", vocab_size=dm.vocab_size, hidden_size=32)
+    order = list(ResumableBlockSampler(dm.train_dataset, 4, num_replicas=1, rank=0, shuffle=True, seed=dm.seed))
+    reference = reference_run(make_hf(path), Subset(dm.train_dataset, order), global_batch=4, steps=PARITY_STEPS,
+                              accumulate=2)
+    results = run_ranks(_train_unpacked, 2, path, tokenizer, data, MIXED_LAYOUTS[layout])
+    lengths = [length for result in results for length in result["lengths"]]
+    if layout.startswith("PP"):
+        assert set(lengths) == {PARITY_SEQ}
+    else:
+        assert len(set(lengths)) > 2 and max(lengths) <= PARITY_SEQ, lengths
+        if layout.startswith("CP"):  # a rank sees its half, of a length the 4 zig-zag chunks divide
+            assert all((2 * length) % 4 == 0 for length in lengths), lengths
+    assert_parity(merge_stages(results) if layout.startswith("PP") else results[0], reference, step_losses(results))

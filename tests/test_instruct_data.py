@@ -354,7 +354,8 @@ def test_sources_agree(tmp_path, tok_dir, data) -> None:
 
 def test_dp_layout_matches_dp1(tok_dir, data) -> None:
     _, path = data
-    kwargs = dict(seq_len=32, global_batch_size=4, val_fraction=0.2)
+    # Rows compared across layouts: one shape (pad_to="longest" cuts each rank's batch to its own longest).
+    kwargs = dict(seq_len=32, global_batch_size=4, val_fraction=0.2, pad_to="seq_len")
     ref = _dm(path, tok_dir, **kwargs)
     ref.setup()
     ref_train, ref_val = list(ref.train_dataloader()), list(ref.val_dataloader())
@@ -389,7 +390,7 @@ def test_dp_layout_matches_dp1(tok_dir, data) -> None:
 
 def test_resume_skips_consumed_batches(tok_dir, data) -> None:
     _, path = data
-    kwargs = dict(seq_len=32, global_batch_size=4)
+    kwargs = dict(seq_len=32, global_batch_size=4, pad_to="seq_len")  # batches compared whole
     assert _dm(path, tok_dir, **kwargs).state_dict() == {"epoch": 0, "batches_done": 0, "global_batch_size": 4,
                                                           "seed": 1234}
     src = _dm(path, tok_dir, **kwargs)
@@ -503,7 +504,7 @@ def test_lightning_resume_mid_epoch(tmp_path, tok_dir, data) -> None:
     import lightning as L
 
     _, path = data
-    kwargs = dict(seq_len=32, global_batch_size=4, max_examples=24)
+    kwargs = dict(seq_len=32, global_batch_size=4, max_examples=24, pad_to="seq_len")  # batches compared whole
     trainer_kwargs = dict(accelerator="cpu", devices=1, max_steps=8, logger=False, enable_progress_bar=False,
                           enable_model_summary=False, num_sanity_val_steps=0)
     dm = _dm(path, tok_dir, **kwargs)

@@ -27,6 +27,7 @@ only) has no document mask; the loss is unaffected, the context is not.
 from __future__ import annotations
 
 import json
+import math
 import string
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from ultrascale.data.chat import (
     LEARN,
@@ -51,10 +52,13 @@ from ultrascale.data.chat import (
 from ultrascale.data.prepared import PreparedTokens, is_prepared, tokenizer_fingerprint
 from ultrascale.data.sampling import BlockDataModule, split_blocks
 from ultrascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from ultrascale.parallel.device import sequence_length_multiple
 
 __all__ = [
     "InstructionBlockDataset", "InstructionDataModule", "PackedBlocks", "pack_examples", "read_examples", "read_records",
 ]
+
+PAD_TO = ("longest", "seq_len")
 
 IGNORE_INDEX = -100
 """Label of positions without a loss (prompt targets, padding); ``cross_entropy``'s default ``ignore_index``."""
@@ -314,6 +318,33 @@ class InstructionBlockDataset(Dataset):
         }
 
 
+class PadToLongest:
+    """Collate rows of ``seq_len`` into a batch cut to its longest row's content, rounded up to `multiple` and
+    capped at `seq_len`: the padding a block carries after its last example is never computed.
+
+    A row's content ends where its padding starts: the padding is the suffix that starts at the row's last
+    ``position_ids == 0`` (it counts from 0, a document of its own) and has no target; a row whose last document
+    has a target is all content."""
+
+    def __init__(self, multiple: int, seq_len: int) -> None:
+        self.multiple, self.seq_len = multiple, seq_len
+
+    def __call__(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        batch = default_collate(rows)
+        length = self.length(batch["position_ids"], batch["labels"])
+        return {key: value[:, :length] for key, value in batch.items()} if length < batch["input_ids"].shape[1] else batch
+
+    def length(self, position_ids: torch.Tensor, labels: torch.Tensor) -> int:
+        """The batch's padded length: ``min(seq_len, ceil(longest / multiple) * multiple)``."""
+        T = position_ids.shape[1]
+        steps = torch.arange(T)
+        last_start = torch.where(position_ids == 0, steps, 0).amax(dim=1)  # (B,)
+        tail_learned = ((labels != IGNORE_INDEX) & (steps >= last_start[:, None])).any(dim=1)  # (B,)
+        content = torch.where(tail_learned | (last_start == 0), T, last_start)  # (B,)
+        longest = int(content.max())
+        return min(self.seq_len, -(-longest // self.multiple) * self.multiple)
+
+
 # --------------------------------------------------------------------------- data module
 
 
@@ -372,6 +403,14 @@ class InstructionDataModule(BlockDataModule):
         learn_end_of_turn: Learn the end-of-turn token with its turn.
         end_of_turn: The template's end-of-turn token (e.g. ``"<|im_end|>"``); ``None``: the
             tokenizer's EOS.
+        pad_to: ``"longest"``: each batch is cut to its longest row's content, rounded up
+            (:class:`PadToLongest`), so the padding after a block's last example is never
+            computed; ``"seq_len"``: every batch is ``seq_len`` long (static shapes). Under
+            pipeline parallel or ``compile=True`` batches are ``seq_len`` long either way.
+        pad_to_multiple_of: The rounding of ``"longest"``; ``None``: the device's
+            (``parallel.device.sequence_length_multiple``: 8 on CUDA, 1 on CPU). Always also a
+            multiple of what the layout splits a sequence by (``2 x cp``, ``tp`` under sequence
+            parallel).
         truncation: A conversation longer than ``seq_len + 1`` tokens: ``"drop_turns"`` cuts it
             after its last assistant turn that fits (skipped, and counted in one warning, when
             none does); ``"error"`` refuses it, naming the record.
@@ -400,6 +439,8 @@ class InstructionDataModule(BlockDataModule):
         learn_end_of_turn: bool = True,
         end_of_turn: str | None = None,
         truncation: str = "drop_turns",
+        pad_to: str = "longest",
+        pad_to_multiple_of: int | None = None,
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -420,6 +461,10 @@ class InstructionDataModule(BlockDataModule):
             raise ValueError(f"{name}: `learn={learn!r}` must be one of {', '.join(LEARN)}")
         if truncation not in TRUNCATION:
             raise ValueError(f"{name}: `truncation={truncation!r}` must be one of {', '.join(TRUNCATION)}")
+        if pad_to not in PAD_TO:
+            raise ValueError(f"{name}: `pad_to={pad_to!r}` must be one of {', '.join(PAD_TO)}")
+        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+            raise ValueError(f"{name}: `pad_to_multiple_of={pad_to_multiple_of}` must be >= 1 or None (the device's)")
         if chat_template is not None:
             chat_template = resolve_chat_template(chat_template, None, str(tokenizer_path))  # a missing file: now
         self.save_hyperparameters()
@@ -442,6 +487,8 @@ class InstructionDataModule(BlockDataModule):
         self.learn_end_of_turn = learn_end_of_turn
         self.end_of_turn = end_of_turn
         self.truncation = truncation
+        self.pad_to = pad_to
+        self.pad_to_multiple_of = pad_to_multiple_of
         # Loaded eagerly when the path is known (errors surface at construction), otherwise
         # on first use from the LightningModule's `tokenizer_path`.
         self._tokenizer: HFTokenizer | ByteTokenizer | None = None
@@ -599,6 +646,17 @@ class InstructionDataModule(BlockDataModule):
                 raise ValueError(f"{where}: field `{missing}` is missing; fields present: {sorted(record)} (a record "
                                  f"is a prompt/response pair, or a conversation in `{self.messages_field}`)")
         return out
+
+    def collate_fn(self) -> PadToLongest | None:
+        """:class:`PadToLongest` at the strategy's rule (`batch_length_rule`) and the device's multiple, unless
+        `pad_to="seq_len"` or the layout needs one shape for every batch."""
+        strategy = getattr(self.trainer, "strategy", None) if self.trainer is not None else None
+        layout, static = strategy.batch_length_rule() if hasattr(strategy, "batch_length_rule") else (1, False)
+        if self.pad_to == "seq_len" or static:
+            return None
+        device = getattr(strategy, "root_device", torch.device("cpu"))
+        multiple = self.pad_to_multiple_of or sequence_length_multiple(device)
+        return PadToLongest(math.lcm(multiple, layout), self.seq_len)
 
     def setup(self, stage: str | None = None) -> None:
         """Read, tokenize and pack the examples; split the blocks into train/val (once; later calls are no-ops)."""

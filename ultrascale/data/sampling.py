@@ -15,7 +15,7 @@ size by skipping the global batches already consumed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning as L
@@ -212,9 +212,14 @@ class BlockDataModule(L.LightningDataModule):
             batch_size=self.global_batch_size // dp_size,
             sampler=sampler,
             drop_last=True,
+            collate_fn=self.collate_fn(),
             num_workers=self.num_workers,
             pin_memory=pins_host_memory(getattr(getattr(self.trainer, "strategy", None), "root_device", torch.device("cpu"))),
         )
+
+    def collate_fn(self) -> Callable[[list[Any]], Any] | None:
+        """How a rank's rows become its batch (None: torch's default, a stack)."""
+        return None
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled per-rank slices of the global batches; skips consumed batches after a resume."""

@@ -50,6 +50,12 @@ def enable_symmetric_memory(group: dist.ProcessGroup) -> None:
     enable_symm_mem_for_group(group.group_name)
 
 
+def sequence_length_multiple(device: torch.device) -> int:
+    """What a padded batch's length is rounded up to by default: 8 on CUDA (tensor cores take matmul dimensions in
+    multiples of 8, as transformers' `pad_to_multiple_of=8` advice has it), 1 elsewhere."""
+    return 8 if device.type == "cuda" else 1
+
+
 def pins_host_memory(device: torch.device) -> bool:
     """Whether data loaders feeding `device` pin their batches: page-locked host memory copies to a GPU
     asynchronously (Lightning moves batches with non_blocking=True); pinning for the CPU only costs."""

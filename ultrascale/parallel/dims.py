@@ -161,10 +161,11 @@ class ParallelDims:
     def ep_enabled(self) -> bool:
         return self.ep > 1
 
-    def seq_len_divisor(self, *, sequence_parallel: bool) -> int:
-        """Sequence lengths must be multiples of this (`sequence_split_problem` with the strategy's default,
-        load-balanced context parallel)."""
-        return (self.tp if sequence_parallel else 1) * (context_chunks(self.cp, load_balance=True) if self.cp > 1 else 1)
+    def seq_len_divisor(self, *, sequence_parallel: bool, load_balance: bool = True) -> int:
+        """Sequence lengths must be multiples of this (`sequence_split_problem`; by default with load-balanced
+        context parallel, the strategy's default)."""
+        return ((self.tp if sequence_parallel else 1)
+                * (context_chunks(self.cp, load_balance=load_balance) if self.cp > 1 else 1))
 
     def check_seq_len(self, seq_len: int, *, sequence_parallel: bool, where: str = "the batch") -> None:
         """ValueError (before any collective sees the sequence) if `seq_len` does not split evenly."""
