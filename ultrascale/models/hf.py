@@ -206,6 +206,9 @@ class HFCausalLM(CausalLMModule):
                 attn_implementation=attention, trust_remote_code=self.hparams.trust_remote_code,
             )
             self._weights_pending = False
+        # `from_pretrained` returns the model in eval mode and Lightning keeps a submodule's mode: without this its
+        # dropout stayed off under Lightning's own strategies.
+        self.model.train()
         if self.hparams.get("lora") is not None:
             from ultrascale.models.peft import require_peft
 

@@ -72,7 +72,8 @@ class CausalLMModule(lightning.LightningModule):
 
     The loss of an optimizer step is ``sum(token losses) / valid tokens of the global batch``:
     steps return ``{"loss", "num_tokens"}`` (`ultrascale.token_loss`). Under ultrascale
-    strategies the gradient and the logged ``train_loss`` are exactly that; ``val_loss`` is the
+    strategies, and Lightning's one-device strategy and DDP, the gradient and the logged
+    ``train_loss`` are exactly that; ``val_loss`` is the
     token mean over the whole validation set (sum and count reduced over all ranks).
     """
 
@@ -96,6 +97,10 @@ class CausalLMModule(lightning.LightningModule):
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> Dict[str, torch.Tensor]:
         out = self.batch_loss(batch)
+        exact = self._token_mean_under_lightning()
+        if exact is not None:
+            exact.observe(out)  # `backward` differentiates the token sum; what callbacks see stays the mean
+            return out
         if not normalizes_token_loss(self.trainer.strategy):
             # Lightning's own strategies: the micro-batch mean, averaged over ranks (exact only
             # when every rank holds the same number of valid tokens).
@@ -105,6 +110,37 @@ class CausalLMModule(lightning.LightningModule):
             if routers:
                 scale_balance_terms(routers, self.trainer.accumulate_grad_batches, mean_over=int(out["num_tokens"]))
         return out
+
+    def _token_mean_under_lightning(self) -> Any:
+        """The step's exact token mean under Lightning's one-device strategy and DDP (`TokenNormalizedStep`, the
+        rule ultrascale's strategies apply; None where they apply it, and for Lightning's other strategies and MoE
+        modules, which keep the mean of the micro-batch means). With `k` micro-batches, `backward` differentiates
+        each one's token sum (Lightning divided it by k); DDP averages the gradients over the W ranks; `on_before_optimizer_step` then
+        multiplies them by k * W / N, N the step's valid tokens over all ranks: grad(sum of token losses / N)."""
+        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+        strategy = self.trainer.strategy
+        if normalizes_token_loss(strategy) or type(strategy) not in (SingleDeviceStrategy, DDPStrategy) or self._moe_routers():
+            return None
+        if getattr(self, "_lightning_step", None) is None:
+            from ultrascale.strategies.step import TokenNormalizedStep
+
+            self._lightning_step = TokenNormalizedStep()
+        return self._lightning_step
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        exact = self._token_mean_under_lightning()
+        super().backward(exact.backward_loss(loss) if exact is not None else loss, *args, **kwargs)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        exact = self._token_mean_under_lightning()
+        if exact is None:
+            return
+        world = self.trainer.world_size
+        loss = exact.finish((p.grad for p in self.parameters()), group=torch.distributed.group.WORLD if world > 1 else None,
+                            data_ranks=world, loss_divisor=self.trainer.accumulate_grad_batches * world)
+        if loss is not None:
+            self.log("train_loss", loss, prog_bar=True)
 
     def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> Dict[str, torch.Tensor]:
         out = self.batch_loss(batch)
