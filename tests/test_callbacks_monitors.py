@@ -446,3 +446,44 @@ def _every_gpu_kind_has_a_peak(monkeypatch, precision, dtype):
     assert quiet.peak is None and not quiet._mfu_active
     with pytest.raises(ValueError, match=rf"no {dtype} peak for device 'NVIDIA H800'.*set `peak_tflops=`"):
         MFUMonitor()._resolve_peak(trainer)
+
+
+# --------------------------------------------------------------------------- what tokens/s counts
+
+def _padded_blocks():
+    """8 unpacked rows of seq_len 16 with 3..14 real positions and a prompt of 2: known padding and targets."""
+    import numpy as np
+
+    from ultrascale.data.instruct import InstructionBlockDataset, pack_examples
+
+    lengths = [3, 14, 5, 9, 12, 4, 7, 10]  # inputs per example
+    packed = pack_examples([(np.arange(1, n + 2), 2) for n in lengths], seq_len=16, pad_id=0, pack=False)
+    dataset = InstructionBlockDataset(packed.input_ids, packed.labels, packed.position_ids)
+    return dataset, sum(lengths), int((packed.labels != -100).sum())
+
+
+def _throughput(rank, world_size, strategy_kwargs):
+    from tests._parity import Recorder, parity_trainer
+    from tests.test_pipeline_parallel import make_llama
+
+    dataset, _, _ = _padded_blocks()
+    recorder = Recorder()
+    strategy = ultrascale.UltraScaleStrategy(**strategy_kwargs) if strategy_kwargs is not None else "auto"
+    trainer = parity_trainer(world_size, strategy, recorder, 1, callbacks=[MFUMonitor(mfu=False)])
+    trainer.fit(make_llama(n_layers=2), ParityData(dataset, 8))
+    return recorder.logger.steps
+
+
+@pytest.mark.parametrize("layout", [None, {"data_parallel_shard": 2}, {"context_parallel": 2, "data_parallel_shard": 1}],
+                         ids=["one device", "ZeRO-3 dp2", "CP 2"])
+def test_tokens_per_sec_counts_no_padding(layout) -> None:
+    """A global batch of 128 positions, 64 of them real and 56 targets: the logged padding fraction is 1/2 and
+    target tokens / tokens 56/64, on one device, over dp 2 (each rank half the rows) and under cp 2 (each rank half
+    of every row: counted before the cut)."""
+    _, content, targets = _padded_blocks()
+    assert (content, targets) == (64, 56)
+    (steps, *_) = run_ranks(_throughput, 1 if layout is None else 2, layout)
+    metrics = steps[min(steps)]
+    assert metrics["throughput/padding_fraction"] == pytest.approx(1 - content / 128)
+    assert metrics["throughput/target_tokens_per_sec"] / metrics["throughput/tokens_per_sec"] == pytest.approx(targets / content)
+    assert metrics["throughput/tokens_seen"] == content

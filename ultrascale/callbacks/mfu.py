@@ -5,15 +5,15 @@
 
 Model FLOPs per token come from the model's config (`ultrascale.estimate.flops_per_token`,
 6N + 12 L h s). Tokens: ranks that differ only in tp or pp see the same batch, and cp ranks
-see chunks of one batch, so a step processes `local tokens x dp x cp` tokens however large
-tp and pp are (Lightning's ThroughputMonitor multiplies by the world size instead).
+see chunks of one batch, so a step processes the tokens of the dp ranks' batches however large
+tp, pp and cp are (Lightning's ThroughputMonitor multiplies by the world size instead), padding not counted.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
@@ -24,7 +24,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from ultrascale.callbacks._common import parallel_dims_of
 from ultrascale.estimate import ModelFlops, model_flops, recompute_flops_per_token
 from ultrascale.hardware import find_peak_tflops
-from ultrascale.parallel.device import cuda_matmul_in_tf32
+from ultrascale.parallel.device import collective_device, cuda_matmul_in_tf32
+from ultrascale.parallel.loss import batch_token_counts
 
 __all__ = ["MFUMonitor", "ModelFlops", "measure_matmul_tflops", "model_flops"]
 
@@ -48,8 +49,11 @@ class MFUMonitor(Callback):
     """Logs tokens/s (per device and global), TFLOP/s per device, MFU, HFU, step and data-loading time.
 
     Metrics (logger and progress bar): `throughput/tokens_per_sec`, `throughput/tokens_per_sec_per_device`,
-    `throughput/tokens_seen`, `throughput/tflops_per_device`, `throughput/mfu`, `throughput/hfu`,
-    `time/step`, `time/data`. Rates are averaged over the last `window_size` batches.
+    `throughput/target_tokens_per_sec`, `throughput/padding_fraction`, `throughput/tokens_seen`,
+    `throughput/tflops_per_device`, `throughput/mfu`, `throughput/hfu`, `time/step`, `time/data`. Rates are averaged
+    over the last `window_size` batches. Tokens are those that are not padding (`parallel.loss.batch_token_counts`,
+    summed over the data-parallel ranks, whose batches may differ in length); target tokens those with a loss; MFU
+    counts tokens, HFU every position computed (padding included) and the recomputation.
 
     Example::
 
@@ -235,18 +239,43 @@ class MFUMonitor(Callback):
             )
         return ids
 
+    def _batch_counts(self, trainer: "pl.Trainer", batch: Any) -> torch.Tensor:
+        """``[positions, content, targets]`` of this rank's batch (`parallel.loss.batch_token_counts`): counted by an
+        ultrascale strategy before context parallel cut it, else here."""
+        if self.input_key == "input_ids":
+            counts = getattr(trainer.strategy, "batch_counts", None)
+            counts = counts if counts is not None else batch_token_counts(batch)
+            if counts is not None:
+                return counts.detach().to("cpu" if counts.device.type == "cpu" else counts.device)
+        ids = self._tokens(batch)
+        every = float(ids.shape[0] * ids.shape[1])
+        return torch.tensor([every, every, every], dtype=torch.float64)
+
+    def _over_data_ranks(self, trainer: "pl.Trainer", counts: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks that hold different batches (dp; each cut its batches to their own lengths); tp,
+        pp and cp ranks repeat or split their dp rank's batch and are not counted again."""
+        import torch.distributed as dist
+
+        strategy = trainer.strategy
+        dims = parallel_dims_of(strategy)
+        if dims is not None:
+            group = strategy.parallel_mesh["dp"].get_group() if dims.dp > 1 else None
+        else:
+            group = dist.group.WORLD if dist.is_available() and dist.is_initialized() and trainer.world_size > 1 else None
+        if group is None:
+            return counts
+        counts = counts.to(collective_device(group))
+        dist.all_reduce(counts, group=group)
+        return counts
+
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        ids = self._tokens(batch)
+        counts = self._batch_counts(trainer, batch)
         dims = parallel_dims_of(trainer.strategy)
-        dp = dims.dp if dims is not None else trainer.world_size
         cp = dims.cp if dims is not None else 1
-        # tp/pp ranks repeat their dp group's batch and are not counted; cp ranks hold 1/cp of each sequence.
-        global_tokens = ids.shape[0] * ids.shape[1] * dp * cp  # (B, T, ...): B x T tokens
-        seq_len = ids.shape[1] * cp
-        self.tokens_seen += global_tokens
-        self._interval.add(global_tokens, self._data_time)
+        seq_len = self._tokens(batch).shape[1] * cp  # the length attention ran at (a cp rank holds 1/cp of it)
+        self._interval.add(counts, self._data_time)
         measured = self._measures_now(trainer)
         if measured and trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()  # time what the GPU did, not what was queued
@@ -256,16 +285,20 @@ class MFUMonitor(Callback):
         interval, self._interval = self._interval, _Interval()
         iteration = self._prev_end - self._interval_start
         self._interval_start = self._prev_end
+        positions, content, targets = (float(v) for v in self._over_data_ranks(trainer, interval.counts))
+        self.tokens_seen += int(content)
         # One batch: from its start to its end. Several (CUDA, between logged steps): their mean, less fetching.
         step = self._prev_end - self._batch_start if interval.batches == 1 else (iteration - interval.data) / interval.batches
-        self._window.append((interval.tokens, iteration, seq_len))
-        tokens = sum(t for t, _, _ in self._window)
-        seconds = sum(s for _, s, _ in self._window)
+        self._window.append((positions, content, targets, iteration, seq_len))
+        seconds = sum(w[3] for w in self._window)
+        all_positions, tokens, learned = (sum(w[i] for w in self._window) for i in range(3))
         tokens_per_sec = tokens / seconds
         per_device = tokens_per_sec / trainer.world_size
         metrics = {
             "throughput/tokens_per_sec": tokens_per_sec,
             "throughput/tokens_per_sec_per_device": per_device,
+            "throughput/target_tokens_per_sec": learned / seconds,
+            "throughput/padding_fraction": 1.0 - tokens / all_positions if all_positions else 0.0,
             "throughput/tokens_seen": float(self.tokens_seen),
             "time/step": step,
             "time/data": interval.data / interval.batches,
@@ -276,8 +309,9 @@ class MFUMonitor(Callback):
             metrics["throughput/tflops_per_device"] = tflops
             metrics["throughput/mfu"] = tflops / self.peak
             extra = self.recompute_flops_per_token(seq_len)
-            if extra is not None:
-                metrics["throughput/hfu"] = (model_fpt + extra) * per_device / 1e12 / self.peak
+            if extra is not None:  # HFU: every position computed, padding included, and the recomputation
+                positions_per_device = all_positions / seconds / trainer.world_size
+                metrics["throughput/hfu"] = (model_fpt + extra) * positions_per_device / 1e12 / self.peak
         if self._mfu_active and metrics["throughput/mfu"] > 1.0:
             # More FLOP/s than the peak is impossible: the peak or the FLOP count is wrong. Report it
             # (once) instead of logging a figure nobody should read.
@@ -308,14 +342,16 @@ class MFUMonitor(Callback):
 
 @dataclass
 class _Interval:
-    """The batches since the monitor last measured: their tokens and the seconds spent fetching them."""
+    """The batches since the monitor last measured: their [positions, content, targets] and the seconds spent
+    fetching them."""
 
-    tokens: int = 0
+    counts: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
     batches: int = 0
     data: float = 0.0
 
-    def add(self, tokens: int, data: float) -> None:
-        self.tokens, self.batches, self.data = self.tokens + tokens, self.batches + 1, self.data + data
+    def add(self, counts: torch.Tensor, data: float) -> None:
+        self.counts = self.counts.to(counts.device) + counts
+        self.batches, self.data = self.batches + 1, self.data + data
 
 
 def _table_keys() -> list[str]:

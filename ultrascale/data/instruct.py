@@ -53,6 +53,7 @@ from ultrascale.data.prepared import PreparedTokens, is_prepared, tokenizer_fing
 from ultrascale.data.sampling import BlockDataModule, split_blocks
 from ultrascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from ultrascale.parallel.device import sequence_length_multiple
+from ultrascale.parallel.loss import content_lengths
 
 __all__ = [
     "InstructionBlockDataset", "InstructionDataModule", "PackedBlocks", "pack_examples", "read_examples", "read_records",
@@ -319,12 +320,9 @@ class InstructionBlockDataset(Dataset):
 
 
 class PadToLongest:
-    """Collate rows of ``seq_len`` into a batch cut to its longest row's content, rounded up to `multiple` and
-    capped at `seq_len`: the padding a block carries after its last example is never computed.
-
-    A row's content ends where its padding starts: the padding is the suffix that starts at the row's last
-    ``position_ids == 0`` (it counts from 0, a document of its own) and has no target; a row whose last document
-    has a target is all content."""
+    """Collate rows of ``seq_len`` into a batch cut to its longest row's content
+    (:func:`~ultrascale.parallel.loss.content_lengths`), rounded up to `multiple` and capped at `seq_len`: the
+    padding a block carries after its last example is never computed."""
 
     def __init__(self, multiple: int, seq_len: int) -> None:
         self.multiple, self.seq_len = multiple, seq_len
@@ -336,12 +334,7 @@ class PadToLongest:
 
     def length(self, position_ids: torch.Tensor, labels: torch.Tensor) -> int:
         """The batch's padded length: ``min(seq_len, ceil(longest / multiple) * multiple)``."""
-        T = position_ids.shape[1]
-        steps = torch.arange(T)
-        last_start = torch.where(position_ids == 0, steps, 0).amax(dim=1)  # (B,)
-        tail_learned = ((labels != IGNORE_INDEX) & (steps >= last_start[:, None])).any(dim=1)  # (B,)
-        content = torch.where(tail_learned | (last_start == 0), T, last_start)  # (B,)
-        longest = int(content.max())
+        longest = int(content_lengths(position_ids, labels).max())
         return min(self.seq_len, -(-longest // self.multiple) * self.multiple)
 
 

@@ -24,7 +24,7 @@ loss by N before it. N is reduced in float64: float32 counts are exact only up t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,38 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = I
     """
     loss_sum, count = cross_entropy_sum(logits, labels, ignore_index)
     return {"loss": loss_sum / count.clamp(min=1), NUM_TOKENS_KEY: count}
+
+
+def content_lengths(position_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` positions of each row that are not padding. ultrascale's blocks pad a row after its last example
+    with a document of its own: positions counting from 0 again, no target. So the padding is the suffix from the
+    row's last ``position_ids == 0`` when nothing in it is a target; a row whose last document has a target (or
+    that is one document from position 0) is all content."""
+    T = position_ids.shape[1]
+    steps = torch.arange(T, device=position_ids.device)
+    last_start = torch.where(position_ids == 0, steps, 0).amax(dim=1)  # (B,)
+    tail_learned = ((labels != IGNORE_INDEX) & (steps >= last_start[:, None])).any(dim=1)  # (B,)
+    return torch.where(tail_learned | (last_start == 0), T, last_start)
+
+
+def batch_token_counts(batch: object) -> torch.Tensor | None:
+    """``[positions, content, targets]`` (float64, on the batch's device: no host sync) of a ``{"input_ids", ...}``
+    batch: every position computed, those that are not padding (an ``attention_mask``'s ones, else
+    :func:`content_lengths` from ``position_ids`` and ``labels``, else all), and those with a loss
+    (``labels != -100``, else the content). None for another batch."""
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return None
+    positions = torch.tensor(ids.numel(), dtype=torch.float64, device=ids.device)
+    labels, mask, where = batch.get("labels"), batch.get("attention_mask"), batch.get("position_ids")
+    if isinstance(mask, torch.Tensor):
+        content = mask.sum().to(torch.float64)
+    elif isinstance(where, torch.Tensor) and isinstance(labels, torch.Tensor):
+        content = content_lengths(where, labels).sum().to(torch.float64)
+    else:
+        content = positions
+    targets = (labels != IGNORE_INDEX).sum().to(torch.float64) if isinstance(labels, torch.Tensor) else content
+    return torch.stack([positions, content, targets])
 
 
 class StepTokens:

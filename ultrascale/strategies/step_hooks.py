@@ -18,7 +18,7 @@ from typing_extensions import override
 from ultrascale.contract import user_class_name
 from ultrascale.parallel.compile import BlockCompiler, CompileStats
 from ultrascale.parallel.context import ContextParallel
-from ultrascale.parallel.loss import NUM_TOKENS_KEY
+from ultrascale.parallel.loss import NUM_TOKENS_KEY, batch_token_counts
 from ultrascale.parallel.pipeline import PipelineLayout, PipelineRunner, TiedStageWeights
 from ultrascale.parallel.rules import batch_problems, raise_first
 from ultrascale.parallel.tensor import maybe_loss_parallel, synchronize_dropout_rng
@@ -202,6 +202,8 @@ class StepHooks:
             raise_first(batch_problems(self.parallel_dims, seq_len=tokens.shape[1],
                                        sequence_parallel=bool(self._sequence_parallel_active),
                                        load_balance=self.context_parallel_load_balance))
+        # Counted whole, before context parallel cuts it: what MFUMonitor reports as this rank's tokens.
+        self.batch_counts = batch_token_counts(batch)
         if self._context_parallel is not None:
             batch = self._context_parallel.shard_batch(batch)
         return batch
