@@ -561,3 +561,40 @@ def test_batches_of_mixed_lengths_train_like_one_process(layout, tmp_path) -> No
         if layout.startswith("CP"):  # a rank sees its half, of a length the 4 zig-zag chunks divide
             assert all((2 * length) % 4 == 0 for length in lengths), lengths
     assert_parity(merge_stages(results) if layout.startswith("PP") else results[0], reference, step_losses(results))
+
+
+def test_group_by_length_batches_similar_lengths_deterministically(folders) -> None:
+    """The same blocks each epoch, in seeded windows sorted longest first (every rank's slice of a global batch
+    alike), resumable mid-epoch; fewer padded positions under pad_to="longest"; `shuffle=False` keeps file order."""
+    from types import SimpleNamespace
+
+    from tests.test_instruct_data import _fake_trainer
+    from ultrascale.data import ResumableBlockSampler
+
+    def batches(dm, **layout):
+        dm.trainer = _fake_trainer(**layout)
+        dm.trainer.strategy.root_device = torch.device("cpu")
+        return [b for b in dm.train_dataloader()]
+
+    grouped = dm_for(folders["data"], folders["marked"], pack=False, group_by_length=True, global_batch_size=4)
+    plain = dm_for(folders["data"], folders["marked"], pack=False, global_batch_size=4)
+    for dm in (grouped, plain):
+        dm.setup()
+    lengths = grouped.train_dataset.lengths
+    sampler = ResumableBlockSampler(grouped.train_dataset, 4, seed=grouped.seed, lengths=lengths)
+    order = sampler.global_batches().reshape(-1)
+    assert sorted(order.tolist()) == sorted(ResumableBlockSampler(plain.train_dataset, 4, seed=plain.seed)
+                                            .global_batches().reshape(-1).tolist())
+    assert (lengths[order][:-1] >= lengths[order][1:]).all()  # one window here: longest first
+    assert torch.equal(order, ResumableBlockSampler(grouped.train_dataset, 4, seed=grouped.seed, lengths=lengths)
+                       .global_batches().reshape(-1))
+    resumed = ResumableBlockSampler(grouped.train_dataset, 4, seed=grouped.seed, lengths=lengths, skip_batches=2)
+    assert list(resumed) == order[8:].tolist()
+    computed = {name: sum(b["input_ids"].numel() for b in batches(dm)) for name, dm in (("grouped", grouped), ("plain", plain))}
+    assert computed["grouped"] < computed["plain"], computed
+    two = [batches(grouped, num_replicas=2, rank=r) for r in (0, 1)]
+    assert sum(b["input_ids"].shape[0] for rank in two for b in rank) == len(order)
+    in_order = dm_for(folders["data"], folders["marked"], pack=False, shuffle=False, global_batch_size=4)
+    in_order.setup()
+    in_order.trainer = SimpleNamespace(strategy=SimpleNamespace(distributed_sampler_kwargs=None, root_device=torch.device("cpu")))
+    assert list(in_order.train_dataloader().sampler) == list(range(len(in_order.train_dataset)))

@@ -309,6 +309,14 @@ class InstructionBlockDataset(Dataset):
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``(num_blocks,)`` positions of each block that are not padding (`parallel.loss.content_lengths`)."""
+        if getattr(self, "_lengths", None) is None:
+            self._lengths = content_lengths(torch.from_numpy(np.ascontiguousarray(self.position_ids, dtype=np.int64)),
+                                            torch.from_numpy(self.labels.astype(np.int64)))
+        return self._lengths
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not 0 <= index < len(self):
             raise IndexError(f"block {index} out of range for {len(self)} blocks")
@@ -404,6 +412,10 @@ class InstructionDataModule(BlockDataModule):
             (``parallel.device.sequence_length_multiple``: 8 on CUDA, 1 on CPU). Always also a
             multiple of what the layout splits a sequence by (``2 x cp``, ``tp`` under sequence
             parallel).
+        group_by_length: Draw each global batch from blocks of similar length (windows of
+            :attr:`~ultrascale.data.sampling.ResumableBlockSampler.GROUP_WINDOW` global batches of the
+            epoch's order, sorted longest first), so ``pad_to="longest"`` pads little; off by default.
+        shuffle: Permute the blocks each epoch (seeded); ``False`` trains in file order.
         truncation: A conversation longer than ``seq_len + 1`` tokens: ``"drop_turns"`` cuts it
             after its last assistant turn that fits (skipped, and counted in one warning, when
             none does); ``"error"`` refuses it, naming the record.
@@ -434,6 +446,8 @@ class InstructionDataModule(BlockDataModule):
         truncation: str = "drop_turns",
         pad_to: str = "longest",
         pad_to_multiple_of: int | None = None,
+        group_by_length: bool = False,
+        shuffle: bool = True,
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -482,6 +496,8 @@ class InstructionDataModule(BlockDataModule):
         self.truncation = truncation
         self.pad_to = pad_to
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.group_by_length = group_by_length
+        self.shuffle = shuffle
         # Loaded eagerly when the path is known (errors surface at construction), otherwise
         # on first use from the LightningModule's `tokenizer_path`.
         self._tokenizer: HFTokenizer | ByteTokenizer | None = None

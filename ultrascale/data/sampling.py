@@ -52,7 +52,14 @@ class ResumableBlockSampler(DistributedSampler):
         skip_batches: Global batches to skip at the start of epoch ``resume_epoch``
             (those already consumed before a checkpoint). Later epochs are complete.
         resume_epoch: The epoch ``skip_batches`` applies to.
+        lengths: Each block's length (its positions that are not padding), to group by: the
+            epoch's order is cut into windows of ``GROUP_WINDOW`` global batches and each window
+            sorted longest first (Hugging Face's ``group_by_length``, its mega-batches), so a
+            batch cut to its longest pads little. Deterministic and resumable like the order.
     """
+
+    GROUP_WINDOW = 50
+    """Global batches per window sorted by length (transformers' LengthGroupedSampler uses 50 batches)."""
 
     def __init__(
         self,
@@ -64,8 +71,11 @@ class ResumableBlockSampler(DistributedSampler):
         seed: int = 0,
         skip_batches: int = 0,
         resume_epoch: int = 0,
+        lengths: Any = None,
     ) -> None:
         name = type(self).__name__
+        if lengths is not None and len(lengths) != len(dataset):
+            raise ValueError(f"{name}: {len(lengths)} `lengths` for {len(dataset)} blocks")
         if global_batch_size < 1:
             raise ValueError(f"{name}: `global_batch_size={global_batch_size}` must be >= 1")
         if num_replicas < 1 or not 0 <= rank < num_replicas:
@@ -81,6 +91,7 @@ class ResumableBlockSampler(DistributedSampler):
         self.local_batch_size = global_batch_size // num_replicas
         self.skip_batches = skip_batches
         self.resume_epoch = resume_epoch
+        self.lengths = None if lengths is None else torch.as_tensor(lengths)
 
     @property
     def num_global_batches(self) -> int:
@@ -95,7 +106,11 @@ class ResumableBlockSampler(DistributedSampler):
         else:
             order = torch.arange(n)
         nb, g = self.num_global_batches, self.global_batch_size
-        return order[: nb * g].view(nb, g)  # (num_global_batches, G)
+        order = order[: nb * g]
+        if self.lengths is not None:
+            window = self.GROUP_WINDOW * g
+            order = torch.cat([chunk[torch.argsort(-self.lengths[chunk], stable=True)] for chunk in order.split(window)])
+        return order.view(nb, g)  # (num_global_batches, G)
 
     def __iter__(self) -> Iterator[int]:
         local = self.global_batches()[:, self.rank * self.local_batch_size : (self.rank + 1) * self.local_batch_size]
@@ -197,15 +212,17 @@ class BlockDataModule(L.LightningDataModule):
                                     f"{type(self).__name__}: `global_batch_size={self.global_batch_size}`")
         if split is not None:
             raise ValueError(split.text())
+        group = train and getattr(self, "group_by_length", False)
         sampler = ResumableBlockSampler(
             dataset,
             global_batch_size=self.global_batch_size,
             num_replicas=dp_size,
             rank=dp_rank,
-            shuffle=train,
+            shuffle=train and getattr(self, "shuffle", True),
             seed=self.seed,
             skip_batches=self._skip_batches if train else 0,
             resume_epoch=self._resume_epoch,
+            lengths=dataset.lengths if group else None,
         )
         return _ResumableDataLoader(
             dataset,
