@@ -473,6 +473,7 @@ def test_pad_to_longest_cuts_each_batch_to_its_content(folders) -> None:
     assert PadToLongest(8, 16)(rows[2:3])["position_ids"].shape == (1, 8)
     assert PadToLongest(8, 16)(rows)["input_ids"].shape == (4, 16)  # 12 rounds to 16
     assert PadToLongest(5, 16)(rows)["input_ids"].shape == (4, 15)
+    assert [PadToLongest(2, 16, buckets=True)(rows[i : i + 1])["input_ids"].shape[1] for i in range(4)] == [8, 16, 4, 16]
     cut = PadToLongest(1, 16)(rows)
     assert (cut["labels"] == torch.stack([r["labels"] for r in rows])[:, :12]).all()
 
@@ -487,15 +488,17 @@ class _Layout:
         return self.rule
 
 
-@pytest.mark.parametrize("layout, expected", [((1, False), 1), ((4, False), 4), ((2, False), 2), ((1, True), None)])
+@pytest.mark.parametrize("layout, expected", [((1, "any"), 1), ((4, "any"), 4), ((2, "any"), 2), ((1, "static"), None),
+                                              ((4, "buckets"), 4)])
 def test_padded_length_follows_the_layout(folders, layout, expected) -> None:
-    """cp 2 (zig-zag: 2 x cp = 4), tp 2 under sequence parallel (2), pipeline stages (one shape: seq_len)."""
+    """cp 2 (zig-zag: 2 x cp = 4), tp 2 under sequence parallel (2), pipeline stages (one shape: seq_len),
+    compile (power-of-two buckets of the multiple)."""
     from types import SimpleNamespace
 
     dm = dm_for(folders["data"], folders["marked"], pack=False)
     dm.trainer = SimpleNamespace(strategy=_Layout(*layout))
     collate = dm.collate_fn()
-    assert (collate is None) if expected is None else collate.multiple == expected
+    assert (collate is None) if expected is None else (collate.multiple, collate.buckets) == (expected, layout[1] == "buckets")
     assert dm_for(folders["data"], folders["marked"], pad_to="seq_len").collate_fn() is None
     custom = dm_for(folders["data"], folders["marked"], pad_to_multiple_of=6)
     custom.trainer = SimpleNamespace(strategy=_Layout(*layout))

@@ -332,8 +332,8 @@ class PadToLongest:
     (:func:`~ultrascale.parallel.loss.content_lengths`), rounded up to `multiple` and capped at `seq_len`: the
     padding a block carries after its last example is never computed."""
 
-    def __init__(self, multiple: int, seq_len: int) -> None:
-        self.multiple, self.seq_len = multiple, seq_len
+    def __init__(self, multiple: int, seq_len: int, buckets: bool = False) -> None:
+        self.multiple, self.seq_len, self.buckets = multiple, seq_len, buckets
 
     def __call__(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         batch = default_collate(rows)
@@ -341,9 +341,13 @@ class PadToLongest:
         return {key: value[:, :length] for key, value in batch.items()} if length < batch["input_ids"].shape[1] else batch
 
     def length(self, position_ids: torch.Tensor, labels: torch.Tensor) -> int:
-        """The batch's padded length: ``min(seq_len, ceil(longest / multiple) * multiple)``."""
+        """The batch's padded length: ``min(seq_len, ceil(longest / multiple) * multiple)``; with `buckets`,
+        ``multiple * 2^k`` for the least k that holds the longest (at most log2(seq_len / multiple) + 1 shapes)."""
         longest = int(content_lengths(position_ids, labels).max())
-        return min(self.seq_len, -(-longest // self.multiple) * self.multiple)
+        units = -(-longest // self.multiple)
+        if self.buckets:
+            units = 1 << (units - 1).bit_length()
+        return min(self.seq_len, units * self.multiple)
 
 
 # --------------------------------------------------------------------------- data module
@@ -407,7 +411,8 @@ class InstructionDataModule(BlockDataModule):
         pad_to: ``"longest"``: each batch is cut to its longest row's content, rounded up
             (:class:`PadToLongest`), so the padding after a block's last example is never
             computed; ``"seq_len"``: every batch is ``seq_len`` long (static shapes). Under
-            pipeline parallel or ``compile=True`` batches are ``seq_len`` long either way.
+            pipeline parallel batches are ``seq_len`` long either way; under ``compile=True``
+            lengths are rounded up to a power of two of the multiple (a few shapes to compile).
         pad_to_multiple_of: The rounding of ``"longest"``; ``None``: the device's
             (``parallel.device.sequence_length_multiple``: 8 on CUDA, 1 on CPU). Always also a
             multiple of what the layout splits a sequence by (``2 x cp``, ``tp`` under sequence
@@ -657,15 +662,15 @@ class InstructionDataModule(BlockDataModule):
         return out
 
     def collate_fn(self) -> PadToLongest | None:
-        """:class:`PadToLongest` at the strategy's rule (`batch_length_rule`) and the device's multiple, unless
-        `pad_to="seq_len"` or the layout needs one shape for every batch."""
+        """:class:`PadToLongest` at the strategy's rule (`batch_length_rule`: length buckets under `compile=True`)
+        and the device's multiple, unless `pad_to="seq_len"` or the layout needs one shape for every batch."""
         strategy = getattr(self.trainer, "strategy", None) if self.trainer is not None else None
-        layout, static = strategy.batch_length_rule() if hasattr(strategy, "batch_length_rule") else (1, False)
-        if self.pad_to == "seq_len" or static:
+        layout, shapes = strategy.batch_length_rule() if hasattr(strategy, "batch_length_rule") else (1, "any")
+        if self.pad_to == "seq_len" or shapes == "static":
             return None
         device = getattr(strategy, "root_device", torch.device("cpu"))
         multiple = self.pad_to_multiple_of or sequence_length_multiple(device)
-        return PadToLongest(math.lcm(multiple, layout), self.seq_len)
+        return PadToLongest(math.lcm(multiple, layout), self.seq_len, buckets=shapes == "buckets")
 
     def setup(self, stage: str | None = None) -> None:
         """Read, tokenize and pack the examples; split the blocks into train/val (once; later calls are no-ops)."""

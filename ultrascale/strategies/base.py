@@ -353,15 +353,16 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         dp_mesh = self.parallel_mesh["dp"]
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
-    def batch_length_rule(self) -> tuple[int, bool]:
-        """``(multiple, static)`` for a data module that pads each batch to its longest sequence: the length must be
-        a multiple of `multiple` (what the layout splits it by, `ParallelDims.seq_len_divisor`); `static`: every
-        batch must have one shape, so pad to `seq_len` (pipeline stages keep the shapes of their first step; a
-        compiled model would recompile for every new length)."""
+    def batch_length_rule(self) -> tuple[int, str]:
+        """``(multiple, shapes)`` for a data module that pads each batch to its longest sequence: the length must be
+        a multiple of `multiple` (what the layout splits it by, `ParallelDims.seq_len_divisor`); `shapes` is
+        "any", "buckets" (`compile=True`: a compiled block recompiles for each new length, so lengths are rounded
+        up to `multiple` x a power of two, a few shapes) or "static" (pipeline stages keep the shapes of their
+        first step: `seq_len` always)."""
         dims = self.parallel_dims
         multiple = dims.seq_len_divisor(sequence_parallel=self.sequence_parallel and dims.tp > 1,
                                         load_balance=self.context_parallel_load_balance)
-        return multiple, dims.pp > 1 or bool(self.compile)
+        return multiple, "static" if dims.pp > 1 else "buckets" if self.compile else "any"
 
     @property
     def is_distributed(self) -> bool:
