@@ -487,3 +487,19 @@ def test_tokens_per_sec_counts_no_padding(layout) -> None:
     assert metrics["throughput/padding_fraction"] == pytest.approx(1 - content / 128)
     assert metrics["throughput/target_tokens_per_sec"] / metrics["throughput/tokens_per_sec"] == pytest.approx(targets / content)
     assert metrics["throughput/tokens_seen"] == content
+
+
+def test_batch_token_counts_of_packed_and_padded_rows() -> None:
+    """Row 0: documents of 3 and 5 positions, then 8 of padding; row 1: one document of 16, no padding. Content 24,
+    targets as labelled, and the attention spans 3^2 + 5^2 + 16^2 (MFU's attention term per document)."""
+    from ultrascale.parallel.loss import batch_token_counts
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7], list(range(16))])
+    labels = torch.full((2, 16), -100)
+    labels[0, 1:3], labels[0, 4:8], labels[1, 5:] = 1, 1, 1
+    counts = batch_token_counts({"input_ids": torch.zeros(2, 16, dtype=torch.long), "labels": labels,
+                                 "position_ids": positions})
+    assert counts.tolist() == [32, 24, 2 + 4 + 11, 9 + 25 + 256]
+    assert batch_token_counts({"input_ids": torch.zeros(2, 16, dtype=torch.long)}).tolist() == [32, 32, 32, 2 * 256]
+    masked = batch_token_counts({"input_ids": torch.zeros(1, 4, dtype=torch.long), "attention_mask": torch.tensor([[1, 1, 1, 0]])})
+    assert masked.tolist()[:3] == [4, 3, 3]

@@ -53,7 +53,8 @@ class MFUMonitor(Callback):
     `throughput/tflops_per_device`, `throughput/mfu`, `throughput/hfu`, `time/step`, `time/data`. Rates are averaged
     over the last `window_size` batches. Tokens are those that are not padding (`parallel.loss.batch_token_counts`,
     summed over the data-parallel ranks, whose batches may differ in length); target tokens those with a loss; MFU
-    counts tokens, HFU every position computed (padding included) and the recomputation.
+    counts tokens, its attention at each document's own length; HFU every position computed (padding included) at
+    the batch's length, and the recomputation.
 
     Example::
 
@@ -249,7 +250,7 @@ class MFUMonitor(Callback):
                 return counts.detach().to("cpu" if counts.device.type == "cpu" else counts.device)
         ids = self._tokens(batch)
         every = float(ids.shape[0] * ids.shape[1])
-        return torch.tensor([every, every, every], dtype=torch.float64)
+        return torch.tensor([every, every, every, every * ids.shape[1]], dtype=torch.float64)
 
     def _over_data_ranks(self, trainer: "pl.Trainer", counts: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks that hold different batches (dp; each cut its batches to their own lengths); tp,
@@ -274,7 +275,7 @@ class MFUMonitor(Callback):
         counts = self._batch_counts(trainer, batch)
         dims = parallel_dims_of(trainer.strategy)
         cp = dims.cp if dims is not None else 1
-        seq_len = self._tokens(batch).shape[1] * cp  # the length attention ran at (a cp rank holds 1/cp of it)
+        seq_len = self._tokens(batch).shape[1] * cp  # the length computed (a cp rank holds 1/cp of it)
         self._interval.add(counts, self._data_time)
         measured = self._measures_now(trainer)
         if measured and trainer.strategy.root_device.type == "cuda":
@@ -285,13 +286,16 @@ class MFUMonitor(Callback):
         interval, self._interval = self._interval, _Interval()
         iteration = self._prev_end - self._interval_start
         self._interval_start = self._prev_end
-        positions, content, targets = (float(v) for v in self._over_data_ranks(trainer, interval.counts))
+        positions, content, targets, attended = (float(v) for v in self._over_data_ranks(trainer, interval.counts))
         self.tokens_seen += int(content)
         # One batch: from its start to its end. Several (CUDA, between logged steps): their mean, less fetching.
         step = self._prev_end - self._batch_start if interval.batches == 1 else (iteration - interval.data) / interval.batches
-        self._window.append((positions, content, targets, iteration, seq_len))
-        seconds = sum(w[3] for w in self._window)
-        all_positions, tokens, learned = (sum(w[i] for w in self._window) for i in range(3))
+        self._window.append((positions, content, targets, attended, iteration, seq_len))
+        seconds = sum(w[4] for w in self._window)
+        all_positions, tokens, learned, spans = (sum(w[i] for w in self._window) for i in range(4))
+        # MFU's attention term at each document's own length (packed documents attend within themselves): the
+        # token-weighted mean span, sum(len^2) / sum(len); HFU's at the length computed.
+        attention_len = spans / tokens if tokens else seq_len
         tokens_per_sec = tokens / seconds
         per_device = tokens_per_sec / trainer.world_size
         metrics = {
@@ -304,14 +308,16 @@ class MFUMonitor(Callback):
             "time/data": interval.data / interval.batches,
         }
         if self._mfu_active:
-            model_fpt = self.flops_per_token if self.flops_per_token is not None else self._model.per_token(seq_len)
+            given = self.flops_per_token
+            model_fpt = given if given is not None else self._model.per_token(attention_len)
             tflops = model_fpt * per_device / 1e12
             metrics["throughput/tflops_per_device"] = tflops
             metrics["throughput/mfu"] = tflops / self.peak
             extra = self.recompute_flops_per_token(seq_len)
             if extra is not None:  # HFU: every position computed, padding included, and the recomputation
+                computed_fpt = given if given is not None else self._model.per_token(seq_len)
                 positions_per_device = all_positions / seconds / trainer.world_size
-                metrics["throughput/hfu"] = (model_fpt + extra) * positions_per_device / 1e12 / self.peak
+                metrics["throughput/hfu"] = (computed_fpt + extra) * positions_per_device / 1e12 / self.peak
         if self._mfu_active and metrics["throughput/mfu"] > 1.0:
             # More FLOP/s than the peak is impossible: the peak or the FLOP count is wrong. Report it
             # (once) instead of logging a figure nobody should read.
@@ -345,7 +351,7 @@ class _Interval:
     """The batches since the monitor last measured: their [positions, content, targets] and the seconds spent
     fetching them."""
 
-    counts: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
+    counts: torch.Tensor = field(default_factory=lambda: torch.zeros(4, dtype=torch.float64))
     batches: int = 0
     data: float = 0.0
 

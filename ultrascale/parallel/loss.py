@@ -81,23 +81,35 @@ def content_lengths(position_ids: torch.Tensor, labels: torch.Tensor) -> torch.T
 
 
 def batch_token_counts(batch: object) -> torch.Tensor | None:
-    """``[positions, content, targets]`` (float64, on the batch's device: no host sync) of a ``{"input_ids", ...}``
-    batch: every position computed, those that are not padding (an ``attention_mask``'s ones, else
-    :func:`content_lengths` from ``position_ids`` and ``labels``, else all), and those with a loss
-    (``labels != -100``, else the content). None for another batch."""
+    """``[positions, content, targets, attended]`` (float64, on the batch's device: no host sync) of a
+    ``{"input_ids", ...}`` batch: every position computed; those that are not padding (an ``attention_mask``'s
+    ones, else :func:`content_lengths` from ``position_ids`` and ``labels``, else all); those with a loss
+    (``labels != -100``, else the content); and sum over the content's documents of their squared lengths, so
+    ``attended / content`` is the length a token's attention spans on average (a document starts at each
+    ``position_ids == 0``; without them a row is one document). None for another batch."""
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return None
+    B, T = ids.shape
     positions = torch.tensor(ids.numel(), dtype=torch.float64, device=ids.device)
     labels, mask, where = batch.get("labels"), batch.get("attention_mask"), batch.get("position_ids")
+    steps = torch.arange(T, device=ids.device)
     if isinstance(mask, torch.Tensor):
-        content = mask.sum().to(torch.float64)
+        in_content = mask.bool()
     elif isinstance(where, torch.Tensor) and isinstance(labels, torch.Tensor):
-        content = content_lengths(where, labels).sum().to(torch.float64)
+        in_content = steps < content_lengths(where, labels)[:, None]
     else:
-        content = positions
+        in_content = torch.ones(B, T, dtype=torch.bool, device=ids.device)
+    content = in_content.sum().to(torch.float64)
     targets = (labels != IGNORE_INDEX).sum().to(torch.float64) if isinstance(labels, torch.Tensor) else content
-    return torch.stack([positions, content, targets])
+    if isinstance(where, torch.Tensor):
+        # A row holds at most T documents: ids 0..T, offset by T + 1 per row so no two rows share one.
+        document = (where == 0).cumsum(dim=1) + (T + 1) * torch.arange(B, device=ids.device)[:, None]
+        length_at = torch.bincount(document.reshape(-1), minlength=B * (T + 1))[document]  # (B, T): its document's length
+    else:
+        length_at = torch.full((B, T), T, device=ids.device)
+    attended = (length_at * in_content).sum().to(torch.float64)
+    return torch.stack([positions, content, targets, attended])
 
 
 class StepTokens:
