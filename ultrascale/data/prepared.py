@@ -31,6 +31,7 @@ chunk cache and distributed sampling, and is not among ultrascale's dependencies
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -225,6 +226,51 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
+@contextlib.contextmanager
+def _staged(out: Path, progress: bool) -> Iterator[tuple[Path, Any]]:
+    """``(staging folder, progress bar or None)``: what is written there becomes `out` when the block ends (one
+    rename, so a reader never sees half of it), and is removed if it raises."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    bar = _progress(progress)
+    try:
+        yield staging, bar
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _checked_target(out: str | Path, tokenizer_dir: str | Path, workers: int, overwrite: bool) -> Path:
+    out = Path(out).resolve()
+    if workers < 1:
+        raise ValueError(f"prepare-data: --workers={workers} must be >= 1")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"prepare-data: {out} exists and is not empty (pass --overwrite to replace it)")
+    if not Path(tokenizer_dir).is_dir():
+        raise FileNotFoundError(f"prepare-data: tokenizer folder {tokenizer_dir} does not exist")
+    return out
+
+
+def _common_metadata(tokenizer: Any, tokenizer_dir: str | Path, dtype: np.dtype, total: int, staging: Path,
+                     lengths: list[np.ndarray]) -> dict[str, Any]:
+    """documents.npy written from `lengths`; the metadata both kinds of folder share."""
+    counts = np.concatenate(lengths)
+    np.save(staging / DOCUMENTS, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+    return {"format": FORMAT, "version": FORMAT_VERSION, "dtype": dtype.name, "num_tokens": int(total),
+            "num_documents": int(counts.size),
+            "tokenizer": {"name": getattr(tokenizer, "name_or_path", str(tokenizer_dir)),
+                          "sha256": tokenizer_fingerprint(tokenizer_dir), "vocab_size": len(tokenizer),
+                          "eos_id": int(tokenizer.eos_token_id)}}
+
+
 def prepare_data(
     inputs: Sequence[str],
     tokenizer_dir: str | Path,
@@ -241,25 +287,13 @@ def prepare_data(
     `workers` processes tokenize batches of documents in parallel; the output is the same for any number
     of them (batches are written in input order). Bytes that are not UTF-8 are replaced by U+FFFD and
     counted in metadata.json (`replaced_bytes`); `strict` refuses them, naming the file and line."""
-    out = Path(out).resolve()
-    if workers < 1:
-        raise ValueError(f"prepare-data: --workers={workers} must be >= 1")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"prepare-data: {out} exists and is not empty (pass --overwrite to replace it)")
-    if not Path(tokenizer_dir).is_dir():
-        raise FileNotFoundError(f"prepare-data: tokenizer folder {tokenizer_dir} does not exist")
+    out = _checked_target(out, tokenizer_dir, workers, overwrite)
     files = _input_files(inputs)  # every input checked before any work
     tokenizer = _load(str(tokenizer_dir))
-    vocab_size = len(tokenizer)
-    dtype = token_dtype(vocab_size)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    dtype = token_dtype(len(tokenizer))
     lengths: list[np.ndarray] = []
-    total, started = 0, time.perf_counter()
-    bar = _progress(progress)
-    try:
+    started = time.perf_counter()
+    with _staged(out, progress) as (staging, bar):
         decoding = DecodeCount(strict)
         batches = _batched(iter_documents(inputs, text_field, decoding), _BATCH_DOCUMENTS)
         with (staging / TOKENS).open("wb") as sink:
@@ -274,29 +308,13 @@ def prepare_data(
                     total = _write(results, sink, lengths, bar)
         if total == 0:
             raise ValueError(f"prepare-data: the inputs {list(inputs)} hold no text")
-        counts = np.concatenate(lengths)
-        np.save(staging / DOCUMENTS, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
-        seconds = time.perf_counter() - started
         metadata = {
-            "format": FORMAT, "version": FORMAT_VERSION, "dtype": dtype.name, "num_tokens": int(total),
-            "num_documents": int(counts.size),
-            "tokenizer": {"name": getattr(tokenizer, "name_or_path", str(tokenizer_dir)),
-                          "sha256": tokenizer_fingerprint(tokenizer_dir), "vocab_size": vocab_size,
-                          "eos_id": int(tokenizer.eos_token_id)},
+            **_common_metadata(tokenizer, tokenizer_dir, dtype, total, staging, lengths),
             "sources": [str(path) for path, _ in files], "text_field": text_field,
-            "seconds": seconds, "workers": workers,
+            "seconds": time.perf_counter() - started, "workers": workers,
             "replaced_bytes": decoding.replaced_bytes, "documents_with_replaced_bytes": decoding.documents,
         }
         (staging / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
     return out
 
 
@@ -377,27 +395,14 @@ def prepare_chat_data(
     the tokenizer's EOS) as `InstructionDataModule` takes them. Same output for any number of `workers`."""
     from ultrascale.data.chat import resolve_chat_template
 
-    out = Path(out).resolve()
-    if workers < 1:
-        raise ValueError(f"prepare-data: --workers={workers} must be >= 1")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"prepare-data: {out} exists and is not empty (pass --overwrite to replace it)")
-    if not Path(tokenizer_dir).is_dir():
-        raise FileNotFoundError(f"prepare-data: tokenizer folder {tokenizer_dir} does not exist")
+    out = _checked_target(out, tokenizer_dir, workers, overwrite)
     tokenizer = _load(str(tokenizer_dir))
     template = resolve_chat_template(chat_template, tokenizer, str(tokenizer_dir))
     _init_chat_worker(str(tokenizer_dir), template, end_of_turn)  # the options checked here, before any work
-    eot = _worker_encoder.end_of_turn_id
-    vocab_size = len(tokenizer)
-    dtype = token_dtype(vocab_size)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    dtype = token_dtype(len(tokenizer))
     lengths: list[np.ndarray] = []
-    total, started = 0, time.perf_counter()
-    bar = _progress(progress)
-    try:
+    started = time.perf_counter()
+    with _staged(out, progress) as (staging, bar):
         batches = _batched(read_conversations(inputs, messages_field), _BATCH_CONVERSATIONS)
         with (staging / TOKENS).open("wb") as tokens, (staging / ASSISTANT).open("wb") as assistant:
             if workers == 1:
@@ -411,28 +416,13 @@ def prepare_chat_data(
                     total = _write_chat(results, tokens, assistant, dtype, lengths, bar)
         if total == 0:
             raise ValueError(f"prepare-data: the inputs {list(inputs)} hold no conversation")
-        counts = np.concatenate(lengths)
-        np.save(staging / DOCUMENTS, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
         metadata = {
-            "format": FORMAT, "version": FORMAT_VERSION, "kind": "chat", "dtype": dtype.name, "num_tokens": int(total),
-            "num_documents": int(counts.size),
-            "tokenizer": {"name": getattr(tokenizer, "name_or_path", str(tokenizer_dir)),
-                          "sha256": tokenizer_fingerprint(tokenizer_dir), "vocab_size": vocab_size,
-                          "eos_id": int(tokenizer.eos_token_id)},
-            "chat_template": template, "end_of_turn_id": eot, "messages_field": messages_field,
-            "sources": [str(Path(given)) for given in inputs],
+            **_common_metadata(tokenizer, tokenizer_dir, dtype, total, staging, lengths), "kind": "chat",
+            "chat_template": template, "end_of_turn_id": _worker_encoder.end_of_turn_id,
+            "messages_field": messages_field, "sources": [str(Path(given)) for given in inputs],
             "seconds": time.perf_counter() - started, "workers": workers,
         }
         (staging / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
     return out
 
 
