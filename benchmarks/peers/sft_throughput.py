@@ -5,8 +5,8 @@ packed, for two Qwen2 sizes, 1 and 2 processes, fp32 and bf16-mixed, on CPU.
 The fixture, built offline in a temp folder: a BPE tokenizer (tests/test_chat_data.py's `save_chat_tokenizer`, EOS
 `<|endoftext|>`, pad `<pad>`, no BOS added), two `transformers.Qwen2Config` checkpoints saved with `save_pretrained`
 (`12m`: 12 layers, hidden 256, MLP 1024, 4 heads, 2 KV heads, about 12M parameters; `140k`: 2 layers, hidden 64, MLP
-160, about 140k), and `--records` (512) prompt/completion records of the tokenizer's words, lengths drawn
-log-normal (prompts ~40 tokens, completions ~60, every record at most 256 tokens with its EOS, so nothing is cut),
+192, about 140k), and `--records` (512) prompt/completion records of the tokenizer's words, lengths drawn
+log-normal (about 130 tokens a record on average, 55 of them prompt, at most 256 with the EOS, so nothing is cut),
 written twice: TRL's non-conversational prompt-completion form `{"prompt", "completion"}` and ultrascale's
 `{"prompt", "response"}` JSONL. Before any timing the tokens and learned positions of every record are checked equal
 on both sides (TRL appends EOS to the completion and tokenizes prompt + completion; ultrascale appends EOS after the
@@ -43,10 +43,12 @@ ranks); on ultrascale's by rebuilding its batches here (`InstructionDataModule` 
 seed and epochs), checked against the non-padding token count the run logged every step
 (`throughput/tokens_seen`), which must match exactly. Peak memory: the largest sum of the resident set sizes of a
 run's processes (the launcher, torchrun's agent and every rank included; pages shared between processes are counted
-in each), sampled every 50 ms with psutil. Each figure is the median of `--repeats` (3) runs; the four trainings of a
-repeat run one after another, in reversed order every other repeat, so drift of the machine touches both sides
-alike. The ratios are ultrascale / TRL of those medians, pack=False against TRL's default and pack=True against
-TRL packed; with 2 or more repeats the range of the per-repeat ratios is given too.
+in each), sampled every 50 ms with psutil (a sample in which a process appeared counts no more than the one before: a
+child forked and not yet exec'd counts its parent's pages twice for a moment, `PeakRss`); the largest single process too. Each figure is the
+median of `--repeats` (3) runs; the four trainings of a repeat run one after another, in reversed order every other
+repeat, so drift of the machine touches both sides alike. The ratios are ultrascale / TRL of those medians,
+pack=False against TRL's default and pack=True against TRL packed; with 2 or more repeats the range of the
+per-repeat ratios is given too.
 
 Every process runs `--threads` intra-op threads (default 1: each TRL rank through `torch.set_num_threads` and
 OMP_NUM_THREADS, each ultrascale rank through OMP_NUM_THREADS): on a 2-core machine that two ranks (and often other
@@ -91,7 +93,7 @@ EOS = "<|endoftext|>"
 SIZES = {  # Qwen2Config fields; the vocabulary is the tokenizer's
     "12m": {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 4,
             "num_key_value_heads": 2},
-    "140k": {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "140k": {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2},
 }
 PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed"}  # ultrascale's --trainer.precision; TRL: bf16=False / True
@@ -113,7 +115,7 @@ def make_records(n: int, seed: int = 0) -> list[tuple[str, str]]:
     out = []
     for i in range(n):
         p = int(np.clip(rng.lognormal(np.log(36), 0.7), 4, 160))
-        c = int(np.clip(rng.lognormal(np.log(56), 0.8), 2, 240 - p))
+        c = int(np.clip(rng.lognormal(np.log(56), 0.8), 2, 228 - p))  # <= 256 tokens with the rest
         prompt = f"question {i}: " + " ".join(rng.choice(WORDS, p)) + "\n"
         out.append((prompt, " ".join(rng.choice(WORDS, c))))
     return out
@@ -121,15 +123,18 @@ def make_records(n: int, seed: int = 0) -> list[tuple[str, str]]:
 
 def make_fixture(root: Path, sizes: list[str], records: int) -> tuple[dict[str, Path], dict[str, int], Path, Path]:
     """({size: checkpoint folder with the tokenizer}, {size: parameters}, TRL JSONL, ultrascale JSONL)."""
+    import shutil
+
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from tests.test_chat_data import save_chat_tokenizer
 
+    save_chat_tokenizer(root / "tokenizer", eos=EOS)  # one tokenizer, copied into every checkpoint folder
     folders, params = {}, {}
     for size in sizes:
         folder = root / f"qwen2_{size}"
-        save_chat_tokenizer(folder, eos=EOS)
+        shutil.copytree(root / "tokenizer", folder)
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         config = Qwen2Config(
             vocab_size=len(tokenizer), max_position_embeddings=2 * SEQ_LEN, tie_word_embeddings=False,
@@ -175,7 +180,9 @@ def trl_worker(spec_path: str) -> None:
         """SFTTrainer counting what each step computes: the targets (labels after the model's shift that are not
         -100), the positions, the non-padding positions."""
 
-        counts: list[tuple[int, int, int]] = []
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.counts: list[tuple[int, int, int]] = []
 
         def training_step(self, model, inputs, *args, **kwargs):
             labels, ids = inputs["labels"], inputs["input_ids"]
@@ -322,10 +329,14 @@ def read_events(logs: Path) -> dict[str, list]:
 
 
 class PeakRss:
-    """The largest sum of the resident set sizes of a process and all its descendants, sampled every `period` s."""
+    """The peak of the sum of the resident set sizes of a process and all its descendants, sampled every `period`
+    s, and the peak of the largest one of them. A child forked and not yet exec'd (`subprocess` from a rank)
+    counts its parent's pages a second time for a moment, so a sample in which a process appeared counts no more
+    than the sample before it."""
 
     def __init__(self, pid: int, period: float = 0.05) -> None:
-        self.pid, self.period, self.peak, self.processes = pid, period, 0, 0
+        self.pid, self.period = pid, period
+        self.peak = self.largest = self.processes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -337,18 +348,22 @@ class PeakRss:
             root = psutil.Process(self.pid)
         except psutil.NoSuchProcess:
             return
+        previous = count = 0
         while not self._stop.is_set():
             try:
                 tree = [root, *root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 break
-            total = 0
+            sizes = []
             for p in tree:
                 try:
-                    total += p.memory_info().rss
+                    sizes.append(p.memory_info().rss)
                 except psutil.NoSuchProcess:
                     pass
-            self.peak, self.processes = max(self.peak, total), max(self.processes, len(tree))
+            total = sum(sizes)
+            self.peak = max(self.peak, min(previous, total) if len(sizes) > count else total)
+            self.largest, self.processes = max(self.largest, *sizes, 0), max(self.processes, len(sizes))
+            previous, count = total, len(sizes)
             self._stop.wait(self.period)
 
     def stop(self) -> int:
@@ -375,7 +390,8 @@ def run_measured(command: list[str], threads: int, log: Path) -> dict:
     if code != 0:
         sys.stderr.write(log.read_text()[-8000:])
         raise RuntimeError(f"exited {code}: {' '.join(command)}")
-    return {"seconds": seconds, "foreign": foreign, "peak_rss": peak, "processes": rss.processes}
+    return {"seconds": seconds, "foreign": foreign, "peak_rss": peak, "largest_rss": rss.largest,
+            "processes": rss.processes}
 
 
 def rate(ends: list[float], counts: list[tuple[int, int, int]], warmup: int) -> dict:
@@ -411,6 +427,7 @@ def run_trl(work: Path, folder: Path, data: Path, processes: int, precision: str
 def run_ultrascale(work: Path, folder: Path, data: Path, processes: int, precision: str, packed: bool,
                    max_steps: int, warmup: int, threads: int, counts: list[tuple[int, int, int]]) -> dict:
     logs = work / "runs"
+    work.mkdir(parents=True)
     command = ultrascale_command(folder, data, logs, processes, max_steps, PRECISIONS[precision], packed)
     measured = run_measured(command, threads, work / "log.txt")
     events = read_events(logs)
@@ -508,7 +525,7 @@ def tables(results: dict, params: dict, data: dict, options, versions: str, mach
     lines += [
         "",
         "Peak memory: the largest sum of the resident set sizes of a run's processes (MiB; the launcher, torchrun's "
-        "agent and every rank, shared pages counted in each), and ultrascale / TRL.",
+        "agent and every rank, pages shared between processes counted in each), and ultrascale / TRL.",
         "",
         "| model | precision | processes | TRL default | ultrascale pack=False | ratio | TRL packing=True | "
         "ultrascale pack=True | ratio |",
@@ -522,19 +539,23 @@ def tables(results: dict, params: dict, data: dict, options, versions: str, mach
     lines += [
         "",
         "Per run (medians): seconds per timed step, target tokens per step, positions computed per step, the share "
-        "of them that is padding, the whole command's wall seconds (start-up included), and the share of the cores "
-        "other processes used meanwhile.",
+        "of them that is padding, the loss of the first step (of the first run), the peak RSS of the run's largest "
+        "process, the whole command's wall seconds "
+        "(start-up included), and the share of the cores other processes used meanwhile. TRL's sampler and "
+        "ultrascale's draw the same permutation from seed 1234, so unpacked both train on the same batches (their "
+        "first losses agree); TRL's padded rows hold the last token as an input too, one position more per row.",
         "",
-        "| model | precision | processes | run | s/step | targets/step | positions/step | padding | wall s | "
-        "other processes |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| model | precision | processes | run | s/step | targets/step | positions/step | padding | loss, step 1 | "
+        "largest process MiB | wall s | other processes |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (size, precision, processes), runs in results.items():
         for v in VARIANTS:
             r = runs[v]
             lines.append(f"| {size} | {precision} | {processes} | {LABELS[v]} | {median(r, 'step_s'):.3f} | "
                          f"{median(r, 'targets_per_step'):,.0f} | {median(r, 'positions_per_step'):,.0f} | "
-                         f"{100 * median(r, 'padding'):.0f}% | {median(r, 'seconds'):.1f} | "
+                         f"{100 * median(r, 'padding'):.0f}% | {r[0]['losses'][0]:.4f} | "
+                         f"{median(r, 'largest_rss') / 2**20:,.0f} | {median(r, 'seconds'):.1f} | "
                          f"{100 * median(r, 'foreign'):.0f}% |")
     return lines, summary
 
@@ -565,7 +586,6 @@ def main() -> None:
     import torch
     import transformers
     import trl
-
     from _common import machine, write_results
 
     torch.set_num_threads(options.threads)

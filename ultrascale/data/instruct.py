@@ -26,7 +26,6 @@ only) has no document mask; the loss is unaffected, the context is not.
 
 from __future__ import annotations
 
-import json
 import math
 import string
 from collections.abc import Iterator, Sequence
@@ -50,6 +49,7 @@ from ultrascale.data.chat import (
     resolve_chat_template,
 )
 from ultrascale.data.prepared import PreparedTokens, is_prepared, tokenizer_fingerprint
+from ultrascale.data.records import read_records
 from ultrascale.data.sampling import BlockDataModule, split_blocks
 from ultrascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from ultrascale.parallel.device import sequence_length_multiple
@@ -64,58 +64,11 @@ PAD_TO = ("longest", "seq_len")
 IGNORE_INDEX = -100
 """Label of positions without a loss (prompt targets, padding); ``cross_entropy``'s default ``ignore_index``."""
 
-# Files `Dataset.save_to_disk` / `DatasetDict.save_to_disk` always write.
-_SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
 # Files that make a folder loadable by `AutoTokenizer` (fast, sentencepiece, BPE vocab, config).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 # --------------------------------------------------------------------------- reading
-
-
-def _read_jsonl(files: Sequence[Path]) -> Iterator[tuple[str, dict[str, Any]]]:
-    for f in files:
-        with f.open(encoding="utf-8") as lines:
-            for lineno, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{f}:{lineno}: not valid JSON ({e.msg})") from None
-                if not isinstance(record, dict):
-                    raise ValueError(f"{f}:{lineno}: expected a JSON object per line, got {type(record).__name__}")
-                yield f"{f}:{lineno}", record
-
-
-def _read_parquet(files: Sequence[Path]) -> Iterator[tuple[str, dict[str, Any]]]:
-    import pyarrow.parquet as pq  # a dependency of `datasets`; imported lazily: only needed for this input kind
-
-    for f in files:
-        row = 0
-        # Batched so `max_examples` can stop early without materialising the whole file.
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=1000):
-            for record in batch.to_pylist():
-                yield f"{f} row {row}", record
-                row += 1
-
-
-def _read_saved_dataset(folder: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    import datasets  # imported lazily: only needed for this input kind
-
-    ds = datasets.load_from_disk(str(folder))
-    if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise ValueError(
-                f"`data_path={str(folder)!r}` holds a DatasetDict without a 'train' split (splits: {sorted(ds)}); "
-                "save a single Dataset or one with a 'train' split"
-            )
-        # The validation split is carved from the tail of the packed blocks, so only one split is read.
-        ds = ds["train"]
-    for b, batch in enumerate(ds.iter(batch_size=1000)):
-        columns = list(batch)
-        for i, values in enumerate(zip(*(batch[c] for c in columns))):
-            yield f"{folder} row {b * 1000 + i}", dict(zip(columns, values))
 
 
 def _fields_of(record: dict[str, Any], fields: tuple[str, str], where: str) -> tuple[str, str]:
@@ -130,39 +83,6 @@ def _check_strings(pair: tuple[Any, Any], fields: tuple[str, str], where: str) -
         if not isinstance(value, str):
             raise ValueError(f"{where}: field `{name}` must be a string, got {type(value).__name__}")
     return pair
-
-
-def read_records(data_path: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Yield ``(where, record)`` from a ``.jsonl`` or ``.parquet`` file, a folder of them, or a saved dataset;
-    ``where`` is ``FILE:LINE`` (``FILE row N`` for Parquet, ``FOLDER row N`` for a saved dataset).
-
-    A folder holding ``state.json`` or ``dataset_dict.json`` is read with
-    ``datasets.load_from_disk`` (its ``train`` split for a ``DatasetDict``);
-    any other folder contributes its ``*.jsonl`` and ``*.parquet`` files (not
-    recursive), in sorted name order so every rank reads the same sequence.
-    """
-    path = Path(data_path)
-    if path.is_file():
-        return _read_parquet([path]) if path.suffix == ".parquet" else _read_jsonl([path])
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"`data_path={data_path!r}` does not exist; expected a .jsonl or .parquet file, a folder of them "
-            "or a folder written by `Dataset.save_to_disk`"
-        )
-    if any((path / marker).is_file() for marker in _SAVED_DATASET_MARKERS):
-        return _read_saved_dataset(path)
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".jsonl", ".parquet"))
-    if not files:
-        raise ValueError(
-            f"`data_path={data_path!r}` is a folder with no *.jsonl or *.parquet files and is not a saved `datasets` "
-            f"dataset (no {' / '.join(_SAVED_DATASET_MARKERS)}); it is empty for instruction data"
-        )
-    return _read_files(files)
-
-
-def _read_files(files: Sequence[Path]) -> Iterator[tuple[str, dict[str, Any]]]:
-    for f in files:
-        yield from _read_parquet([f]) if f.suffix == ".parquet" else _read_jsonl([f])
 
 
 def read_examples(

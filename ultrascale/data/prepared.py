@@ -367,7 +367,7 @@ def read_conversations(inputs: Sequence[str], messages_field: str = "messages") 
     """The conversations of `inputs` (files or folders `InstructionDataModule` reads), checked record by record:
     a record that is not one is a ValueError naming its file and line (row)."""
     from ultrascale.data.chat import conversation_of
-    from ultrascale.data.instruct import read_records
+    from ultrascale.data.records import read_records
 
     for given in inputs:
         for where, record in read_records(given):

@@ -355,7 +355,10 @@ def export_hf_from_module(module: HFCausalLM, out_dir: str | Path, overwrite: Op
     if overwrite is None:
         overwrite = bool(module.hparams.get("export_overwrite", False))
     if state is not None:
-        datamodule = getattr(module.trainer, "datamodule", None) if module._trainer is not None else None
+        try:
+            datamodule = module.trainer.datamodule
+        except RuntimeError:  # not attached to a Trainer (an export of a module built by hand)
+            datamodule = None
         write_hf_folder(state, module.config, module.pretrained_path, out_dir, overwrite=overwrite,
                         chat_template=trained_chat_template(getattr(datamodule, "hparams", None)))
     if torch.distributed.is_initialized():

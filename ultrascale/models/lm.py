@@ -19,7 +19,7 @@ from ultrascale.contract import attached_strategy, normalizes_token_loss, pipeli
 from ultrascale.estimate import ADAMW_KERNEL
 from ultrascale.models.llama import Llama, LlamaConfig
 from ultrascale.parallel.expert import iter_routers, scale_balance_terms
-from ultrascale.parallel.loss import token_loss
+from ultrascale.parallel.loss import TokenNormalizedStep, token_loss
 
 __all__ = ["CausalLMModule", "LlamaLM", "adamw_warmup_cosine", "warmup_cosine"]
 
@@ -100,6 +100,10 @@ class CausalLMModule(lightning.LightningModule):
         exact = self._token_mean_under_lightning()
         if exact is not None:
             exact.observe(out)  # `backward` differentiates the token sum; what callbacks see stays the mean
+            # Lightning steps the optimizer after every k-th micro-batch and the epoch's last (its public counts).
+            trainer = self.trainer
+            self._steps_after_this = ((batch_idx + 1) % trainer.accumulate_grad_batches == 0
+                                      or batch_idx + 1 == trainer.num_training_batches)
             return out
         if not normalizes_token_loss(self.trainer.strategy):
             # Lightning's own strategies: the micro-batch mean, averaged over ranks (exact only
@@ -115,16 +119,15 @@ class CausalLMModule(lightning.LightningModule):
         """The step's exact token mean under Lightning's one-device strategy and DDP (`TokenNormalizedStep`, the
         rule ultrascale's strategies apply; None where they apply it, and for Lightning's other strategies and MoE
         modules, which keep the mean of the micro-batch means). With `k` micro-batches, `backward` differentiates
-        each one's token sum (Lightning divided it by k); DDP averages the gradients over the W ranks; `on_before_optimizer_step` then
-        multiplies them by k * W / N, N the step's valid tokens over all ranks: grad(sum of token losses / N)."""
+        each one's token sum (Lightning divided it by k); DDP averages the gradients over the W ranks; `on_after_backward` of the step's
+        last micro-batch multiplies them by k * W / N, N the step's valid tokens over all ranks: grad(sum of token
+        losses / N)."""
         from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
         strategy = self.trainer.strategy
         if normalizes_token_loss(strategy) or type(strategy) not in (SingleDeviceStrategy, DDPStrategy) or self._moe_routers():
             return None
         if getattr(self, "_lightning_step", None) is None:
-            from ultrascale.strategies.step import TokenNormalizedStep
-
             self._lightning_step = TokenNormalizedStep()
         return self._lightning_step
 
@@ -132,9 +135,11 @@ class CausalLMModule(lightning.LightningModule):
         exact = self._token_mean_under_lightning()
         super().backward(exact.backward_loss(loss) if exact is not None else loss, *args, **kwargs)
 
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def on_after_backward(self) -> None:
+        """The last micro-batch's backward: normalise the step's gradients here, so every callback's
+        `on_before_optimizer_step` and clipping see them normalised (as under ultrascale's strategies)."""
         exact = self._token_mean_under_lightning()
-        if exact is None:
+        if exact is None or not getattr(self, "_steps_after_this", False):
             return
         world = self.trainer.world_size
         loss = exact.finish((p.grad for p in self.parameters()), group=torch.distributed.group.WORLD if world > 1 else None,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -38,82 +38,10 @@ from ultrascale.parallel.expert import (
     update_router_bias,
 )
 from ultrascale.parallel.grad import global_grad_norm
-from ultrascale.parallel.loss import NUM_TOKENS_KEY, StepTokens, scale_gradients
+from ultrascale.parallel.loss import TokenNormalizedStep
 from ultrascale.parallel.pipeline import TiedStageWeights
 from ultrascale.parallel.rules import Problem, raise_first
 from ultrascale.parallel.zero import ZeroEngine
-
-
-class TokenNormalizedStep:
-    """Per-step bookkeeping of one rank: the micro-batches' token counts and loss sums."""
-
-    def __init__(self) -> None:
-        self._tokens = StepTokens()
-        self._micro_batch_tokens: Optional[torch.Tensor] = None
-        self._plain_micro_batches = 0
-        self.step_tokens = torch.zeros((), dtype=torch.float64)
-        """Valid tokens of the whole global batch of the last finished step (what the loss sum was divided by)."""
-
-    @property
-    def micro_batch_tokens(self) -> Optional[torch.Tensor]:
-        """The valid tokens of the current micro-batch; None for a plain-loss micro-batch."""
-        return self._micro_batch_tokens
-
-    def observe(self, output: Any) -> None:
-        """Called with each `training_step` output, before its backward."""
-        if isinstance(output, Mapping) and NUM_TOKENS_KEY in output:
-            loss = output.get("loss")
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise ValueError(
-                    f"training_step returned `{NUM_TOKENS_KEY}` with `loss={loss!r}`: the loss must be a scalar tensor, "
-                    f"the mean over the `{NUM_TOKENS_KEY}` valid tokens (see `ultrascale.token_loss`)"
-                )
-            count = torch.as_tensor(output[NUM_TOKENS_KEY], device=loss.device)
-            self._tokens.add(loss.detach() * count, count)
-            self._micro_batch_tokens = count
-        else:
-            self._micro_batch_tokens = None
-            if output is not None:
-                self._plain_micro_batches += 1
-        if self._plain_micro_batches and not self._tokens.empty:
-            raise ValueError(
-                f"training_step returned `{NUM_TOKENS_KEY}` for some micro-batches of this optimizer step and a plain loss "
-                f"for others; return `{{'loss': ..., '{NUM_TOKENS_KEY}': ...}}` always (or never)"
-            )
-
-    def backward_loss(self, closure_loss: torch.Tensor) -> torch.Tensor:
-        """The loss to differentiate: the micro-batch's token sum (over k) instead of its mean (over k)."""
-        if self._micro_batch_tokens is None:
-            return closure_loss
-        return closure_loss * self._micro_batch_tokens.to(closure_loss.dtype)
-
-    def finish(
-        self,
-        grads: Iterable[Optional[torch.Tensor]],
-        *,
-        group: Optional[dist.ProcessGroup],
-        data_ranks: int,
-        loss_divisor: int,
-    ) -> Optional[torch.Tensor]:
-        """Normalise the step's summed gradients (before clipping and the optimizer) and start a new step.
-
-        `group`: the ranks that hold different tokens (dp x cp); `data_ranks`: its size;
-        `loss_divisor`: what Lightning divided each micro-batch's loss by. Returns the step's
-        global token-mean loss (fp32, the same on every rank), or None for plain-loss modules.
-        """
-        self._micro_batch_tokens = None
-        self._plain_micro_batches = 0
-        if self._tokens.empty:
-            if data_ranks > 1:
-                scale_gradients(grads, 1.0 / data_ranks)
-            return None
-        loss_sum, num_tokens = self._tokens.reduce(group)
-        # No valid token in the whole step: every gradient is zero; keep it so (no 0/0).
-        num_tokens = num_tokens.clamp(min=1)
-        self.step_tokens = num_tokens
-        scale_gradients(grads, loss_divisor / num_tokens)
-        return (loss_sum / num_tokens).float()
-
 
 NonFinitePolicy = Literal["stop", "skip", "rollback", "off"]
 NONFINITE_POLICIES: tuple[str, ...] = ("stop", "skip", "rollback", "off")
