@@ -337,6 +337,7 @@ class PeakRss:
     def __init__(self, pid: int, period: float = 0.05) -> None:
         self.pid, self.period = pid, period
         self.peak = self.largest = self.processes = 0
+        self.cpu: dict[int, float] = {}  # CPU seconds (user + system) each process of the tree was last seen at
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -358,6 +359,8 @@ class PeakRss:
             for p in tree:
                 try:
                     sizes.append(p.memory_info().rss)
+                    times = p.cpu_times()
+                    self.cpu[p.pid] = times.user + times.system
                 except psutil.NoSuchProcess:
                     pass
             total = sum(sizes)
@@ -373,12 +376,21 @@ class PeakRss:
 
 
 def run_measured(command: list[str], threads: int, log: Path) -> dict:
-    from _common import ForeignLoad
+    """Run `command` to its end: its wall seconds, peak memory, and the share of the machine's cores that other
+    processes used meanwhile. That share is the machine's busy CPU time less this process's and that of every process
+    of the run's tree as sampled (`_common.ForeignLoad` counts the children a process waited for, and Lightning's
+    script launcher does not wait for its child ranks: their CPU would pass for another process's)."""
+    import resource
+
+    from _common import _machine_busy_s, cores
 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
            "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    load = ForeignLoad()
-    load.start()
+    def own_s() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    busy, own = _machine_busy_s(), own_s()
     started = time.perf_counter()
     with log.open("w") as out:
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -386,7 +398,8 @@ def run_measured(command: list[str], threads: int, log: Path) -> dict:
         code = proc.wait()
     peak = rss.stop()
     seconds = time.perf_counter() - started
-    foreign = load.stop()
+    others = (_machine_busy_s() - busy) - (own_s() - own) - sum(rss.cpu.values())
+    foreign = max(0.0, others) / (seconds * cores())
     if code != 0:
         sys.stderr.write(log.read_text()[-8000:])
         raise RuntimeError(f"exited {code}: {' '.join(command)}")
