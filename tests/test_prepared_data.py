@@ -83,7 +83,7 @@ def test_saved_dataset_and_the_command(tmp_path, tokenizer, capsys):
     with pytest.raises(SystemExit):
         cli_main(["prepare-data", "--tokenizer", tokenizer, "--out", str(tmp_path / "x"), "--text-field", "nope",
                   str(tmp_path / "saved")])
-    assert "no column 'nope'" in capsys.readouterr().err
+    assert "no column `nope`" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 
@@ -99,11 +99,11 @@ def test_bad_records_are_named_where_they_are(tmp_path, tokenizer, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "fine"}) + "\n" + '{"text": "tab\there"}\n')
     code, _, err = run_main(capsys, "prepare-data", "--tokenizer", tokenizer, "--out", str(tmp_path / "o1"), "--no-progress", str(bad))
-    assert code == 2 and f"{bad}, line 2, column" in err and "not a JSON record (Invalid control character" in err, err
+    assert code == 2 and f"{bad}:2: not valid JSON (Invalid control character" in err, err
     table = tmp_path / "rows.parquet"
     pq.write_table(pa.table({"text": ["a", "b", None]}), table, row_group_size=2)
     code, _, err = run_main(capsys, "prepare-data", "--tokenizer", tokenizer, "--out", str(tmp_path / "o2"), "--no-progress", str(table))
-    assert code == 2 and f"{table}, row group 1, row 0: 'text' is null" in err, err
+    assert code == 2 and f"{table} row group 1, row 0: field `text` must be a string, got null" in err, err
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(json.dumps({"text": "ok"}).encode() + b"\n" + b'{"text": "caf\xe9 cr\xe8me"}\n')
     code, out, _ = run_main(capsys, "prepare-data", "--tokenizer", tokenizer, "--out", str(tmp_path / "o3"), "--no-progress", str(latin))
@@ -112,7 +112,7 @@ def test_bad_records_are_named_where_they_are(tmp_path, tokenizer, capsys):
     assert PreparedTokens.open(tmp_path / "o3").metadata["replaced_bytes"] == 2
     code, _, err = run_main(capsys, "prepare-data", "--tokenizer", tokenizer, "--out", str(tmp_path / "o4"), "--no-progress",
                             "--strict", str(latin))
-    assert code == 2 and f"{latin}, line 2: byte 13 is not UTF-8" in err, err
+    assert code == 2 and f"{latin}:2: byte 14 is not UTF-8" in err, err
     assert not any((tmp_path / f"o{i}").exists() for i in (1, 2, 4))
 
 

@@ -107,6 +107,7 @@ def _subcommands_help() -> str:
     lines += [f"  {name:<{width}}{what}" for name, what in LIGHTNING_SUBCOMMANDS.items()]
     lines += ["", "ultrascale's own:"]
     lines += [f"  {name:<{width}}{what}" for name, what in OWN_SUBCOMMANDS.items()]
+    lines += ["", "--debug (any subcommand; or ULTRASCALE_DEBUG=1): a traceback for the one-line errors too"]
     return "\n".join(lines) + "\n"
 
 
@@ -175,18 +176,23 @@ def main(args: list[str] | None = None) -> None:
 
 
 def _main(args: list[str] | None) -> None:
+    from ultrascale import user_errors
+
     given = args
     args = list(args if args is not None else sys.argv[1:])
+    if "--debug" in args:  # every traceback in full, user errors' too (as ULTRASCALE_DEBUG=1)
+        args.remove("--debug")
+        given = args if given is not None else None
+        sys.argv = [sys.argv[0], *args]  # the script launcher re-runs sys.argv for every other rank
+        os.environ[user_errors.DEBUG_VARIABLE] = "1"
     if not args or args[0] in ("-h", "--help"):
         print(_subcommands_help())
         return
+    user_errors.set_command(f"ultrascale {args[0]}")
     if args[0] in OWN_SUBCOMMANDS:
         _own_command(args[0])(args[1:])
         return
     import argparse
-
-    from ultrascale.parallel.manifest import CheckpointDamaged
-    from ultrascale.parallel.rules import LayoutError, LayoutNotImplemented
 
     try:
         # LightningCLI reads sys.argv itself; handing it the same list as `args` makes it warn on every call.
@@ -194,13 +200,15 @@ def _main(args: list[str] | None) -> None:
     except argparse.ArgumentError as error:  # the recipe or the command line: a knob that does not exist, a bad value
         print(f"ultrascale {args[0]}: error: {describe_argument_error(error)}", file=sys.stderr)
         raise SystemExit(2) from None
-    except (RecipeError, LayoutError, LayoutNotImplemented, CheckpointDamaged) as error:
-        # A layout the rules refuse (before launch, or on every rank at setup), a wrong or damaged checkpoint,
-        # a missing file: one message, no traceback (`ULTRASCALE_DEBUG=1` shows it).
-        if os.environ.get("ULTRASCALE_DEBUG"):
+    except (RecipeError, *user_errors.user_error_types()) as error:
+        # A mistake in the data, a layout the rules refuse (before launch, or on a rank at setup), a wrong or damaged
+        # checkpoint, a missing file: one message from whichever rank found it first, no traceback (`--debug` or
+        # ULTRASCALE_DEBUG=1 shows it), nothing left behind (ultrascale/user_errors.py).
+        if user_errors.debugging():
             raise
-        print(f"ultrascale {args[0]}: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        if not user_errors.leave_for_launcher(error):  # a child rank leaves it to rank 0
+            user_errors.report(str(error))
+        raise SystemExit(user_errors.USER_ERROR_EXIT) from None
 
 
 def _own_command(name: str) -> Callable[[list[str]], None]:

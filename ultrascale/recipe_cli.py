@@ -63,6 +63,7 @@ class UltraScaleCLI(DefaultCallbacksCLI):
             raise RecipeError(describe_argument_error(error)) from error
 
     def before_fit(self) -> None:
+        self._remove_outputs_if_the_user_errs()
         self._check_layout_fits_the_world()
         self._check_data_before_launch()
         self._restore_interrupted_last()
@@ -71,6 +72,17 @@ class UltraScaleCLI(DefaultCallbacksCLI):
         self._say_where_outputs_go()
 
     before_validate = before_test = before_predict = before_fit
+
+    def _remove_outputs_if_the_user_errs(self) -> None:
+        """The run's log and checkpoint folders, where they do not exist yet: a run that stops on a mistake of the
+        user's (a bad record found by a rank) removes them as it reports it (`user_errors.report`), so no run folder
+        is left for a run that never trained."""
+        from ultrascale import user_errors
+
+        trainer = self.trainer
+        folders = [trainer.log_dir] if trainer.loggers and trainer.log_dir else []
+        folders += [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+        user_errors.remove_on_user_error(folders)
 
     def _say_where_outputs_go(self) -> None:
         from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -106,13 +118,9 @@ class UltraScaleCLI(DefaultCallbacksCLI):
         """A data module's cheap checks (`check_before_launch`: the path, the first records' fields, the chat
         template on the first conversations) in the launching process, so a mistake in the data is one message
         (`RecipeError`, exit status 2 in `main`) before any rank starts."""
-        check = getattr(self.datamodule, "check_before_launch", None)
-        if check is None:
-            return
-        try:
-            check(self.model)
-        except (ValueError, FileNotFoundError) as error:
-            raise RecipeError(str(error)) from None
+        from ultrascale.data.errors import check_before_launch
+
+        check_before_launch(self.datamodule, self.model, RecipeError)
 
     def _verify_given_checkpoint(self) -> None:
         """`--ckpt_path PATH`: a checkpoint that is missing or damaged (its manifest, or DCP's index for one saved

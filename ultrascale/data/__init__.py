@@ -6,6 +6,7 @@ from ultrascale.data.datamodule import (
     stdlib_files,
     tokenize_corpus,
 )
+from ultrascale.data.errors import DataError, DataNotFound
 from ultrascale.data.sampling import BlockDataModule, ResumableBlockSampler
 from ultrascale.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
@@ -13,6 +14,8 @@ __all__ = [
     "BlockDataModule",
     "ByteTokenizer",
     "CausalLMDataModule",
+    "DataError",
+    "DataNotFound",
     "HFTokenizer",
     "ResumableBlockSampler",
     "TokenBlockDataset",

@@ -35,6 +35,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ultrascale.data.errors import DataError
+
 __all__ = ["LEARN", "ROLES", "TRUNCATION", "ChatEncoder", "Conversation", "conversation_of", "resolve_chat_template"]
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -73,21 +75,21 @@ def conversation_of(record: dict[str, Any], messages_field: str, where: str) -> 
 
 def _messages(value: Any, field: str, where: str, allow_empty: bool = False) -> list[dict[str, Any]]:
     if not isinstance(value, list):
-        raise ValueError(f"{where}: field `{field}` must be a list of {{\"role\", \"content\"}} messages, got "
+        raise DataError(f"{where}: field `{field}` must be a list of {{\"role\", \"content\"}} messages, got "
                          f"{type(value).__name__}")
     if not value and not allow_empty:
-        raise ValueError(f"{where}: field `{field}` is an empty conversation")
+        raise DataError(f"{where}: field `{field}` is an empty conversation")
     for i, message in enumerate(value):
         at = f"{where}: field `{field}[{i}]`"
         if not isinstance(message, dict):
-            raise ValueError(f"{at} must be a {{\"role\", \"content\"}} object, got {type(message).__name__}")
+            raise DataError(f"{at} must be a {{\"role\", \"content\"}} object, got {type(message).__name__}")
         for key in ("role", "content"):
             if key not in message:
-                raise ValueError(f"{at} has no `{key}`; keys present: {sorted(message)}")
+                raise DataError(f"{at} has no `{key}`; keys present: {sorted(message)}")
         if message["role"] not in ROLES:
-            raise ValueError(f"{at}.role is {message['role']!r}; known roles: {', '.join(ROLES)}")
+            raise DataError(f"{at}.role is {message['role']!r}; known roles: {', '.join(ROLES)}")
         if not isinstance(message["content"], str):
-            raise ValueError(f"{at}.content must be a string, got {type(message['content']).__name__}")
+            raise DataError(f"{at}.content must be a string, got {type(message['content']).__name__}")
     return list(value)
 
 
@@ -170,7 +172,7 @@ class ChatEncoder:
                 add_generation_prompt=generation_prompt, return_assistant_tokens_mask=assistant_mask,
             )
         except Exception as error:  # jinja's TemplateError, raise_exception() in the template, a missing key
-            raise ValueError(f"{conversation.where}: the chat template failed to render this conversation "
+            raise DataError(f"{conversation.where}: the chat template failed to render this conversation "
                              f"({type(error).__name__}: {error})") from None
 
     def _turn_spans(self, conversation: Conversation, text: str, token_starts: np.ndarray) -> list[tuple[int, int, int]]:
@@ -195,7 +197,7 @@ class ChatEncoder:
     def _check_prefix(self, conversation: Conversation, text: str, head: str, k: int, what: str) -> None:
         if not text.startswith(head):
             role = conversation.messages[k]["role"]
-            raise ValueError(
+            raise DataError(
                 f"{conversation.where}: the chat template does not render message {k} ({role}) with {what} as the "
                 "start of the whole conversation (it renders earlier turns differently once later ones follow), so "
                 "which tokens are the assistant's cannot be told by rendering prefixes; use a template that marks "
@@ -259,7 +261,7 @@ def learned_tokens(ids: np.ndarray, assistant: np.ndarray, *, max_ids: int, lear
     run_starts, run_ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)  # assistant turns: [start, end)
     if ids.size > max_ids:
         if truncation == "error":
-            raise ValueError(f"{where}: the conversation is {ids.size} tokens, more than `seq_len + 1 = {max_ids}` "
+            raise DataError(f"{where}: the conversation is {ids.size} tokens, more than `seq_len + 1 = {max_ids}` "
                              "(`truncation=\"error\"`)")
         fits = run_ends[run_ends <= max_ids]
         if not fits.size:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
+from ultrascale.data.errors import DataError, DataNotFound
 from ultrascale.data.prepared import BlendedBlocks, PreparedTokens, is_prepared, tokenizer_fingerprint
 from ultrascale.data.sampling import BlockDataModule, split_blocks
 from ultrascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -47,7 +48,7 @@ def _text_path(data_path: str) -> Path:
     """A raw-text `data_path` (a file or a directory): FileNotFoundError naming it when it is neither."""
     path = Path(data_path)
     if not path.is_file() and not path.is_dir():
-        raise FileNotFoundError(f"`data_path={data_path!r}` is neither a file, a directory nor 'stdlib'")
+        raise DataNotFound(f"`data_path={data_path!r}` is neither a file, a directory nor 'stdlib'")
     return path
 
 
@@ -69,7 +70,7 @@ def _read_files(files: Iterable[Path]) -> Iterator[str]:
 
 def _read_dataset(dataset_path: str, text_column: str) -> Iterator[str]:
     if not os.path.isdir(dataset_path):
-        raise FileNotFoundError(
+        raise DataNotFound(
             f"`dataset_path={dataset_path!r}` does not exist; expected a folder written by `Dataset.save_to_disk`"
         )
     import datasets  # imported lazily: only needed for this input kind
@@ -77,14 +78,14 @@ def _read_dataset(dataset_path: str, text_column: str) -> Iterator[str]:
     ds = datasets.load_from_disk(dataset_path)
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
-            raise ValueError(
+            raise DataError(
                 f"`dataset_path={dataset_path!r}` holds a DatasetDict without a 'train' split "
                 f"(splits: {sorted(ds)}); save a single Dataset or one with a 'train' split"
             )
         # The validation split is carved from the tail of the token stream, so only one split is read.
         ds = ds["train"]
     if text_column not in ds.column_names:
-        raise ValueError(
+        raise DataError(
             f"`text_column={text_column!r}` is not a column of `dataset_path={dataset_path!r}`; "
             f"columns: {ds.column_names}"
         )
@@ -292,7 +293,7 @@ class CausalLMDataModule(BlockDataModule):
         assert self.tokenizer is not None
         tokens = tokenize_corpus(self._texts(), self.tokenizer, max_tokens)
         if tokens.size == 0:
-            raise ValueError(f"{name}: the corpus {self._source()} is empty (no documents or no text)")
+            raise DataError(f"{name}: the corpus {self._source()} is empty (no documents or no text)")
         num_blocks = tokens.size // (self.seq_len + 1)
         num_train, num_val = split_blocks(
             type(self).__name__, num_blocks, self.val_fraction, self.global_batch_size,
@@ -337,20 +338,20 @@ def _prepared_sources(owner: str, data_path: Any, dataset_path: Optional[str],
     sources = []
     for path, weight in entries:
         if not is_prepared(path):
-            raise ValueError(f"{owner}: blend entry {path!r} is not a prepared folder (`ultrascale prepare-data`)")
+            raise DataError(f"{owner}: blend entry {path!r} is not a prepared folder (`ultrascale prepare-data`)")
         if weight <= 0:
             raise ValueError(f"{owner}: blend entry {path!r} has weight {weight}; weights must be positive")
         source = PreparedTokens.open(path)
         if source.is_chat:
-            raise ValueError(f"{owner}: {path} holds prepared conversations (`prepare-data --chat`): they are read by "
+            raise DataError(f"{owner}: {path} holds prepared conversations (`prepare-data --chat`): they are read by "
                              "InstructionDataModule, whose labels learn the assistant turns only")
         sources.append((source, weight))
     fingerprints = {s.tokenizer_sha256 for s, _ in sources}
     if len(fingerprints) > 1:
         names = [f"{s.path}: {s.metadata['tokenizer']['name']}" for s, _ in sources]
-        raise ValueError(f"{owner}: the blended folders were prepared with different tokenizers ({names})")
+        raise DataError(f"{owner}: the blended folders were prepared with different tokenizers ({names})")
     if tokenizer_path is not None and tokenizer_fingerprint(tokenizer_path) != sources[0][0].tokenizer_sha256:
-        raise ValueError(
+        raise DataError(
             f"{owner}: `tokenizer_path={tokenizer_path!r}` is not the tokenizer {sources[0][0].path} was prepared with "
             f"({sources[0][0].metadata['tokenizer']['name']!r}); leave tokenizer_path unset or prepare the data with it"
         )

@@ -48,6 +48,7 @@ from ultrascale.data.chat import (
     learned_tokens,
     resolve_chat_template,
 )
+from ultrascale.data.errors import DataError
 from ultrascale.data.prepared import PreparedTokens, is_prepared, tokenizer_fingerprint
 from ultrascale.data.records import read_records
 from ultrascale.data.sampling import BlockDataModule, split_blocks
@@ -74,14 +75,14 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 def _fields_of(record: dict[str, Any], fields: tuple[str, str], where: str) -> tuple[str, str]:
     for name in fields:
         if name not in record:
-            raise ValueError(f"{where}: field `{name}` is missing; fields present: {sorted(record)}")
+            raise DataError(f"{where}: field `{name}` is missing; fields present: {sorted(record)}")
     return _check_strings((record[fields[0]], record[fields[1]]), fields, where)
 
 
 def _check_strings(pair: tuple[Any, Any], fields: tuple[str, str], where: str) -> tuple[str, str]:
     for name, value in zip(fields, pair):
         if not isinstance(value, str):
-            raise ValueError(f"{where}: field `{name}` must be a string, got {type(value).__name__}")
+            raise DataError(f"{where}: field `{name}` must be a string, got {type(value).__name__}")
     return pair
 
 
@@ -426,6 +427,7 @@ class InstructionDataModule(BlockDataModule):
         # Loaded eagerly when the path is known (errors surface at construction), otherwise
         # on first use from the LightningModule's `tokenizer_path`.
         self._tokenizer: HFTokenizer | ByteTokenizer | None = None
+        self._checked_before_launch = False
         if tokenizer_path is not None:
             self._set_tokenizer(tokenizer_path)
         self.packed: PackedBlocks | None = None
@@ -496,19 +498,19 @@ class InstructionDataModule(BlockDataModule):
             return None
         name, prepared = type(self).__name__, PreparedTokens.open(self.data_path)
         if not prepared.is_chat:
-            raise ValueError(f"{name}: {self.data_path} holds prepared text (CausalLMDataModule's); prepare "
+            raise DataError(f"{name}: {self.data_path} holds prepared text (CausalLMDataModule's); prepare "
                              "conversations with `ultrascale prepare-data --chat`")
         tokenizer = self.tokenizer
         if tokenizer_fingerprint(self._tokenizer_dir) != prepared.tokenizer_sha256:
-            raise ValueError(f"{name}: `tokenizer_path={self._tokenizer_dir!r}` is not the tokenizer {self.data_path} "
+            raise DataError(f"{name}: `tokenizer_path={self._tokenizer_dir!r}` is not the tokenizer {self.data_path} "
                              f"was prepared with ({prepared.metadata['tokenizer']['name']})")
         template = prepared.metadata["chat_template"]
         if self.chat_template is not None and self.chat_template != template:
-            raise ValueError(f"{name}: `chat_template` differs from the one {self.data_path} was rendered with; "
+            raise DataError(f"{name}: `chat_template` differs from the one {self.data_path} was rendered with; "
                              "prepare it again with this template, or leave `chat_template` unset")
         eot = prepared.metadata["end_of_turn_id"]
         if self.end_of_turn is not None and tokenizer.tokenizer.convert_tokens_to_ids(self.end_of_turn) != eot:
-            raise ValueError(f"{name}: `end_of_turn={self.end_of_turn!r}` is not the end-of-turn token {self.data_path} "
+            raise DataError(f"{name}: `end_of_turn={self.end_of_turn!r}` is not the end-of-turn token {self.data_path} "
                              f"was prepared with (id {eot})")
         self.hparams["chat_template"] = template
         return prepared
@@ -536,21 +538,26 @@ class InstructionDataModule(BlockDataModule):
     def check_before_launch(self, module: Any = None, records: int = 1000, rendered: int = 100) -> None:
         """What can be checked cheaply, in the launching process before any rank starts (`ultrascale fit` calls it):
         the path, the tokenizer (``module.tokenizer_path`` where this module names none), the first `records`
-        records' fields, and the first `rendered` conversations through the chat template. ValueError /
-        FileNotFoundError naming the record; a fault deeper in the data is found by `setup`."""
+        records' fields, and the first `rendered` conversations through the chat template. DataError naming the
+        record (ValueError for a knob the data cannot be used with); a fault deeper in the data is found by `setup`.
+        Once per module: the command checks, then the launcher asks again (for the Python API)."""
+        if self._checked_before_launch:
+            return
         if self._tokenizer is None and getattr(module, "tokenizer_path", None) is not None:
             self._set_tokenizer(module.tokenizer_path)
         if is_prepared(self.data_path):
             if self._tokenizer is not None:
                 self.open_prepared()
+            self._checked_before_launch = True
             return
         first = self.read(limit=records)
         if not first:
-            raise ValueError(f"{type(self).__name__}: `data_path={self.data_path!r}` is empty (no examples)")
+            raise DataError(f"{type(self).__name__}: `data_path={self.data_path!r}` is empty (no examples)")
         if isinstance(first[0], Conversation) and self._tokenizer is not None:
             encoder = self.chat_encoder()
             for conversation in first[:rendered]:
                 encoder.encode(conversation)
+        self._checked_before_launch = True
 
     def read(self, limit: int | None = None) -> list[tuple[str, str]] | list[Conversation]:
         """The records of `data_path` (at most `max_examples`, or `limit`): all conversations or all
@@ -566,10 +573,10 @@ class InstructionDataModule(BlockDataModule):
             if chat is None:
                 chat = conversation is not None
             if chat and conversation is None:
-                raise ValueError(f"{where}: field `{self.messages_field}` is missing (the first record is a "
+                raise DataError(f"{where}: field `{self.messages_field}` is missing (the first record is a "
                                  f"conversation, so every record is one); fields present: {sorted(record)}")
             if not chat and conversation is not None:
-                raise ValueError(f"{where}: a conversation among prompt/response records (the first record is a "
+                raise DataError(f"{where}: a conversation among prompt/response records (the first record is a "
                                  "pair, so every record is one)")
             if chat:
                 out.append(conversation)
@@ -577,7 +584,7 @@ class InstructionDataModule(BlockDataModule):
                 out.append(_fields_of(record, fields, where))
             else:
                 missing = next(name for name in fields if name not in record)
-                raise ValueError(f"{where}: field `{missing}` is missing; fields present: {sorted(record)} (a record "
+                raise DataError(f"{where}: field `{missing}` is missing; fields present: {sorted(record)} (a record "
                                  f"is a prompt/response pair, or a conversation in `{self.messages_field}`)")
         return out
 
@@ -604,7 +611,7 @@ class InstructionDataModule(BlockDataModule):
         else:
             records = self.read()
             if not records:
-                raise ValueError(f"{name}: {source} is empty (no examples)")
+                raise DataError(f"{name}: {source} is empty (no examples)")
             chat = isinstance(records[0], Conversation)
             # Either encoding resolves the tokenizer first, which sets pad_id.
             examples = self.encode_conversations(records) if chat else self.encode_examples(records)
@@ -623,7 +630,7 @@ class InstructionDataModule(BlockDataModule):
                 "and were dropped. Raise `seq_len` to keep them whole."
             )
         if packed.num_blocks == 0:
-            raise ValueError(
+            raise DataError(
                 f"{name}: {source} has {len(records)} examples but none with a token to learn "
                 f"({packed.num_empty} empty, {packed.num_dropped} with the prompt alone filling "
                 f"`seq_len={self.seq_len}`)"

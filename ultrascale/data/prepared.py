@@ -48,6 +48,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ultrascale.data.errors import DataError, DataNotFound
+
 __all__ = ["BlendedBlocks", "PreparedTokens", "is_prepared", "prepare_chat_data", "prepare_data"]
 
 FORMAT = "ultrascale-tokens"
@@ -71,7 +73,7 @@ def _input_files(inputs: Sequence[str]) -> list[tuple[Path, str]]:
     for given in inputs:
         path = Path(given)
         if not path.exists():
-            raise FileNotFoundError(f"prepare-data: input {given!r} does not exist")
+            raise DataNotFound(f"input {given!r} does not exist")
         if path.is_dir() and _saved_dataset(path):
             found.append((path, "dataset"))
         elif path.is_dir():
@@ -81,7 +83,7 @@ def _input_files(inputs: Sequence[str]) -> list[tuple[Path, str]]:
         else:
             found.append((path, _kind(path)))
     if not found:
-        raise ValueError(f"prepare-data: no input files under {list(inputs)}")
+        raise DataError(f"no input files under {list(inputs)}")
     return found
 
 
@@ -104,8 +106,8 @@ class DecodeCount:
             return data.decode("utf-8")
         except UnicodeDecodeError as error:
             if self.strict:
-                raise ValueError(f"prepare-data: {where}: byte {error.start} is not UTF-8 ({error.reason}); "
-                                 "drop --strict to replace such bytes with U+FFFD (they are counted)") from None
+                raise DataError(f"{where}: byte {error.start + 1} is not UTF-8 ({error.reason}); "
+                                "drop --strict to replace such bytes with U+FFFD (they are counted)") from None
         text = data.decode("utf-8", errors="replace")
         # surrogateescape maps each undecodable byte to one lone surrogate U+DC80..U+DCFF: a linear count, no handler
         # registered process-wide.
@@ -125,28 +127,27 @@ def iter_documents(inputs: Sequence[str], text_field: str = "text", decoding: Op
         elif kind == "jsonl":
             with path.open("rb") as lines:
                 for number, raw in enumerate(lines, 1):
-                    where = f"{path}, line {number}"
+                    where = f"{path}:{number}"
                     line = decoding.decode(raw, where)
                     if not line.strip():
                         continue
                     try:
-                        record = json.loads(line)
+                        record = json.loads(line.rstrip("\r\n"))  # a column on this line, not the next
                     except json.JSONDecodeError as error:
-                        raise ValueError(f"prepare-data: {where}, column {error.colno}: not a JSON record "
-                                         f"({error.msg})") from None
+                        raise DataError(f"{where}: not valid JSON ({error.msg}, column {error.colno})") from None
                     yield _field(record, text_field, where)
         elif kind == "parquet":
             import pyarrow.parquet as pq
 
             parquet = pq.ParquetFile(path)
             if text_field not in parquet.schema_arrow.names:
-                raise ValueError(f"prepare-data: {path} has no column {text_field!r} (columns: {parquet.schema_arrow.names})")
+                raise DataError(f"{path}: no column `{text_field}`; columns: {parquet.schema_arrow.names}")
             for group in range(parquet.num_row_groups):
                 values = parquet.read_row_group(group, columns=[text_field]).column(0).to_pylist()
                 for row, value in enumerate(values):
                     if not isinstance(value, str):
-                        raise ValueError(f"prepare-data: {path}, row group {group}, row {row}: {text_field!r} is "
-                                         f"{'null' if value is None else type(value).__name__}, not a string")
+                        raise DataError(f"{path} row group {group}, row {row}: field `{text_field}` must be a string, "
+                                        f"got {'null' if value is None else type(value).__name__}")
                 yield from values
         else:
             import datasets
@@ -154,17 +155,22 @@ def iter_documents(inputs: Sequence[str], text_field: str = "text", decoding: Op
             dataset = datasets.load_from_disk(str(path))
             if isinstance(dataset, datasets.DatasetDict):
                 if "train" not in dataset:
-                    raise ValueError(f"prepare-data: {path} holds splits {sorted(dataset)} and no 'train'")
+                    raise DataError(f"{path} holds splits {sorted(dataset)} and no 'train'")
                 dataset = dataset["train"]
             if text_field not in dataset.column_names:
-                raise ValueError(f"prepare-data: {path} has no column {text_field!r} (columns: {dataset.column_names})")
+                raise DataError(f"{path}: no column `{text_field}`; columns: {dataset.column_names}")
             for batch in dataset.select_columns([text_field]).iter(batch_size=1024):
                 yield from batch[text_field]
 
 
 def _field(record: Any, text_field: str, where: str) -> str:
-    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-        raise ValueError(f"prepare-data: {where} has no string field {text_field!r}")
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a JSON {type(record).__name__}, not a record (an object with a `{text_field}` field)")
+    if text_field not in record:
+        raise DataError(f"{where}: field `{text_field}` is missing; fields present: {sorted(record)} "
+                        "(--text-field names another)")
+    if not isinstance(record[text_field], str):
+        raise DataError(f"{where}: field `{text_field}` must be a string, got {type(record[text_field]).__name__}")
     return record[text_field]
 
 
@@ -307,7 +313,7 @@ def prepare_data(
                     results = pool.imap(_encode_batch_star, ((b, dtype.str) for b in batches), chunksize=1)
                     total = _write(results, sink, lengths, bar)
         if total == 0:
-            raise ValueError(f"prepare-data: the inputs {list(inputs)} hold no text")
+            raise DataError(f"the inputs {list(inputs)} hold no text")
         metadata = {
             **_common_metadata(tokenizer, tokenizer_dir, dtype, total, staging, lengths),
             "sources": [str(path) for path, _ in files], "text_field": text_field,
@@ -373,7 +379,7 @@ def read_conversations(inputs: Sequence[str], messages_field: str = "messages") 
         for where, record in read_records(given):
             conversation = conversation_of(record, messages_field, where)
             if conversation is None:
-                raise ValueError(f"{where}: field `{messages_field}` is missing (nor are `prompt` and `completion` "
+                raise DataError(f"{where}: field `{messages_field}` is missing (nor are `prompt` and `completion` "
                                  f"message lists); fields present: {sorted(record)}")
             yield conversation
 
@@ -415,7 +421,7 @@ def prepare_chat_data(
                     results = pool.imap(_encode_conversations, batches, chunksize=1)
                     total = _write_chat(results, tokens, assistant, dtype, lengths, bar)
         if total == 0:
-            raise ValueError(f"prepare-data: the inputs {list(inputs)} hold no conversation")
+            raise DataError(f"the inputs {list(inputs)} hold no conversation")
         metadata = {
             **_common_metadata(tokenizer, tokenizer_dir, dtype, total, staging, lengths), "kind": "chat",
             "chat_template": template, "end_of_turn_id": _worker_encoder.end_of_turn_id,
@@ -467,30 +473,30 @@ class PreparedTokens:
         try:
             metadata = json.loads((path / METADATA).read_text())
         except (OSError, ValueError) as error:
-            raise ValueError(f"{path} is not a prepared data folder (`ultrascale prepare-data`): {error}") from None
+            raise DataError(f"{path} is not a prepared data folder (`ultrascale prepare-data`): {error}") from None
         if metadata.get("format") != FORMAT or metadata.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{path}: format {metadata.get('format')!r} v{metadata.get('version')}; this ultrascale reads "
+            raise DataError(f"{path}: format {metadata.get('format')!r} v{metadata.get('version')}; this ultrascale reads "
                              f"{FORMAT!r} v{FORMAT_VERSION} (prepare it again)")
         dtype = np.dtype(metadata["dtype"])
         expected = metadata["num_tokens"] * dtype.itemsize
         tokens_file = path / TOKENS
         found = tokens_file.stat().st_size if tokens_file.is_file() else None
         if found != expected:
-            raise ValueError(
+            raise DataError(
                 f"{tokens_file} holds {found if found is not None else 'no'} bytes, its metadata says "
                 f"{metadata['num_tokens']:,} tokens of {dtype.name} = {expected:,} bytes: the copy is truncated or "
                 "incomplete; copy or prepare it again"
             )
         starts = np.load(path / DOCUMENTS, mmap_mode="r")
         if starts.shape != (metadata["num_documents"] + 1,) or int(starts[-1]) != metadata["num_tokens"]:
-            raise ValueError(f"{path / DOCUMENTS} does not match {METADATA} (documents or tokens differ): prepare it again")
+            raise DataError(f"{path / DOCUMENTS} does not match {METADATA} (documents or tokens differ): prepare it again")
         tokens = np.memmap(tokens_file, dtype=dtype, mode="r", shape=(metadata["num_tokens"],))
         assistant = None
         if metadata.get("kind") == "chat":
             mask_file = path / ASSISTANT
             found = mask_file.stat().st_size if mask_file.is_file() else None
             if found != metadata["num_tokens"]:
-                raise ValueError(f"{mask_file} holds {found if found is not None else 'no'} bytes, one per token of "
+                raise DataError(f"{mask_file} holds {found if found is not None else 'no'} bytes, one per token of "
                                  f"{metadata['num_tokens']:,}: the copy is truncated or incomplete; prepare it again")
             assistant = np.memmap(mask_file, dtype=np.uint8, mode="r", shape=(metadata["num_tokens"],))
         return cls(path, metadata, tokens, starts, assistant)

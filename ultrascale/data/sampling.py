@@ -22,6 +22,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from ultrascale.data.errors import DataError
 from ultrascale.parallel.device import pins_host_memory
 from ultrascale.parallel.rules import batch_split_problem
 
@@ -151,12 +152,12 @@ def split_blocks(
         num_val = max(num_val, 1)
     num_train = num_blocks - num_val
     if num_train < global_batch_size:
-        raise ValueError(
+        raise DataError(
             f"{name}: {what}, of which {num_train} are for training (`val_fraction={val_fraction}`): fewer than "
             f"one global batch (`global_batch_size={global_batch_size}`). {remedy}"
         )
     if 0 < num_val < global_batch_size:
-        raise ValueError(
+        raise DataError(
             f"{name}: only {num_val} validation blocks (`val_fraction={val_fraction}` of {num_blocks}), "
             f"fewer than one global batch (`global_batch_size={global_batch_size}`). "
             "Raise `val_fraction`, use more data, or set `val_fraction=0` to disable validation."

@@ -66,6 +66,8 @@ class RecipePlan:
     notes: list[str] = field(default_factory=list)
     devices: str = "cuda"
     """What the recipe runs on: "cuda", or "cpu" (priced as if on `cluster.gpu`, for scale)."""
+    datamodule: Optional[L.LightningDataModule] = None
+    """The recipe's data module, as parsed (nothing read yet)."""
 
     @property
     def fits(self) -> bool:
@@ -292,7 +294,8 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
         raise ValueError(f"{owner} layout {layout.describe()}: " + "; ".join(row.problems))
     if str(trainer_args.get("accelerator")) == "cpu":
         notes.append(f"a CPU recipe: priced as if on {cluster.gpu.name}, for scale")
-    return RecipePlan(str(path), module, strategy, dims, world, shape, cluster, work, row, checks, notes, devices)
+    return RecipePlan(str(path), module, strategy, dims, world, shape, cluster, work, row, checks, notes, devices,
+                      datamodule)
 
 
 def format_recipe_plan(plan: RecipePlan) -> list[str]:

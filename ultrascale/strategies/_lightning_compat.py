@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -57,6 +59,12 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
      "the hook that decides what a worker sends back; sharded weights must not be sent"),
     ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher",
      "Lightning's script re-running launcher (scripts, the CLI)"),
+    ("lightning.fabric.strategies.launchers.subprocess_script", "_ChildProcessObserver",
+     "the thread that ends every rank when a child rank fails; subclassed to report a child's data error as one "
+     "message (ultrascale/user_errors.py)"),
+    ("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed",
+     "what the script launcher's `launch` does before running the function; `launch` is re-stated to start its "
+     "own observer"),
     ("lightning.pytorch.strategies.strategy", "_ForwardRedirection",
      "runs a step method inside the root module's __call__ so FSDP's root hooks fire"),
     ("lightning.pytorch.strategies.strategy:Strategy", "_configure_launcher",
@@ -125,6 +133,8 @@ def check_lightning_internals() -> None:
 
 
 try:
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+    from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
     from lightning.fabric.utilities.optimizer import _optimizers_to_device
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -137,7 +147,7 @@ except ImportError as error:  # pragma: no cover - depends on the installed Ligh
 
 class SubprocessScriptLauncher(_SubprocessScriptLauncher):
     """Lightning's script re-running launcher, which also ends the child ranks when rank 0 (this
-    process) fails.
+    process) fails, and reports a child rank's user error (a mistake in the data) as one message.
 
     Lightning ends everything when a *child* exits non-zero (its child-process observer SIGKILLs
     the children and this process), but not when rank 0 raises: the exception leaves `launch`
@@ -145,6 +155,12 @@ class SubprocessScriptLauncher(_SubprocessScriptLauncher):
     does only at the collective timeout, and a stopped (SIGSTOP) rank never does. Here they
     are ended (SIGTERM + SIGCONT, SIGKILL after `STOP_GRACE_S`) and reaped before the
     exception goes on.
+
+    A child rank that raises one of `user_error_types` leaves its message for this process
+    (`user_errors.leave_for_launcher`); the observer (`_UserErrorObserver`) then ends the
+    children and, under the `ultrascale` command, prints the message and exits 2; called from
+    Python, this process raises the child's exception at its next failure (the collective that
+    waits on the ended ranks) instead of whatever that failure was.
     """
 
     before_launch: Optional[Callable[[], None]] = None
@@ -152,13 +168,37 @@ class SubprocessScriptLauncher(_SubprocessScriptLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        from ultrascale import user_errors
+
         if self.before_launch is not None:
             self.before_launch()
+        check_data_before_launch(args)
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        observer = None
         try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
-        except BaseException:
+            if not self.cluster_environment.creates_processes_externally:
+                errors = tempfile.mkdtemp(prefix="ultrascale-rank-errors-")
+                os.environ[user_errors.CHILD_ERRORS_VARIABLE] = errors
+                try:
+                    self._call_children_scripts()
+                finally:
+                    del os.environ[user_errors.CHILD_ERRORS_VARIABLE]  # rank 0 reports; only the children leave
+                observer = _UserErrorObserver(os.getpid(), self.procs, errors)
+                observer.start()
+            _set_num_threads_if_needed(num_processes=self.num_processes)
+            return function(*args, **kwargs)
+        except BaseException as error:
             self.end_children()
+            if isinstance(error, user_errors.user_error_types()):
+                user_errors.leave_for_launcher(error)  # in a child rank: rank 0 reports it
+                raise
+            child = user_errors.first_child_error(observer.errors if observer is not None else None)
+            if child is not None:
+                raise child from None
             raise
+        finally:
+            if observer is not None:
+                observer.finish()
 
     def end_children(self) -> None:
         """End and reap the child ranks still running."""
@@ -169,6 +209,47 @@ class SubprocessScriptLauncher(_SubprocessScriptLauncher):
         self.procs = list(observed)
         observed.clear()
         end_processes(self.procs)
+
+
+class _UserErrorObserver(_ChildProcessObserver):
+    """Lightning's observer of the child ranks (polling every second, not five), which on a child's failure first
+    looks for a user error the child left (`user_errors.first_child_error`): under the `ultrascale` command it
+    prints it once, ends the children and exits this process with status 2; from Python it ends the children and
+    leaves this process running, so that `launch` raises the child's error where this process fails next."""
+
+    def __init__(self, main_pid: int, children: list, errors: str) -> None:
+        super().__init__(main_pid, children, sleep_period=1)
+        self.errors = errors
+
+    @override
+    def _terminate_all(self) -> None:
+        from ultrascale import user_errors
+
+        error = user_errors.first_child_error(self.errors)
+        if error is None:
+            super()._terminate_all()
+            return
+        end_processes(list(self._child_processes))
+        if user_errors.command() is not None:
+            user_errors.report(str(error))
+            shutil.rmtree(self.errors, ignore_errors=True)
+            os._exit(user_errors.USER_ERROR_EXIT)
+
+    def finish(self) -> None:
+        self._finished = True
+        shutil.rmtree(self.errors, ignore_errors=True)
+
+
+def check_data_before_launch(args: tuple) -> None:
+    """The data module's cheap checks (`check_before_launch`: the path, the first records) before any rank starts,
+    for the Python API (`Trainer.fit(model, datamodule=...)`: the launcher gets fit's arguments, the module first);
+    the `ultrascale` command has made them already (the module remembers)."""
+    datamodules = [arg for arg in args if isinstance(arg, pl.LightningDataModule)]
+    modules = [arg for arg in args if isinstance(arg, pl.LightningModule)]
+    for datamodule in datamodules:
+        check = getattr(datamodule, "check_before_launch", None)
+        if check is not None:
+            check(modules[0] if modules else None)
 
 
 class ForkLauncher(_MultiProcessingLauncher):
@@ -195,6 +276,7 @@ class ForkLauncher(_MultiProcessingLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         if self.before_launch is not None:
             self.before_launch()
+        check_data_before_launch(args)
         if torch.cuda.is_initialized():
             raise RuntimeError(
                 "The fork launcher cannot start processes once CUDA is initialized in this process (a `torch.cuda.*` "
@@ -210,10 +292,12 @@ class ForkLauncher(_MultiProcessingLauncher):
         assert strategy.cluster_environment is not None
         fork = multiprocessing.get_context("fork")
         return_queue = fork.SimpleQueue()
+        user_errors = fork.SimpleQueue()  # a rank's mistake of the user's, raised again here as it was raised there
         pipes = [fork.Pipe(duplex=False) for _ in range(strategy.num_processes)]
         context = torch.multiprocessing.start_processes(
             self._run_rank,
-            args=(os.getpid(), [reader for reader, _ in pipes], trainer, function, args, kwargs, return_queue),
+            args=(os.getpid(), [reader for reader, _ in pipes], trainer, function, args, kwargs, return_queue,
+                  user_errors),
             nprocs=strategy.num_processes,
             start_method="fork",
             join=False,
@@ -229,7 +313,9 @@ class ForkLauncher(_MultiProcessingLauncher):
             while not context.join(grace_period=STOP_GRACE_S):
                 pass
         except BaseException:
-            end_processes(self.procs)  # this process raised (Ctrl-C, a timeout): no rank may outlive it
+            end_processes(self.procs)  # a rank failed, or this process raised (Ctrl-C, a timeout): none may outlive it
+            if not user_errors.empty():
+                raise user_errors.get() from None
             raise
         finally:
             for reader, writer in pipes:
@@ -260,13 +346,20 @@ class ForkLauncher(_MultiProcessingLauncher):
         args: Any,
         kwargs: Any,
         return_queue: Any,
+        user_errors: Any,
     ) -> None:
         die_with_parent(parent_pid)
         self.procs = []  # a rank starts no ranks (Lightning's `kill`, from its SIGTERM handler, reads these)
         join_rendezvous(port_readers[process_idx], RENDEZVOUS_TIMEOUT_S)
         one_thread_after_fork()
         os.environ["LOCAL_RANK"] = str(process_idx)
-        results = function(*args, **kwargs)
+        from ultrascale.user_errors import user_error_types
+
+        try:
+            results = function(*args, **kwargs)
+        except user_error_types() as error:
+            user_errors.put(error)
+            raise
         if trainer is not None:
             results = self._collect_rank_zero_results(trainer, results)
         if process_idx == 0:

@@ -148,8 +148,11 @@ def _error_of(log: Path) -> str:
 
 def launch_run(spec: RunSpec, workdir: Path, name: str, launch: Launch = "auto", env: Optional[dict[str, str]] = None,
                timeout: float = RUN_TIMEOUT_S) -> dict[str, Any]:
-    """Train `spec` in a process of its own and return its results; VerifyError with the run's error if it fails."""
+    """Train `spec` in a process of its own and return its results; VerifyError with the run's error if it fails,
+    or the user's mistake the run found (a DataError naming the bad record) as it was raised there."""
+    from ultrascale import user_errors
     from ultrascale.launch import end_processes
+    from ultrascale.verify.run import user_error_path
 
     log = workdir / f"{name}.log"
     mode = auto_launch() if launch == "auto" else launch
@@ -167,6 +170,8 @@ def launch_run(spec: RunSpec, workdir: Path, name: str, launch: Launch = "auto",
             done = subprocess.run([sys.executable, "-m", "ultrascale.verify.run", str(path)], stdout=out,
                                   stderr=subprocess.STDOUT, env=env, timeout=timeout)
         code = done.returncode
+    if code != 0 and user_error_path(spec).exists():
+        raise user_errors.load_error(user_error_path(spec))
     if code != 0 or not Path(spec.out).exists():
         raise VerifyError(f"the {name} run failed: {_error_of(log)} (its log: {log})")
     return json.loads(Path(spec.out).read_text())
@@ -205,12 +210,23 @@ def check_layout(cli_args: Sequence[str], gpu: str, precision: Optional[str] = "
 
     recipe, overrides = config_and_overrides(cli_args)
     try:
-        return check_recipe(recipe, [*overrides, *(["--trainer.precision", precision] if precision else [])], gpu=gpu), None
+        plan = check_recipe(recipe, [*overrides, *(["--trainer.precision", precision] if precision else [])], gpu=gpu)
     except (ValueError, NotImplementedError) as error:
         message = str(error)
         if message.split("(", 1)[0].split(":", 1)[0].strip() in _strategy_classes():
             raise VerifyError(message) from None
         return None, message  # a module or data module the planner cannot price: the runs check the layout themselves
+    check_data(plan)
+    return plan, None
+
+
+def check_data(plan: Any) -> None:
+    """The recipe's data, checked as `ultrascale fit` checks it before any rank starts (the path, the first
+    records): a DataError here, one line from the command, rather than from every run. Deeper faults are found by
+    the runs and come back the same way (`launch_run`)."""
+    from ultrascale.data.errors import check_before_launch
+
+    check_before_launch(plan.datamodule, plan.module, VerifyError)
 
 
 # --------------------------------------------------------------------------- verify
@@ -383,6 +399,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def verify_main(args: list[str]) -> None:
+    from ultrascale.user_errors import user_error_types
     from ultrascale.verify.plot import plot_path_problem, write_plot
 
     options, cli_args = _parser().parse_known_args(args)
@@ -393,7 +410,7 @@ def verify_main(args: list[str]) -> None:
         report = verify(cli_args, steps=options.steps, against=options.against, tolerance=options.tolerance, gpu=options.gpu,
                         launch=options.launch, workdir=Path(options.workdir) if options.workdir else None,
                         depth=options.depth, explain=options.explain)
-    except VerifyError as error:
+    except (VerifyError, *user_error_types()) as error:
         print(f"ultrascale verify: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     if report is None:  # a rank of a torchrun job other than 0: rank 0 reports

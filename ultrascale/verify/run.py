@@ -164,10 +164,22 @@ class _RunCLI(UltraScaleCLI):
 
 
 def run(spec: RunSpec) -> None:
-    """Train `spec`'s run in this process (its launcher starts the other ranks, or torchrun did)."""
-    with known_noise_quieted():
-        cli = _RunCLI(spec)
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    """Train `spec`'s run in this process (its launcher starts the other ranks, or torchrun did). A mistake of the
+    user's (a bad record) is also written beside `spec.out` (`user_error_path`), where the launching command reads it
+    to say it in one line."""
+    from ultrascale import user_errors
+
+    try:
+        with known_noise_quieted():
+            cli = _RunCLI(spec)
+            cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    except user_errors.user_error_types() as error:
+        user_errors.save_error(error, user_error_path(spec))
+        raise
+
+
+def user_error_path(spec: RunSpec) -> Path:
+    return Path(f"{spec.out}.user-error")
 
 
 if __name__ == "__main__":  # the subprocess path: `python -m ultrascale.verify.run SPEC.json`, once per rank

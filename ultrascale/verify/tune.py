@@ -166,6 +166,8 @@ def tune(cli_args: Sequence[str], *, top: int = 4, steps: int = 8, warmup: int =
          compile_both: bool = False) -> tuple[Any, list[Candidate]]:
     """Price, then run, the planner's `top` layouts for the recipe (each eager and compiled with `compile_both`);
     returns (the recipe's `RecipePlan`, the candidates in the planner's order, measured)."""
+    from ultrascale.data.errors import DataError
+    from ultrascale.user_errors import user_error_types
     from ultrascale.verify.app import auto_launch, check_layout
 
     if top < 1 or steps < 1 or not 0 <= warmup < steps:
@@ -190,7 +192,9 @@ def tune(cli_args: Sequence[str], *, top: int = 4, steps: int = 8, warmup: int =
                            precision=None)
             try:
                 measure(candidate, launch_run(spec, work, f"candidate {candidate.rank}", launch), plan.work.tokens, warmup)
-            except VerifyError as error:  # out of memory, a refusal: reported, and the next candidate runs
+            except DataError:  # the same data for every candidate: say it once, run no more
+                raise
+            except (VerifyError, *user_error_types()) as error:  # out of memory, a refusal: reported, the next runs
                 candidate.error = str(error).split(" (its log: ")[0].removeprefix(f"the candidate {candidate.rank} run failed: ")
             if progress is not None:
                 progress(index + 1, len(candidates), candidate)
