@@ -520,7 +520,8 @@ def tables(results: dict, params: dict, data: dict, options, versions: str, mach
         f"constant, betas {BETAS}, clip {MAX_GRAD_NORM:g}, CPU. {options.steps} timed steps after {options.warmup} "
         f"warm-up steps, median of {options.repeats} run(s) per figure (range of the per-run ratios in brackets). "
         f"{versions}",
-        f"Machine: {machine_line}. The whole benchmark took {wall / 60:.1f} min.",
+        f"Machine: {machine_line}. The whole benchmark took {wall / 60:.1f} min. Command: `python "
+        f"benchmarks/peers/sft_throughput.py {' '.join(sys.argv[1:])}`.",
         "",
         "| model | precision | processes | TRL default | ultrascale pack=False | ratio | TRL packing=True | "
         "ultrascale pack=True | ratio |",
