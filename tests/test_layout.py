@@ -66,7 +66,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ultrascale.callbacks",),  # Lightning callbacks
     ("ultrascale.planner",),  # the planner's search and cost model
     ("ultrascale.models",),  # the built-in Llama, Hugging Face models, PEFT, adapters
-    ("ultrascale.data", "ultrascale.contract"),  # DataModules; the module <-> strategy contract
+    ("ultrascale.data", "ultrascale.contract", "ultrascale.user_errors"),  # DataModules; the module <-> strategy
+    # contract; a user's mistake said in one line from whichever process finds it
     ("ultrascale.estimate", "ultrascale.hardware"),  # shapes, FLOPs and memory formulas; the GPU table
     ("ultrascale.parallel", "ultrascale.launch"),  # the engine (no Lightning), process launching
 )
