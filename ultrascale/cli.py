@@ -171,8 +171,20 @@ def _duration_and_rate(seconds: float, tokens: int) -> str:
 
 
 def main(args: list[str] | None = None) -> None:
-    with known_noise_quieted():
-        _main(args)
+    from ultrascale import user_errors
+
+    debug = os.environ.get(user_errors.DEBUG_VARIABLE)
+    try:
+        with known_noise_quieted():
+            _main(args)
+    finally:
+        # Called in-process (tests, a notebook), the caller gets its process back: no command named (a later
+        # Python fit raises a child's error rather than exiting), --debug's variable as it was.
+        user_errors.set_command(None)
+        if debug is None:
+            os.environ.pop(user_errors.DEBUG_VARIABLE, None)
+        else:
+            os.environ[user_errors.DEBUG_VARIABLE] = debug
 
 
 def _main(args: list[str] | None) -> None:
@@ -182,8 +194,10 @@ def _main(args: list[str] | None) -> None:
     args = list(args if args is not None else sys.argv[1:])
     if "--debug" in args:  # every traceback in full, user errors' too (as ULTRASCALE_DEBUG=1)
         args.remove("--debug")
-        given = args if given is not None else None
-        sys.argv = [sys.argv[0], *args]  # the script launcher re-runs sys.argv for every other rank
+        if given is None:
+            sys.argv = [sys.argv[0], *args]  # the script launcher re-runs sys.argv for every other rank
+        else:
+            given = args
         os.environ[user_errors.DEBUG_VARIABLE] = "1"
     if not args or args[0] in ("-h", "--help"):
         print(_subcommands_help())

@@ -44,10 +44,11 @@ _left = False
 _command: Optional[str] = None
 
 
-def set_command(name: str) -> None:
+def set_command(name: Optional[str]) -> None:
     """This process runs the command `name` (``ultrascale fit``): its messages start with it, and rank 0's observer
     may end the process when a child rank fails on a user's mistake (a Python caller gets the exception instead).
-    A new command starts afresh: nothing reported, nothing to remove (tests run several in one process)."""
+    A new command starts afresh: nothing reported, nothing to remove (tests run several in one process); None
+    when it has ended."""
     global _command, _reported, _left
     with _lock:
         _command, _reported, _left = name, False, False
