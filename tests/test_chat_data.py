@@ -478,6 +478,63 @@ def test_pad_to_longest_cuts_each_batch_to_its_content(folders) -> None:
     assert (cut["labels"] == torch.stack([r["labels"] for r in rows])[:, :12]).all()
 
 
+def test_padding_free_lays_the_rows_end_to_end(folders) -> None:
+    """Rows of known content (5, 9, 3, 12 positions; one packed row of 4 + 6) become one row of their sum, rounded up
+    to the multiple by a tail that is a document of its own without a target; positions restart at every example."""
+    from ultrascale.data.instruct import PaddingFree, pack_examples
+
+    def rows_of(packed):
+        return [{key: torch.from_numpy(getattr(packed, key)[i].astype(np.int64))
+                 for key in ("input_ids", "labels", "position_ids")} for i in range(packed.num_blocks)]
+
+    rows = rows_of(pack_examples([(np.arange(n + 1) + 10, 1) for n in (5, 9, 3, 12)], seq_len=16, pad_id=0, pack=False))
+    flat = PaddingFree(1, 16, pad_id=0)(rows)
+    assert set(flat) == {"input_ids", "labels", "position_ids"} and flat["input_ids"].shape == (1, 29)
+    expected = torch.cat([torch.arange(n) for n in (5, 9, 3, 12)])
+    assert torch.equal(flat["position_ids"][0], expected)
+    assert torch.equal(flat["input_ids"][0], expected + 10)
+    assert torch.equal(flat["labels"][0], torch.cat([torch.arange(1, n + 1) + 10 for n in (5, 9, 3, 12)]))
+    padded = PaddingFree(8, 16, pad_id=7)(rows)
+    assert padded["input_ids"].shape == (1, 32)
+    assert padded["input_ids"][0, 29:].tolist() == [7, 7, 7] and padded["labels"][0, 29:].tolist() == [-100] * 3
+    assert padded["position_ids"][0, 29:].tolist() == [0, 1, 2]
+    assert PaddingFree(2, 16, pad_id=0, buckets=True)(rows)["input_ids"].shape == (1, 32)  # 29 -> 2 x 16
+    assert PaddingFree(5, 8, pad_id=0)(rows[:2])["input_ids"].shape == (1, 15)  # 14 -> 15, under the cap of 16
+    two = rows_of(pack_examples([(np.arange(n + 1), 1) for n in (4, 6, 9)], seq_len=12, pad_id=0, pack=True))
+    assert [len(e) for e in pack_examples([(np.arange(n + 1), 1) for n in (4, 6, 9)], 12, 0).examples] == [2, 1]
+    assert PaddingFree(1, 12, pad_id=0)(two)["position_ids"][0].tolist() == [*range(4), *range(6), *range(9)]
+
+
+def test_padding_free_is_the_default_where_the_model_attends_within_documents(folders) -> None:
+    """padding_free=None: on for a module that declares `attends_within_documents` (LlamaLM, HFCausalLM), off for
+    one that does not, under pipeline parallel and with pad_to="seq_len"; True under pipeline parallel and True with
+    pad_to="seq_len" are refused, the first by the rulebook before launch."""
+    from types import SimpleNamespace
+
+    from ultrascale.data.instruct import PaddingFree, PadToLongest
+    from ultrascale.parallel.dims import ParallelDims
+    from ultrascale.parallel.rules import batch_problems
+
+    def collate(layout, module, **kwargs):
+        dm = dm_for(folders["data"], folders["marked"], pack=False, **kwargs)
+        dm.trainer = SimpleNamespace(strategy=_Layout(*layout), lightning_module=module)
+        return dm.collate_fn()
+
+    declares = SimpleNamespace(attends_within_documents=True)
+    assert isinstance(collate((1, "any"), declares), PaddingFree)
+    assert collate((4, "buckets"), declares).multiple == 4 and collate((4, "buckets"), declares).buckets
+    assert isinstance(collate((1, "any"), SimpleNamespace()), PadToLongest)
+    assert isinstance(collate((1, "any"), SimpleNamespace(), padding_free=True), PaddingFree)
+    assert isinstance(collate((1, "any"), declares, padding_free=False), PadToLongest)
+    assert collate((1, "static"), declares) is None
+    with pytest.raises(ValueError, match="padding_free=True. under pipeline parallel"):
+        collate((1, "static"), declares, padding_free=True)
+    with pytest.raises(ValueError, match="choose one"):
+        dm_for(folders["data"], folders["marked"], padding_free=True, pad_to="seq_len")
+    [problem] = batch_problems(ParallelDims.resolve(2, pp=2, dp_shard=1), padding_free=True, where="Chat")
+    assert "Chat(padding_free=True)" in problem.message and "pp=2" in problem.message
+
+
 class _Layout:
     """A strategy's `batch_length_rule` and device, for the data module's collate."""
 
@@ -507,6 +564,7 @@ def test_padded_length_follows_the_layout(folders, layout, expected) -> None:
 
 MIXED_LAYOUTS = {
     "ZeRO-3": {"data_parallel_shard": 2},
+    "ZeRO-3, rows padded to the longest": {"data_parallel_shard": 2},
     "TP 2 + SP": {"tensor_parallel": 2, "data_parallel_shard": 1},
     "CP 2": {"context_parallel": 2, "data_parallel_shard": 1},
     "PP 2": {"pipeline_parallel": 2, "pipeline_microbatches": 2, "data_parallel_shard": 1},
@@ -519,16 +577,16 @@ def _unpacked_chats(root):
     return tokenizer, data
 
 
-def _train_unpacked(rank, world_size, path, tokenizer, data, strategy_kwargs):
+def _train_unpacked(rank, world_size, path, tokenizer, data, strategy_kwargs, padding_free):
     import ultrascale
     from tests._parity import Recorder, make_hf, parity_trainer
 
     recorder, lengths = Recorder(), []
-    dm = dm_for(data, tokenizer, seq_len=PARITY_SEQ, global_batch_size=4, pack=False)
+    dm = dm_for(data, tokenizer, seq_len=PARITY_SEQ, global_batch_size=4, pack=False, padding_free=padding_free)
 
     class Lengths(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            lengths.append(batch["input_ids"].shape[1])
+            lengths.append(tuple(batch["input_ids"].shape))
 
     trainer = parity_trainer(world_size, ultrascale.UltraScaleStrategy(**strategy_kwargs), recorder, PARITY_STEPS,
                              accumulate_grad_batches=2)
@@ -539,9 +597,10 @@ def _train_unpacked(rank, world_size, path, tokenizer, data, strategy_kwargs):
 
 @pytest.mark.parametrize("layout", list(MIXED_LAYOUTS))
 def test_batches_of_mixed_lengths_train_like_one_process(layout, tmp_path) -> None:
-    """Unpacked conversations, each micro-batch cut to its own longest (lengths differ per rank and micro-batch;
-    pipeline stages keep seq_len), accumulation 2: the inline one-process reference on the same global batches at
-    full seq_len, which padding after a sequence cannot change."""
+    """Unpacked conversations, each micro-batch's rows laid end to end (padding-free, the default: one row whose
+    length differs per rank and micro-batch) or cut to its own longest; pipeline stages keep rows of seq_len;
+    accumulation 2: the inline one-process reference on the same global batches at full seq_len, one row per
+    conversation, which neither can change."""
     from torch.utils.data import Subset
 
     from tests._dist import run_ranks
@@ -555,12 +614,19 @@ def test_batches_of_mixed_lengths_train_like_one_process(layout, tmp_path) -> No
     order = list(ResumableBlockSampler(dm.train_dataset, 4, num_replicas=1, rank=0, shuffle=True, seed=dm.seed))
     reference = reference_run(make_hf(path), Subset(dm.train_dataset, order), global_batch=4, steps=PARITY_STEPS,
                               accumulate=2)
-    results = run_ranks(_train_unpacked, 2, path, tokenizer, data, MIXED_LAYOUTS[layout])
-    lengths = [length for result in results for length in result["lengths"]]
+    padded = layout.endswith("longest")
+    results = run_ranks(_train_unpacked, 2, path, tokenizer, data, MIXED_LAYOUTS[layout], False if padded else None)
+    shapes = [shape for result in results for shape in result["lengths"]]
+    lengths = [length for _, length in shapes]
+    # A rank's micro-batch: 2 rows (4 under TP, CP and PP: one data-parallel rank) of seq_len or less, or one row of
+    # at most all of them.
+    rows = 2 if layout.startswith("ZeRO") else 4
     if layout.startswith("PP"):
-        assert set(lengths) == {PARITY_SEQ}
+        assert set(shapes) == {(rows, PARITY_SEQ)}, shapes
+    elif padded:
+        assert {b for b, _ in shapes} == {rows} and len(set(lengths)) > 2 and max(lengths) <= PARITY_SEQ, shapes
     else:
-        assert len(set(lengths)) > 2 and max(lengths) <= PARITY_SEQ, lengths
+        assert {b for b, _ in shapes} == {1} and len(set(lengths)) > 2 and max(lengths) <= rows * PARITY_SEQ, shapes
         if layout.startswith("CP"):  # a rank sees its half, of a length the 4 zig-zag chunks divide
             assert all((2 * length) % 4 == 0 for length in lengths), lengths
     assert_parity(merge_stages(results) if layout.startswith("PP") else results[0], reference, step_losses(results))

@@ -38,6 +38,13 @@ class ModuleContract(Protocol):
     `loss_parallel=None` keeps them sharded into the cross-entropy (no all-gather of the (B, T, V)
     logits). False or absent: the logits are all-gathered first."""
 
+    attends_within_documents: bool
+    """True: the model reads ``position_ids`` (B, T) restarting at 0 as the starts of documents, each attending to
+    itself alone (`CausalLMModule`: the built-in Llama and `HFCausalLM`), so a data module may lay a batch's
+    sequences end to end in one row (`InstructionDataModule(padding_free=None)`). False or absent: padding-free
+    batches only when the data module is told to (`padding_free=True`); a model that ignored the positions would
+    let one example attend to another."""
+
     config: Any
     """The model's config (`LlamaConfig`, a Hugging Face `PretrainedConfig`): its sizes (layers, heads,
     experts, tied embeddings) let the layout be checked before any rank starts, and `auto_layout`
@@ -74,7 +81,7 @@ class StrategyContract(Protocol):
         ...
 
 
-_BOOLEANS = ("prefers_meta_init", "supports_loss_parallel")
+_BOOLEANS = ("prefers_meta_init", "supports_loss_parallel", "attends_within_documents")
 _METHODS = ("pipeline_parts", "init_weights")
 
 
@@ -105,6 +112,11 @@ def prefers_meta_init(module: Any) -> bool:
 def supports_loss_parallel(module: Any) -> bool:
     """`ModuleContract.supports_loss_parallel`, False where not declared."""
     return bool(_declared(module, "supports_loss_parallel"))
+
+
+def attends_within_documents(module: Any) -> bool:
+    """`ModuleContract.attends_within_documents`, False where not declared."""
+    return bool(_declared(module, "attends_within_documents"))
 
 
 def own_pipeline_parts(module: Any) -> Optional["PipelineParts"]:
@@ -152,6 +164,7 @@ __all__ = [
     "ModuleContract",
     "StrategyContract",
     "attached_strategy",
+    "attends_within_documents",
     "check_module",
     "normalizes_token_loss",
     "own_pipeline_parts",

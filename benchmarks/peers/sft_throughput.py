@@ -19,8 +19,8 @@ Four trainings per (size, precision, processes), each in a fresh process (tree) 
 * TRL packed: the same with `packing=True` (best-fit decreasing into rows of `max_length=256`, padding-free: the 8
   rows of a step flattened into one with `position_ids`).
 * ultrascale pack=False: `ultrascale fit --config recipes/hf_finetune.yaml --data.init_args.pack false
-  --data.init_args.prompt_template "{prompt}"`: one record per block of `seq_len` 256, each batch cut to its longest
-  row (`pad_to: longest`, the default).
+  --data.init_args.prompt_template "{prompt}"`: one record per block of `seq_len` 256, each rank's batch laid end to
+  end in one row without padding (`padding_free`, the default for `HFCausalLM`; each record attends to itself alone).
 * ultrascale pack=True: the same with `pack: true` (whole records next-fit into blocks of 256 inputs).
 
 Everything else is the same on both sides: 8 sequences (records, or packed rows/blocks) per step, AdamW lr 1e-3 at
@@ -281,12 +281,16 @@ def ultrascale_data(folder: Path, data: Path, pack: bool):
 
 def ultrascale_step_counts(dm, max_steps: int, processes: int) -> list[tuple[int, int, int]]:
     """(targets, positions, non-padding positions) of each of the run's first `max_steps` steps, from its data: the
-    same blocks, sampler, seed and epochs as the run, each rank's share cut to its longest row (`PadToLongest` at
-    the CPU's multiple 1)."""
+    same blocks, sampler, seed and epochs as the run, each rank's share collated as the run collates it for
+    `HFCausalLM` on the CPU (`padding_free` by default: `PaddingFree` at the CPU's multiple 1, the rows end to end;
+    with `padding_free: false`, `PadToLongest`)."""
     import torch
 
     from ultrascale.data import ResumableBlockSampler
+    from ultrascale.data.instruct import PaddingFree, PadToLongest
     from ultrascale.parallel.loss import content_lengths
+
+    collate = PadToLongest(1, dm.seq_len) if dm.padding_free is False else PaddingFree(1, dm.seq_len, dm.pad_id)
 
     dataset = dm.train_dataset
     sampler = ResumableBlockSampler(dataset, GLOBAL_BATCH, shuffle=True, seed=dm.seed)
@@ -303,7 +307,7 @@ def ultrascale_step_counts(dm, max_steps: int, processes: int) -> list[tuple[int
         rows = order[b]
         targets = int((labels[rows] != -100).sum())
         local = rows.view(processes, -1)  # (dp, G // dp): rank r's slice
-        computed = sum(int(lengths[r].max()) * r.numel() for r in local)
+        computed = sum(collate([dataset[i] for i in r.tolist()])["input_ids"].numel() for r in local)
         out.append((targets, computed, int(lengths[rows].sum())))
     return out
 

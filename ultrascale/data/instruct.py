@@ -38,6 +38,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset, default_collate
 
+from ultrascale.contract import attends_within_documents
 from ultrascale.data.chat import (
     LEARN,
     TRUNCATION,
@@ -57,7 +58,8 @@ from ultrascale.parallel.device import sequence_length_multiple
 from ultrascale.parallel.loss import content_lengths
 
 __all__ = [
-    "InstructionBlockDataset", "InstructionDataModule", "PackedBlocks", "pack_examples", "read_examples", "read_records",
+    "InstructionBlockDataset", "InstructionDataModule", "PackedBlocks", "PadToLongest", "PaddingFree", "pack_examples",
+    "padded_length", "read_examples", "read_records",
 ]
 
 PAD_TO = ("longest", "seq_len")
@@ -248,6 +250,15 @@ class InstructionBlockDataset(Dataset):
         }
 
 
+def padded_length(longest: int, multiple: int, cap: int, buckets: bool = False) -> int:
+    """A batch's length for `longest` positions of content: ``min(cap, ceil(longest / multiple) * multiple)``; with
+    `buckets`, ``multiple * 2^k`` for the least k that holds it (at most log2(cap / multiple) + 1 shapes)."""
+    units = -(-longest // multiple)
+    if buckets:
+        units = 1 << (units - 1).bit_length()
+    return min(cap, units * multiple)
+
+
 class PadToLongest:
     """Collate rows of ``seq_len`` into a batch cut to its longest row's content
     (:func:`~ultrascale.parallel.loss.content_lengths`), rounded up to `multiple` and capped at `seq_len`: the
@@ -262,13 +273,35 @@ class PadToLongest:
         return {key: value[:, :length] for key, value in batch.items()} if length < batch["input_ids"].shape[1] else batch
 
     def length(self, position_ids: torch.Tensor, labels: torch.Tensor) -> int:
-        """The batch's padded length: ``min(seq_len, ceil(longest / multiple) * multiple)``; with `buckets`,
-        ``multiple * 2^k`` for the least k that holds the longest (at most log2(seq_len / multiple) + 1 shapes)."""
+        """The batch's padded length (`padded_length` of its longest row's content, capped at `seq_len`)."""
         longest = int(content_lengths(position_ids, labels).max())
-        units = -(-longest // self.multiple)
-        if self.buckets:
-            units = 1 << (units - 1).bit_length()
-        return min(self.seq_len, units * self.multiple)
+        return padded_length(longest, self.multiple, self.seq_len, self.buckets)
+
+
+class PaddingFree:
+    """Collate rows of ``seq_len`` into one row: each cut to its content (:func:`~ultrascale.parallel.loss.
+    content_lengths`) and laid end to end, the positions restarting at 0 where each row (and each example packed in
+    it) starts, so the model attends within each example alone (TRL's ``padding_free``). The only padding is the
+    rounding of the whole to `multiple` (`padded_length`, capped at rows x `seq_len`): a document of its own at the
+    end, without a target. A batch of B rows becomes ``(1, T)`` with T about the sum of their lengths, where
+    :class:`PadToLongest` computes B x the longest."""
+
+    def __init__(self, multiple: int, seq_len: int, pad_id: int, buckets: bool = False) -> None:
+        self.multiple, self.seq_len, self.pad_id, self.buckets = multiple, seq_len, pad_id, buckets
+
+    def __call__(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        batch = default_collate(rows)
+        lengths = content_lengths(batch["position_ids"], batch["labels"]).tolist()
+        pieces = {key: [value[b, :n] for b, n in enumerate(lengths)] for key, value in batch.items()}
+        content = sum(lengths)
+        tail = padded_length(content, self.multiple, len(rows) * self.seq_len, self.buckets) - content
+        if tail:
+            filler = {"input_ids": torch.full((tail,), self.pad_id, dtype=batch["input_ids"].dtype),
+                      "labels": torch.full((tail,), IGNORE_INDEX, dtype=batch["labels"].dtype),
+                      "position_ids": torch.arange(tail, dtype=batch["position_ids"].dtype)}
+            for key in pieces:
+                pieces[key].append(filler[key])
+        return {key: torch.cat(values).unsqueeze(0) for key, values in pieces.items()}
 
 
 # --------------------------------------------------------------------------- data module
@@ -338,6 +371,15 @@ class InstructionDataModule(BlockDataModule):
             (``parallel.device.sequence_length_multiple``: 8 on CUDA, 1 on CPU). Always also a
             multiple of what the layout splits a sequence by (``2 x cp``, ``tp`` under sequence
             parallel).
+        padding_free: Lay the rows of each batch end to end in one row, each cut to its content
+            (:class:`PaddingFree`; TRL's ``padding_free``): no position of a batch is padding but the
+            rounding at its end, and each example attends to itself alone (the positions restart
+            at 0 where it starts). ``None`` (default): on where the model declares it attends
+            within documents (`ultrascale.contract.ModuleContract.attends_within_documents`:
+            ``LlamaLM``, ``HFCausalLM``) and the layout takes batches of any shape, i.e. not under
+            pipeline parallel (its micro-batches split the batch's rows and its stages keep one
+            shape) nor with ``pad_to="seq_len"``; ``True``: always (refused under pipeline parallel
+            and with ``pad_to="seq_len"``); ``False``: rows stay rows, padded by ``pad_to``.
         group_by_length: Draw each global batch from blocks of similar length (windows of
             :attr:`~ultrascale.data.sampling.ResumableBlockSampler.GROUP_WINDOW` global batches of the
             epoch's order, sorted longest first), so ``pad_to="longest"`` pads little; off by default.
@@ -374,6 +416,7 @@ class InstructionDataModule(BlockDataModule):
         pad_to_multiple_of: int | None = None,
         group_by_length: bool = False,
         shuffle: bool = True,
+        padding_free: bool | None = None,
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -398,6 +441,9 @@ class InstructionDataModule(BlockDataModule):
             raise ValueError(f"{name}: `pad_to={pad_to!r}` must be one of {', '.join(PAD_TO)}")
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
             raise ValueError(f"{name}: `pad_to_multiple_of={pad_to_multiple_of}` must be >= 1 or None (the device's)")
+        if padding_free and pad_to == "seq_len":
+            raise ValueError(f"{name}: `padding_free=True` lays a batch's rows end to end, `pad_to='seq_len'` keeps "
+                             "every row seq_len long: choose one")
         if chat_template is not None:
             chat_template = resolve_chat_template(chat_template, None, str(tokenizer_path))  # a missing file: now
         self.save_hyperparameters()
@@ -424,6 +470,7 @@ class InstructionDataModule(BlockDataModule):
         self.pad_to_multiple_of = pad_to_multiple_of
         self.group_by_length = group_by_length
         self.shuffle = shuffle
+        self.padding_free = padding_free
         # Loaded eagerly when the path is known (errors surface at construction), otherwise
         # on first use from the LightningModule's `tokenizer_path`.
         self._tokenizer: HFTokenizer | ByteTokenizer | None = None
@@ -588,16 +635,26 @@ class InstructionDataModule(BlockDataModule):
                                  f"is a prompt/response pair, or a conversation in `{self.messages_field}`)")
         return out
 
-    def collate_fn(self) -> PadToLongest | None:
-        """:class:`PadToLongest` at the strategy's rule (`batch_length_rule`: length buckets under `compile=True`)
-        and the device's multiple, unless `pad_to="seq_len"` or the layout needs one shape for every batch."""
-        strategy = getattr(self.trainer, "strategy", None) if self.trainer is not None else None
+    def collate_fn(self) -> PadToLongest | PaddingFree | None:
+        """:class:`PaddingFree` or :class:`PadToLongest` (`padding_free`) at the strategy's rule
+        (`batch_length_rule`: length buckets under `compile=True`) and the device's multiple, unless
+        `pad_to="seq_len"` or the layout needs one shape for every batch."""
+        trainer = self.trainer
+        strategy = getattr(trainer, "strategy", None) if trainer is not None else None
         layout, shapes = strategy.batch_length_rule() if hasattr(strategy, "batch_length_rule") else (1, "any")
+        if self.padding_free and shapes == "static":
+            raise ValueError(f"{type(self).__name__}: `padding_free=True` under pipeline parallel: its micro-batches "
+                             "split a batch's rows and its stages keep one shape; set `padding_free: null` (rows of "
+                             "seq_len there)")
         if self.pad_to == "seq_len" or shapes == "static":
             return None
         device = getattr(strategy, "root_device", torch.device("cpu"))
-        multiple = self.pad_to_multiple_of or sequence_length_multiple(device)
-        return PadToLongest(math.lcm(multiple, layout), self.seq_len, buckets=shapes == "buckets")
+        multiple = math.lcm(self.pad_to_multiple_of or sequence_length_multiple(device), layout)
+        module = getattr(trainer, "lightning_module", None) if trainer is not None else None
+        free = self.padding_free if self.padding_free is not None else attends_within_documents(module)
+        if free:
+            return PaddingFree(multiple, self.seq_len, self.pad_id, buckets=shapes == "buckets")
+        return PadToLongest(multiple, self.seq_len, buckets=shapes == "buckets")
 
     def setup(self, stage: str | None = None) -> None:
         """Read, tokenize and pack the examples; split the blocks into train/val (once; later calls are no-ops)."""

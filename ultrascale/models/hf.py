@@ -61,6 +61,43 @@ def _supported_attention(config: Any) -> set[str]:
     return {"eager", *(name for name, flag in flags.items() if getattr(model_class, flag, False))}
 
 
+HF_DOCUMENT_ATTENTION = "ultrascale_sdpa_documents"
+"""The name `hf_document_attention` is registered under in transformers' `AttentionInterface` (with SDPA's mask
+function): what `HFCausalLM` runs where transformers would run "sdpa"."""
+
+
+def hf_document_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                          **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' "sdpa" attention, packed documents one at a time: where the layer's `position_ids` restart
+    (a padding-free or packed batch) and the layer is plain causal attention (no sliding window, soft-capping, sinks
+    or cache), each document attends to itself through `parallel.documents.document_attention`, and the (T, T)
+    block-diagonal mask transformers built is not read; everything else is transformers' own `sdpa_attention_forward`
+    with that mask. Both compute the same attention."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from ultrascale.parallel.documents import document_attention, document_ids
+
+    documents = document_ids(kwargs.get("position_ids"))
+    plain = (kwargs.get("sliding_window") is None and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
+             and getattr(module, "is_causal", True) and query.shape[2] == key.shape[2])
+    if documents is None or not plain or documents.shape[-1] != query.shape[2]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    out = document_attention(query, key, value, documents, scale=scaling, dropout_p=dropout)  # (B, H, T, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_document_attention(model: torch.nn.Module) -> None:
+    """Run `model`'s "sdpa" attention as `hf_document_attention` (registered once, with SDPA's mask function)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(HF_DOCUMENT_ATTENTION, hf_document_attention)
+    AttentionMaskInterface.register(HF_DOCUMENT_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.set_attn_implementation(HF_DOCUMENT_ATTENTION)
+
+
 class HFCausalLM(CausalLMModule):
     """Fine-tune a local Hugging Face `AutoModelForCausalLM` checkpoint folder.
 
@@ -206,6 +243,8 @@ class HFCausalLM(CausalLMModule):
                 attn_implementation=attention, trust_remote_code=self.hparams.trust_remote_code,
             )
             self._weights_pending = False
+        if attention == "sdpa":
+            use_document_attention(self.model)
         # `from_pretrained` returns the model in eval mode and Lightning keeps a submodule's mode: without this its
         # dropout stayed off under Lightning's own strategies.
         self.model.train()

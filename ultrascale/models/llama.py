@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from ultrascale.estimate import ModelFlops, active_params, matmul_params
 from ultrascale.models.moe import FeedForward, MoE
 from ultrascale.parallel.device import attention_backend, grouped_sdpa
+from ultrascale.parallel.documents import document_attention, document_ids, document_mask
 
 __all__ = [
     "LLAMA_PRESETS",
@@ -308,35 +309,28 @@ def document_causal_mask(positions: torch.Tensor) -> Optional[torch.Tensor]:
     """``(B, 1, T, T)`` bool mask for packed documents: query t may attend to key s iff s <= t and
     both lie in the same document; a document starts wherever ``positions`` (B, T) is 0.
     None when no row restarts after its first token (plain causal attention suffices)."""
-    starts = positions == 0
-    if not starts[:, 1:].any():
-        return None
-    document = starts.cumsum(-1)  # (B, T) document index of each token
-    same = document.unsqueeze(-1) == document.unsqueeze(-2)  # (B, T, T)
-    causal = torch.ones(positions.shape[-1], positions.shape[-1], dtype=torch.bool, device=positions.device).tril()
-    return (same & causal).unsqueeze(1)  # (B, 1, T, T)
+    documents = document_ids(positions)
+    return None if documents is None else document_mask(documents)
 
 
 class ScaledDotProductAttention(nn.Module):
     """Causal attention kernel with grouped-query heads; the swap point for ring attention (context parallel)."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         """``q``: ``(B, n_heads, T, head_dim)``; ``k``, ``v``: ``(B, n_kv_heads, T, head_dim)``; returns q's shape.
 
         With ``enable_gqa`` query head ``h`` reads key/value head ``h // (n_heads / n_kv_heads)``,
         the same as ``k.repeat_interleave(n_rep, dim=1)`` but without materialising the copies.
-        ``mask`` (``(B, 1, T, T)`` bool, True = may attend) replaces the plain causal mask,
-        e.g. with a per-document causal mask for packed sequences.
+        ``documents`` (``(B, T)`` document number of each token, `document_ids`) confines each packed
+        document's attention to itself (`parallel.documents.document_attention`: one causal call per document).
         """
-        if mask is None:
+        if documents is None:
             if attention_backend(q.device, q.dtype) == "flash":
                 return flash_causal_attention(q, k, v)
             return grouped_sdpa(q, k, v, is_causal=True)
-        # Packed documents: SDPA with the block-diagonal causal mask (flash-attn would need its varlen
-        # entry point and the documents' cumulative lengths).
-        return grouped_sdpa(q, k, v, attn_mask=mask)
+        return document_attention(q, k, v, documents)
 
 
 def flash_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -360,7 +354,7 @@ class Attention(nn.Module):
         self.sdpa = ScaledDotProductAttention()
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         # Head counts come from the projections' widths, so under tensor parallel the
         # local shards (n_heads // tp query heads, n_kv_heads // tp kv heads) just work.
@@ -368,7 +362,7 @@ class Attention(nn.Module):
         k = self.wk(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # (B, n_local_kv_heads, T, head_dim)
         v = self.wv(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # (B, n_local_kv_heads, T, head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.sdpa(q, k, v, mask)  # (B, n_local_heads, T, head_dim)
+        out = self.sdpa(q, k, v, documents)  # (B, n_local_heads, T, head_dim)
         out = out.transpose(1, 2).flatten(2)  # (B, T, n_local_heads * head_dim)
         return self.wo(out)  # (B, T, dim)
 
@@ -389,10 +383,10 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(config.dim, config.resolved_ffn_hidden_dim)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
-        # `mask` goes by keyword: tensor-parallel plans describe the positional inputs (x, cos, sin).
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
+        # `documents` goes by keyword: tensor-parallel plans describe the positional inputs (x, cos, sin).
+        h = x + self.attention(self.attention_norm(x), cos, sin, documents=documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -486,7 +480,7 @@ class Llama(nn.Module):
         if tokens.dim() != 2 and not (tokens.dim() == 3 and tokens.is_floating_point()):
             raise ValueError(f"Llama expects tokens of shape (B, T), got {tuple(tokens.shape)}.")
         seq_len = tokens.shape[1]
-        mask = None
+        documents = None
         if positions is None:
             if seq_len > self.config.max_seq_len:
                 raise ValueError(
@@ -499,10 +493,10 @@ class Llama(nn.Module):
         else:
             cos = self.rope_cos[positions].unsqueeze(1)  # (B, 1, T, head_dim // 2): broadcast over heads
             sin = self.rope_sin[positions].unsqueeze(1)
-            mask = document_causal_mask(positions) if self.document_masks else None
+            documents = document_ids(positions) if self.document_masks else None
         h = self.tok_embeddings(tokens)  # (B, T, dim)
         for layer in self.layers:
-            h = layer(h, cos, sin, mask=mask)
+            h = layer(h, cos, sin, documents=documents)
         return self.output(self.norm(h))  # (B, T, vocab_size)
 
     def num_params(self, exclude_embedding: bool = False) -> int:

@@ -80,6 +80,9 @@ class CausalLMModule(lightning.LightningModule):
     supports_loss_parallel = True
     """`batch_loss` accepts vocab-sharded DTensor logits, so strategies may keep them sharded."""
 
+    attends_within_documents = True
+    """``position_ids`` restarting at 0 start documents that attend to themselves alone (both models)."""
+
     def __init__(self) -> None:
         super().__init__()
         # Weighted by each batch's valid tokens, synced as (sum, count) over all ranks at epoch end.

@@ -59,6 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ultrascale.parallel.attention_kernels import attention_kernel, repeat_kv, softcap_kernel
 from ultrascale.parallel.device import all_gather_single, grouped_sdpa, reduce_scatter_single
 from ultrascale.parallel.dims import context_chunks, sequence_split_problem
+from ultrascale.parallel.documents import document_ids
 from ultrascale.parallel.numerics import accumulation_dtype, upcast
 from ultrascale.parallel.rules import CONTEXT_PARALLEL_METHODS, choice_problems, raise_first, ulysses_problems
 
@@ -117,17 +118,6 @@ class ContextLayout:
         if self.documents is None:
             return None
         return self.documents.index_select(1, self.token_index(rank, self.documents.device))
-
-
-def document_ids(position_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """(B, T) document index per token of packed sequences (a document starts where the position is 0),
-    or None when no row restarts after its first token (plain causal attention)."""
-    if position_ids is None or position_ids.dim() != 2:
-        return None
-    starts = position_ids == 0
-    if not starts[:, 1:].any():
-        return None
-    return starts.cumsum(-1)
 
 
 # --------------------------------------------------------------------------- block plan
@@ -634,13 +624,14 @@ def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Conte
 
 class ContextParallelAttention(nn.Module):
     """Drop-in for `ultrascale.models.llama.ScaledDotProductAttention`: the same call, attention over
-    the whole context-parallel sequence. Document masks come from the layout, not from `mask`."""
+    the whole context-parallel sequence. Document masks come from the layout, not from `documents`."""
 
     def __init__(self, context_parallel: ContextParallel) -> None:
         super().__init__()
         self.context_parallel = context_parallel
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.context_parallel.attention(q, k, v)
 
 

@@ -160,7 +160,7 @@ def attention_backend(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: Optional[torch.Tensor] = None,
-                 is_causal: bool = False, scale: Optional[float] = None) -> torch.Tensor:
+                 is_causal: bool = False, scale: Optional[float] = None, dropout_p: float = 0.0) -> torch.Tensor:
     """`F.scaled_dot_product_attention` for grouped-query heads (k, v with fewer heads than q, query head h reading
     kv head h // groups).
 
@@ -171,8 +171,8 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask
     groups = q.shape[1] // k.shape[1]
     if groups > 1 and q.device.type == "cuda" and (attn_mask is not None or q.dtype == torch.float32):
         k, v, groups = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), 1
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                          enable_gqa=groups > 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                          scale=scale, enable_gqa=groups > 1)
 
 
 def hf_attention_implementation(device: torch.device, dtype: torch.dtype) -> str:

@@ -550,12 +550,17 @@ def batch_problems(dims: ParallelDims, *, seq_len: Optional[int] = None,
                    global_batch: Optional[int] = None, sequence_parallel: bool = False,
                    microbatches: Optional[int] = None, micro_batch: Optional[int] = None,
                    grad_accumulation: Optional[int] = None, where: str = "",
-                   load_balance: bool = True) -> list[Problem]:
+                   load_balance: bool = True, padding_free: bool = False) -> list[Problem]:
     """The data against the layout: the sequence splits over sp x cp (`load_balance`: context parallel's zig-zag
     chunks, `sequence_split_problem`), the global batch over dp, each rank's batch into the pipeline's micro-batches;
     with `micro_batch` and `grad_accumulation` (the planner's split of the batch) also that they make the global
-    batch."""
+    batch; with `padding_free` (the data lays a batch's rows end to end in one row) that no pipeline splits it."""
     problems: list[Problem] = []
+    if padding_free and dims.pp_enabled:
+        problems.append(Problem(
+            f"{where or 'the data'}(padding_free=True) lays each batch's rows end to end in one row, and pipeline "
+            f"parallel (pp={dims.pp}) splits a batch's rows into its micro-batches, its stages keeping one shape: set "
+            "`padding_free: null` (rows of seq_len under pipeline parallel) or train without pipeline parallel"))
     if seq_len is not None:
         split = sequence_split_problem(seq_len, tp=dims.tp if sequence_parallel and dims.tp_enabled else 1, cp=dims.cp,
                                        load_balance=load_balance,

@@ -137,4 +137,5 @@ class LayoutChecks:
             global_batch=global_batch if isinstance(global_batch, int) else None, sequence_parallel=sequence_parallel,
             microbatches=microbatches, where=type(datamodule).__name__,
             load_balance=self.context_parallel_load_balance,
+            padding_free=getattr(datamodule, "padding_free", None) is True,
         ), type(self).__name__)
