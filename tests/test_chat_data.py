@@ -535,6 +535,22 @@ def test_padding_free_is_the_default_where_the_model_attends_within_documents(fo
     assert "Chat(padding_free=True)" in problem.message and "pp=2" in problem.message
 
 
+def test_hf_models_declare_documents_apart_except_those_whose_masks_ignore_positions(tmp_path) -> None:
+    """HFCausalLM declares `attends_within_documents` from its config: GPT-OSS builds its masks without
+    `position_ids` (its packed documents would see each other), so its batches stay rows."""
+    import transformers
+
+    from tests._parity import make_hf_checkpoint
+    from ultrascale.models.adapters import hf_attends_within_documents
+    from ultrascale.models.hf import HFCausalLM
+    from ultrascale.models.lm import LlamaLM
+
+    llama = make_hf_checkpoint(tmp_path / "llama", "llama", vocab_size=64, hidden_size=32)
+    assert HFCausalLM(str(llama)).attends_within_documents is True and LlamaLM.attends_within_documents is True
+    assert hf_attends_within_documents(transformers.GptOssConfig()) is False
+    assert hf_attends_within_documents(transformers.Qwen2Config()) is True
+
+
 class _Layout:
     """A strategy's `batch_length_rule` and device, for the data module's collate."""
 

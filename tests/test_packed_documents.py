@@ -56,6 +56,68 @@ def test_hf_packed_examples_are_isolated(tmp_path, attn):
     assert not torch.allclose(leaky[:, 5:], alone_b, atol=1e-3)
 
 
+DOCUMENT_ROWS = [[5, 7, 4], [16], [3, 9, 1, 3]]  # per row of 16: document lengths (one of a single token)
+
+
+def _document_positions() -> torch.Tensor:
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCUMENT_ROWS])  # (3, 16)
+
+
+def test_document_attention_equals_sdpa_under_the_block_diagonal_mask():
+    """One causal call per document (grouped-query heads) against torch's SDPA with the dense mask: output and the
+    gradients of q, k, v."""
+    from ultrascale.parallel.device import grouped_sdpa
+    from ultrascale.parallel.documents import document_attention, document_ids, document_mask, document_spans
+
+    documents = document_ids(_document_positions())
+    assert document_spans(documents) == [[(0, 5), (5, 12), (12, 16)], [(0, 16)], [(0, 3), (3, 12), (12, 13), (13, 16)]]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 16, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(3, 2, 16, 8, generator=g, requires_grad=True) for _ in range(2))
+    ours = document_attention(q, k, v, documents, scale=0.3)
+    dense = grouped_sdpa(q, k, v, attn_mask=document_mask(documents), scale=0.3)
+    assert_close(ours, dense, rtol=1e-6, atol=1e-6)
+    grads = torch.autograd.grad(ours.square().sum(), (q, k, v))
+    for mine, theirs in zip(grads, torch.autograd.grad(dense.square().sum(), (q, k, v))):
+        assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch, per_document", [("llama", True), ("qwen2", True), ("qwen3", True), ("gemma3", False)])
+def test_hf_document_attention_gives_transformers_sdpa(tmp_path, arch, per_document):
+    """`HFCausalLM` runs "sdpa" as `ultrascale_sdpa_documents`: packed rows give transformers' own SDPA forward's
+    logits and gradients, computed per document where a layer is plain causal attention (Llama, Qwen2, Qwen3) and by
+    transformers' SDPA under its mask where a layer has a sliding window (Gemma 3)."""
+    import transformers
+
+    import ultrascale.parallel.documents as documents_module
+    from tests._parity import make_hf_checkpoint
+    from ultrascale.models.hf import HF_DOCUMENT_ATTENTION, HFCausalLM
+
+    path = make_hf_checkpoint(tmp_path / arch, arch, vocab_size=64, hidden_size=32)
+    module = HFCausalLM(path)
+    module.configure_model()
+    assert module.model.config._attn_implementation == HF_DOCUMENT_ATTENTION
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    reference.train()
+    ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(1))
+    positions = _document_positions()
+    calls = []
+    original = documents_module.document_attention
+    documents_module.document_attention = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    try:
+        ours = module(ids, positions)
+    finally:
+        documents_module.document_attention = original
+    theirs = reference(input_ids=ids, position_ids=positions, use_cache=False).logits
+    assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    ours.square().mean().backward()
+    theirs.square().mean().backward()
+    named = dict(reference.named_parameters())
+    for name, parameter in module.model.named_parameters():
+        assert_close(parameter.grad, named[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert bool(calls) == per_document
+
+
 def _tp_packed_logits(rank, world_size, block, positions):
     import lightning as L
 

@@ -80,7 +80,8 @@ def hf_document_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
 
     documents = document_ids(kwargs.get("position_ids"))
     plain = (kwargs.get("sliding_window") is None and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
-             and getattr(module, "is_causal", True) and query.shape[2] == key.shape[2])
+             and getattr(module, "is_causal", True) and kwargs.get("is_causal") is not False
+             and query.shape[2] == key.shape[2])
     if documents is None or not plain or documents.shape[-1] != query.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -195,6 +196,15 @@ class HFCausalLM(CausalLMModule):
         the tie within a rank (`parallel.init.materialize_meta_module`), and under pipeline parallel each end
         holds its copy; tests/test_hf_matrix.py holds a tied model to parity under every layout."""
         return True
+
+    @property
+    def attends_within_documents(self) -> bool:
+        """`ModuleContract.attends_within_documents`: False for a model whose forward builds masks without
+        `position_ids` (`adapters.MASKS_WITHOUT_POSITIONS`), whose padding-free rows would let examples attend to
+        each other."""
+        from ultrascale.models.adapters import hf_attends_within_documents
+
+        return hf_attends_within_documents(self.config)
 
     def attention_implementation(self) -> str:
         """The `attn_implementation` the model is built with: the one given, or the device's choice
