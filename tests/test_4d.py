@@ -326,14 +326,17 @@ def test_flash_blocks_are_checked_against_the_efficient_kernel_once_per_kind(mon
 
 def test_hf_model_without_an_attention_choice_gets_the_devices(tmp_path):
     from tests._parity import make_hf_checkpoint
-    from ultrascale.models.hf import HFCausalLM
+    from ultrascale.models.hf import HF_DOCUMENT_ATTENTION, HFCausalLM
 
     path = make_hf_checkpoint(tmp_path, "llama", vocab_size=64)
     assert HFCausalLM(path).attention_implementation() == "sdpa"  # CPU
     assert HFCausalLM(path, attn_implementation="eager").attention_implementation() == "eager"
     module = HFCausalLM(path)
     module.configure_model()
-    assert module.model.config._attn_implementation == "sdpa"
+    assert module.model.config._attn_implementation == HF_DOCUMENT_ATTENTION  # SDPA, packed documents one at a time
+    eager = HFCausalLM(path, attn_implementation="eager")
+    eager.configure_model()
+    assert eager.model.config._attn_implementation == "eager"
 
 
 @pytest.mark.slow
