@@ -461,7 +461,8 @@ def test_prepared_conversations_give_the_raw_blocks(tmp_path, folders, chats, ca
 
 def test_pad_to_longest_cuts_each_batch_to_its_content(folders) -> None:
     """Unpacked blocks of known lengths: the batch is cut to its longest, rounded up to the multiple, capped."""
-    from ultrascale.data.instruct import PadToLongest, pack_examples
+    from ultrascale.data.collate import PadToLongest
+    from ultrascale.data.instruct import pack_examples
 
     examples = [(np.arange(n + 1), 1) for n in (5, 9, 3, 12)]  # inputs of 5, 9, 3, 12 positions
     packed = pack_examples(examples, seq_len=16, pad_id=0, pack=False)
@@ -481,7 +482,8 @@ def test_pad_to_longest_cuts_each_batch_to_its_content(folders) -> None:
 def test_padding_free_lays_the_rows_end_to_end(folders) -> None:
     """Rows of known content (5, 9, 3, 12 positions; one packed row of 4 + 6) become one row of their sum, rounded up
     to the multiple by a tail that is a document of its own without a target; positions restart at every example."""
-    from ultrascale.data.instruct import PaddingFree, pack_examples
+    from ultrascale.data.collate import PaddingFree
+    from ultrascale.data.instruct import pack_examples
 
     def rows_of(packed):
         return [{key: torch.from_numpy(getattr(packed, key)[i].astype(np.int64))
@@ -511,7 +513,7 @@ def test_padding_free_is_the_default_where_the_model_attends_within_documents(fo
     pad_to="seq_len" are refused, the first by the rulebook before launch."""
     from types import SimpleNamespace
 
-    from ultrascale.data.instruct import PaddingFree, PadToLongest
+    from ultrascale.data.collate import PaddingFree, PadToLongest
     from ultrascale.parallel.dims import ParallelDims
     from ultrascale.parallel.rules import batch_problems
 
@@ -541,8 +543,7 @@ def test_hf_models_declare_documents_apart_except_those_whose_masks_ignore_posit
     import transformers
 
     from tests._parity import make_hf_checkpoint
-    from ultrascale.models.adapters import hf_attends_within_documents
-    from ultrascale.models.hf import HFCausalLM
+    from ultrascale.models.hf import HFCausalLM, hf_attends_within_documents
     from ultrascale.models.lm import LlamaLM
 
     llama = make_hf_checkpoint(tmp_path / "llama", "llama", vocab_size=64, hidden_size=32)

@@ -287,7 +287,7 @@ def ultrascale_step_counts(dm, max_steps: int, processes: int) -> list[tuple[int
     import torch
 
     from ultrascale.data import ResumableBlockSampler
-    from ultrascale.data.instruct import PaddingFree, PadToLongest
+    from ultrascale.data.collate import PaddingFree, PadToLongest
     from ultrascale.parallel.loss import content_lengths
 
     collate = PadToLongest(1, dm.seq_len) if dm.padding_free is False else PaddingFree(1, dm.seq_len, dm.pad_id)

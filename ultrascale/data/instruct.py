@@ -19,9 +19,9 @@ exactly the layout of :class:`~ultrascale.data.datamodule.CausalLMDataModule`
 blocks from the end, :class:`ResumableBlockSampler` global batches (identical at
 any dp size), and the same mid-epoch resume state.
 
-Within a packed block attention is still causal over the whole block: a later
-example can attend to an earlier one. The batch format (``input_ids``/``labels``
-only) has no document mask; the loss is unaffected, the context is not.
+Batches also carry ``position_ids`` restarting at 0 at every example, from which the
+models keep each example's attention to itself (`ultrascale.parallel.documents`), so a
+packed or padding-free row computes what each example alone would.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
 from ultrascale.contract import attends_within_documents
 from ultrascale.data.chat import (
@@ -49,23 +49,21 @@ from ultrascale.data.chat import (
     learned_tokens,
     resolve_chat_template,
 )
+from ultrascale.data.collate import PaddingFree, PadToLongest
 from ultrascale.data.errors import DataError
 from ultrascale.data.prepared import PreparedTokens, is_prepared, tokenizer_fingerprint
 from ultrascale.data.records import read_records
 from ultrascale.data.sampling import BlockDataModule, split_blocks
 from ultrascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from ultrascale.parallel.device import sequence_length_multiple
-from ultrascale.parallel.loss import content_lengths
+from ultrascale.parallel.loss import IGNORE_INDEX, content_lengths
 
 __all__ = [
-    "InstructionBlockDataset", "InstructionDataModule", "PackedBlocks", "PadToLongest", "PaddingFree", "pack_examples",
-    "padded_length", "read_examples", "read_records",
+    "InstructionBlockDataset", "InstructionDataModule", "PackedBlocks", "pack_examples", "read_examples", "read_records",
 ]
 
 PAD_TO = ("longest", "seq_len")
 
-IGNORE_INDEX = -100
-"""Label of positions without a loss (prompt targets, padding); ``cross_entropy``'s default ``ignore_index``."""
 
 # Files that make a folder loadable by `AutoTokenizer` (fast, sentencepiece, BPE vocab, config).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -250,60 +248,6 @@ class InstructionBlockDataset(Dataset):
         }
 
 
-def padded_length(longest: int, multiple: int, cap: int, buckets: bool = False) -> int:
-    """A batch's length for `longest` positions of content: ``min(cap, ceil(longest / multiple) * multiple)``; with
-    `buckets`, ``multiple * 2^k`` for the least k that holds it (at most log2(cap / multiple) + 1 shapes)."""
-    units = -(-longest // multiple)
-    if buckets:
-        units = 1 << (units - 1).bit_length()
-    return min(cap, units * multiple)
-
-
-class PadToLongest:
-    """Collate rows of ``seq_len`` into a batch cut to its longest row's content
-    (:func:`~ultrascale.parallel.loss.content_lengths`), rounded up to `multiple` and capped at `seq_len`: the
-    padding a block carries after its last example is never computed."""
-
-    def __init__(self, multiple: int, seq_len: int, buckets: bool = False) -> None:
-        self.multiple, self.seq_len, self.buckets = multiple, seq_len, buckets
-
-    def __call__(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        batch = default_collate(rows)
-        length = self.length(batch["position_ids"], batch["labels"])
-        return {key: value[:, :length] for key, value in batch.items()} if length < batch["input_ids"].shape[1] else batch
-
-    def length(self, position_ids: torch.Tensor, labels: torch.Tensor) -> int:
-        """The batch's padded length (`padded_length` of its longest row's content, capped at `seq_len`)."""
-        longest = int(content_lengths(position_ids, labels).max())
-        return padded_length(longest, self.multiple, self.seq_len, self.buckets)
-
-
-class PaddingFree:
-    """Collate rows of ``seq_len`` into one row: each cut to its content (:func:`~ultrascale.parallel.loss.
-    content_lengths`) and laid end to end, the positions restarting at 0 where each row (and each example packed in
-    it) starts, so the model attends within each example alone (TRL's ``padding_free``). The only padding is the
-    rounding of the whole to `multiple` (`padded_length`, capped at rows x `seq_len`): a document of its own at the
-    end, without a target. A batch of B rows becomes ``(1, T)`` with T about the sum of their lengths, where
-    :class:`PadToLongest` computes B x the longest."""
-
-    def __init__(self, multiple: int, seq_len: int, pad_id: int, buckets: bool = False) -> None:
-        self.multiple, self.seq_len, self.pad_id, self.buckets = multiple, seq_len, pad_id, buckets
-
-    def __call__(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        batch = default_collate(rows)
-        lengths = content_lengths(batch["position_ids"], batch["labels"]).tolist()
-        pieces = {key: [value[b, :n] for b, n in enumerate(lengths)] for key, value in batch.items()}
-        content = sum(lengths)
-        tail = padded_length(content, self.multiple, len(rows) * self.seq_len, self.buckets) - content
-        if tail:
-            filler = {"input_ids": torch.full((tail,), self.pad_id, dtype=batch["input_ids"].dtype),
-                      "labels": torch.full((tail,), IGNORE_INDEX, dtype=batch["labels"].dtype),
-                      "position_ids": torch.arange(tail, dtype=batch["position_ids"].dtype)}
-            for key in pieces:
-                pieces[key].append(filler[key])
-        return {key: torch.cat(values).unsqueeze(0) for key, values in pieces.items()}
-
-
 # --------------------------------------------------------------------------- data module
 
 
@@ -312,9 +256,9 @@ class InstructionDataModule(BlockDataModule):
     template (loss on the assistant turns, :mod:`ultrascale.data.chat`), packed.
 
     Every rank reads and tokenizes the data itself in :meth:`setup` (deterministic,
-    no cache to share). Batches are ``{"input_ids": (B, seq_len), "labels":
-    (B, seq_len)}`` with labels already shifted and -100 on prompt targets and
-    padding, the format of ``LlamaLM`` and the Hugging Face module. Layout, split,
+    no cache to share). Batches are ``{"input_ids", "labels", "position_ids"}``, ``(B, T)`` rows
+    cut to their longest (T <= seq_len) or one padding-free ``(1, T)`` row (`padding_free`), with labels
+    already shifted and -100 on prompt targets and padding, the format of ``LlamaLM`` and the Hugging Face module. Layout, split,
     shuffling and resume are those of :class:`CausalLMDataModule`: both inherit
     them from :class:`BlockDataModule`.
 

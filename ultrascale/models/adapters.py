@@ -263,19 +263,6 @@ SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention")
 is a mask; every other type, e.g. linear attention or chunked attention, has no context-parallel kernel)."""
 
 
-MASKS_WITHOUT_POSITIONS = frozenset({"gpt_oss"})
-"""`config.model_type`s whose forward builds its attention masks without `position_ids` (transformers 5.24's
-GptOssModel), so documents packed in one row see each other (0.15 off a document's logits alone on a tiny
-checkpoint, tests/test_hf_matrix.py): the one exception to reading capabilities from structure, since the masks are
-built inside the model's forward."""
-
-
-def hf_attends_within_documents(config: Any) -> bool:
-    """Whether a Hugging Face model keeps documents that `position_ids` restart apart (`ModuleContract.
-    attends_within_documents`)."""
-    return getattr(config, "model_type", None) not in MASKS_WITHOUT_POSITIONS
-
-
 def hf_attention_modules(hf: nn.Module) -> list[nn.Module]:
     """The self-attention module of each decoder layer (transformers names them `*Attention`, with `layer_idx`)."""
     return [m for m in hf.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]

@@ -99,6 +99,19 @@ def use_document_attention(model: torch.nn.Module) -> None:
     model.set_attn_implementation(HF_DOCUMENT_ATTENTION)
 
 
+MASKS_WITHOUT_POSITIONS = frozenset({"gpt_oss"})
+"""`config.model_type`s whose forward builds its attention masks without `position_ids` (transformers 5.24's
+GptOssModel), so documents packed in one row see each other (0.15 off a document's logits alone on a tiny
+checkpoint, tests/test_hf_matrix.py): the one exception to reading capabilities from structure, since the masks are
+built inside the model's forward."""
+
+
+def hf_attends_within_documents(config: Any) -> bool:
+    """Whether a Hugging Face model keeps documents that `position_ids` restart apart (`ModuleContract.
+    attends_within_documents`)."""
+    return getattr(config, "model_type", None) not in MASKS_WITHOUT_POSITIONS
+
+
 class HFCausalLM(CausalLMModule):
     """Fine-tune a local Hugging Face `AutoModelForCausalLM` checkpoint folder.
 
@@ -200,10 +213,7 @@ class HFCausalLM(CausalLMModule):
     @property
     def attends_within_documents(self) -> bool:
         """`ModuleContract.attends_within_documents`: False for a model whose forward builds masks without
-        `position_ids` (`adapters.MASKS_WITHOUT_POSITIONS`), whose padding-free rows would let examples attend to
-        each other."""
-        from ultrascale.models.adapters import hf_attends_within_documents
-
+        `position_ids` (`MASKS_WITHOUT_POSITIONS`), whose padding-free rows would let examples attend to each other."""
         return hf_attends_within_documents(self.config)
 
     def attention_implementation(self) -> str:
