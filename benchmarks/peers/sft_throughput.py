@@ -30,9 +30,14 @@ clipping at global norm 1.0, SDPA attention, the weights in fp32; `bf16` is mixe
 `bf16=True`, ultrascale `--trainer.precision bf16-mixed`); `fp32` is TRL `bf16=False` (SFTConfig turns bf16 on by
 default, on CPU too) and ultrascale `32-true`. TRL's `gradient_checkpointing` (on by default in SFTConfig, off in the
 recipe) is turned off so that both compute the same. 2 processes: TRL under DDP (`torchrun --standalone
---nproc-per-node 2`, gloo, 4 sequences per process), ultrascale as the recipe runs, ZeRO-3 over 2 (`--trainer.devices
-2`). No validation, no checkpoint, a log line every step on both (TRL `logging_steps=1`, ultrascale
-`log_every_n_steps 1`).
+--nproc-per-node 2`, gloo, 4 sequences per process), ultrascale with `--strategy` (default `ultrascale_zero1`) over 2
+(`--trainer.devices 2`). ZeRO-1 is the like of DDP: parameters and gradients replicated, the gradients reduced once
+per step in buckets, and only the optimizer state sharded. The recipe's ZeRO-3 (`--strategy ultrascale_zero3`) saves
+the memory of a model that does not fit replicated, and costs more here: on gloo each block's all-gather and
+reduce-scatter are host copies on the cores the compute uses (measured 2026-12-03 on 2 cores, fp32, pack=False, 3
+alternating runs each: 12m 2.06-2.74 s a step against ZeRO-1's 1.21-1.56, 140k 0.089-0.175 against 0.071-0.127).
+No validation, no checkpoint, a log line every step on both (TRL `logging_steps=1`, ultrascale `log_every_n_steps
+1`).
 
 What is timed: `--warmup` steps (3) are run first and not counted; the `--steps` (10) after them are, from the end
 of the last warm-up step to the end of the last step: TRL's times from a `TrainerCallback.on_step_end` on rank 0,
@@ -247,12 +252,12 @@ def trl_command(spec_path: Path, processes: int) -> list[str]:
 
 
 def ultrascale_command(folder: Path, data: Path, logs: Path, processes: int, max_steps: int, precision: str,
-                       pack: bool) -> list[str]:
+                       pack: bool, strategy: str) -> list[str]:
     exe = Path(sys.executable).with_name("ultrascale")
     return [
         str(exe) if exe.exists() else "ultrascale", "fit", "--config", str(ROOT / "recipes" / "hf_finetune.yaml"),
         "--model.pretrained_path", str(folder), "--data.data_path", str(data),
-        "--trainer.devices", str(processes), "--trainer.max_steps", str(max_steps),
+        "--trainer.devices", str(processes), "--trainer.strategy", strategy, "--trainer.max_steps", str(max_steps),
         "--trainer.precision", precision,
         "--trainer.log_every_n_steps", "1",
         "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
@@ -442,10 +447,11 @@ def run_trl(work: Path, folder: Path, data: Path, processes: int, precision: str
 
 
 def run_ultrascale(work: Path, folder: Path, data: Path, processes: int, precision: str, packed: bool,
-                   max_steps: int, warmup: int, threads: int, counts: list[tuple[int, int, int]]) -> dict:
+                   max_steps: int, warmup: int, threads: int, counts: list[tuple[int, int, int]],
+                   strategy: str = "ultrascale_zero1") -> dict:
     logs = work / "runs"
     work.mkdir(parents=True)
-    command = ultrascale_command(folder, data, logs, processes, max_steps, PRECISIONS[precision], packed)
+    command = ultrascale_command(folder, data, logs, processes, max_steps, PRECISIONS[precision], packed, strategy)
     measured = run_measured(command, threads, work / "log.txt")
     events = read_events(logs)
     if len(events["ends"]) != max_steps:
@@ -516,7 +522,8 @@ def tables(results: dict, params: dict, data: dict, options, versions: str, mach
     """(markdown lines, one summary line per row for stdout)."""
     lines = [
         f"Target tokens/s (tokens with a loss) of supervised fine-tuning: TRL `SFTTrainer` against `ultrascale fit "
-        f"--config recipes/hf_finetune.yaml`, written by benchmarks/peers/sft_throughput.py. {data['records']} "
+        f"--config recipes/hf_finetune.yaml --trainer.strategy {options.strategy}` (TRL's 2 processes: DDP), written by "
+        f"benchmarks/peers/sft_throughput.py. {data['records']} "
         f"prompt/completion records of {data['shortest']}-{data['longest']} tokens ({data['tokens']:,} tokens, "
         f"{data['targets']:,} of them targets), checked token for token equal on both sides; 8 sequences per step "
         f"(records, or packed rows of {SEQ_LEN}: TRL {data['trl_packed_rows']} rows best-fit, ultrascale "
@@ -588,6 +595,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     parser.add_argument("--records", type=int, default=512, help="prompt/completion records")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of every process, both sides")
+    parser.add_argument("--strategy", default="ultrascale_zero1",
+                        help="ultrascale's --trainer.strategy (the recipe's is ultrascale_zero3)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "peers.md"))
     options = parser.parse_args()
     sizes, precisions = options.sizes.split(","), options.precisions.split(",")
@@ -637,7 +646,8 @@ def main() -> None:
                                             options.warmup, options.threads)
                             else:
                                 r = run_ultrascale(run_dir, folders[size], us_data, processes, precision, packed,
-                                                   max_steps, options.warmup, options.threads, counts[packed])
+                                                   max_steps, options.warmup, options.threads, counts[packed],
+                                                   options.strategy)
                             runs[variant].append(r)
                             print(f"{size} {precision} {processes}p #{repeat + 1} {LABELS[variant]}: "
                                   f"{r['targets_per_s']:,.0f} target tokens/s ({r['step_s']:.3f} s/step, "
