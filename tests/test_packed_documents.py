@@ -82,6 +82,31 @@ def test_document_attention_equals_sdpa_under_the_block_diagonal_mask():
         assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("head_dim", [16, 128])
+def test_narrow_half_precision_heads_are_attended_in_fp32_on_cpu(head_dim):
+    """bf16 heads narrower than `CPU_HALF_ATTENTION_MIN_HEAD_DIM` give fp32 SDPA's output (and gradients) cast to bf16,
+    also under autocast; wider ones bf16 SDPA's own, bit for bit."""
+    import torch.nn.functional as F
+
+    from ultrascale.parallel.device import CPU_HALF_ATTENTION_MIN_HEAD_DIM, grouped_sdpa
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 24, head_dim, generator=g).bfloat16().requires_grad_()
+    k, v = (torch.randn(1, 2, 24, head_dim, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = grouped_sdpa(q, k, v, is_causal=True)
+    assert ours.dtype == torch.bfloat16
+    if head_dim < CPU_HALF_ATTENTION_MIN_HEAD_DIM:
+        wide = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        reference = F.scaled_dot_product_attention(*wide, is_causal=True, enable_gqa=True)
+        assert torch.equal(ours, reference.bfloat16())
+        grads = torch.autograd.grad(ours.float().square().sum(), (q, k, v))
+        for mine, theirs in zip(grads, torch.autograd.grad(reference.bfloat16().float().square().sum(), wide)):
+            assert_close(mine.float(), theirs.bfloat16().float(), rtol=0, atol=0)
+    else:
+        assert torch.equal(ours, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+
+
 @pytest.mark.parametrize("arch, per_document", [("llama", True), ("qwen2", True), ("qwen3", True), ("gemma3", False)])
 def test_hf_document_attention_gives_transformers_sdpa(tmp_path, arch, per_document):
     """`HFCausalLM` runs "sdpa" as `ultrascale_sdpa_documents`: packed rows give transformers' own SDPA forward's
