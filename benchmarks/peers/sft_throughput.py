@@ -448,7 +448,7 @@ def run_trl(work: Path, folder: Path, data: Path, processes: int, precision: str
 
 def run_ultrascale(work: Path, folder: Path, data: Path, processes: int, precision: str, packed: bool,
                    max_steps: int, warmup: int, threads: int, counts: list[tuple[int, int, int]],
-                   strategy: str = "ultrascale_zero1") -> dict:
+                   strategy: str) -> dict:
     logs = work / "runs"
     work.mkdir(parents=True)
     command = ultrascale_command(folder, data, logs, processes, max_steps, PRECISIONS[precision], packed, strategy)
