@@ -18,6 +18,7 @@ import torch
 
 from ultrascale.data import InstructionDataModule
 from ultrascale.data.instruct import IGNORE_INDEX
+from ultrascale.parallel.device import CPU_HALF_SEQUENCE_MULTIPLE, compute_dtype, sequence_length_multiple
 
 WORDS = "the quick brown fox jumps over lazy dog what is sum of and plus two three four five answer".split()
 SPECIAL = ["<unk>", "<pad>", "<|begin_of_text|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>",
@@ -577,6 +578,21 @@ def test_padded_length_follows_the_layout(folders, layout, expected) -> None:
     custom = dm_for(folders["data"], folders["marked"], pad_to_multiple_of=6)
     custom.trainer = SimpleNamespace(strategy=_Layout(*layout))
     assert expected is None or custom.collate_fn().multiple == np.lcm(6, expected)
+    half = dm_for(folders["data"], folders["marked"], pack=False)
+    half.trainer = SimpleNamespace(strategy=_Layout(*layout), precision="bf16-mixed")
+    assert expected is None or half.collate_fn().multiple == np.lcm(CPU_HALF_SEQUENCE_MULTIPLE, expected)
+
+
+def test_the_device_default_multiple_follows_the_compute_dtype() -> None:
+    """CUDA 8 in any precision; CPU 1 in fp32/fp64 and CPU_HALF_SEQUENCE_MULTIPLE in bf16/fp16 (oneDNN's kernel per
+    shape), read from Lightning's precision names."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    dtypes = {name: compute_dtype(name) for name in ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "64-true")}
+    assert dtypes == {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
+                      "16-mixed": torch.float16, "64-true": torch.float64}
+    half = CPU_HALF_SEQUENCE_MULTIPLE
+    assert [sequence_length_multiple(cpu, d) for d in dtypes.values()] == [1, half, half, half, 1]
+    assert {sequence_length_multiple(cuda, d) for d in dtypes.values()} == {8}
 
 
 MIXED_LAYOUTS = {

@@ -284,18 +284,21 @@ def ultrascale_data(folder: Path, data: Path, pack: bool):
     return dm
 
 
-def ultrascale_step_counts(dm, max_steps: int, processes: int) -> list[tuple[int, int, int]]:
+def ultrascale_step_counts(dm, max_steps: int, processes: int, precision: str) -> list[tuple[int, int, int]]:
     """(targets, positions, non-padding positions) of each of the run's first `max_steps` steps, from its data: the
     same blocks, sampler, seed and epochs as the run, each rank's share collated as the run collates it for
-    `HFCausalLM` on the CPU (`padding_free` by default: `PaddingFree` at the CPU's multiple 1, the rows end to end;
-    with `padding_free: false`, `PadToLongest`)."""
+    `HFCausalLM` on the CPU (`padding_free` by default: `PaddingFree` at the CPU's multiple for `precision`, the rows
+    end to end; with `padding_free: false`, `PadToLongest`)."""
     import torch
 
     from ultrascale.data import ResumableBlockSampler
     from ultrascale.data.collate import PaddingFree, PadToLongest
+    from ultrascale.parallel.device import compute_dtype, sequence_length_multiple
     from ultrascale.parallel.loss import content_lengths
 
-    collate = PadToLongest(1, dm.seq_len) if dm.padding_free is False else PaddingFree(1, dm.seq_len, dm.pad_id)
+    multiple = sequence_length_multiple(torch.device("cpu"), compute_dtype(PRECISIONS[precision]))
+    collate = (PadToLongest(multiple, dm.seq_len) if dm.padding_free is False
+               else PaddingFree(multiple, dm.seq_len, dm.pad_id))
 
     dataset = dm.train_dataset
     sampler = ResumableBlockSampler(dataset, GLOBAL_BATCH, shuffle=True, seed=dm.seed)
@@ -410,8 +413,10 @@ def run_measured(command: list[str], threads: int, log: Path) -> dict:
     others = (_machine_busy_s() - busy) - (own_s() - own) - sum(rss.cpu.values())
     foreign = max(0.0, others) / (seconds * cores())
     if code != 0:
-        sys.stderr.write(log.read_text()[-8000:])
-        raise RuntimeError(f"exited {code}: {' '.join(command)}")
+        text = log.read_text()
+        sys.stderr.write(text[-8000:])
+        last = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "no output")
+        raise RuntimeError(f"exited {code} ({last[:200]}): {' '.join(command)}")
     return {"seconds": seconds, "foreign": foreign, "peak_rss": peak, "largest_rss": rss.largest,
             "processes": rss.processes}
 
@@ -505,6 +510,19 @@ def check_same_tokens(work: Path, folder: Path, trl_data: Path, us_data: Path, t
 # ----------------------------------------------------------------------------- the tables
 
 
+def run_retrying_once(run, label: str, retried: list[str]) -> dict:
+    """`run(1)`, or where it fails `run(2)`: a process that crashes once (TRL's 2-process DDP ended once with
+    "terminate called without an active exception" after its last step) does not throw away the runs before it. The
+    failure is kept in `retried` for the results; a second failure ends the benchmark."""
+    try:
+        return run(1)
+    except RuntimeError as error:
+        reason = str(error).split(": ", 1)[0]
+        retried.append(f"{label}: {reason}")
+        print(f"{label}: failed ({reason}); running it once more", flush=True)
+        return run(2)
+
+
 def median(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -518,7 +536,7 @@ def ratio_text(us: list[dict], trl: list[dict], key: str = "targets_per_s") -> s
 
 
 def tables(results: dict, params: dict, data: dict, options, versions: str, machine_line: str,
-           wall: float) -> tuple[list[str], list[str]]:
+           wall: float, retried: list[str]) -> tuple[list[str], list[str]]:
     """(markdown lines, one summary line per row for stdout)."""
     lines = [
         f"Target tokens/s (tokens with a loss) of supervised fine-tuning: TRL `SFTTrainer` against `ultrascale fit "
@@ -532,7 +550,8 @@ def tables(results: dict, params: dict, data: dict, options, versions: str, mach
         f"warm-up steps, median of {options.repeats} run(s) per figure (range of the per-run ratios in brackets). "
         f"{versions}",
         f"Machine: {machine_line}. The whole benchmark took {wall / 60:.1f} min. Command: `python "
-        f"benchmarks/peers/sft_throughput.py {' '.join(sys.argv[1:])}`.",
+        f"benchmarks/peers/sft_throughput.py {' '.join(sys.argv[1:])}`. "
+        + (f"Runs that failed once and were run again: {'; '.join(retried)}." if retried else "No run failed."),
         "",
         "| model | precision | processes | TRL default | ultrascale pack=False | ratio | TRL packing=True | "
         "ultrascale pack=True | ratio |",
@@ -621,6 +640,7 @@ def main() -> None:
     max_steps = options.warmup + options.steps
     started = time.perf_counter()
     results: dict = {}
+    retried: list[str] = []
     with tempfile.TemporaryDirectory(prefix="sft_throughput_") as tmp:
         work = Path(tmp)
         folders, params, trl_data, us_data = make_fixture(work, sizes, options.records)
@@ -634,20 +654,25 @@ def main() -> None:
         for size in sizes:
             for precision in precisions:
                 for processes in processes_list:
-                    counts = {pack: ultrascale_step_counts(dms[pack], max_steps, processes) for pack in (False, True)}
+                    counts = {pack: ultrascale_step_counts(dms[pack], max_steps, processes, precision)
+                              for pack in (False, True)}
                     runs: dict[str, list] = {v: [] for v in VARIANTS}
                     for repeat in range(options.repeats):
                         for variant in (VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]):
                             n += 1
-                            run_dir = work / f"run{n}_{variant}"
                             packed = variant.endswith("_packed")
-                            if variant.startswith("trl"):
-                                r = run_trl(run_dir, folders[size], trl_data, processes, precision, packed, max_steps,
-                                            options.warmup, options.threads)
-                            else:
-                                r = run_ultrascale(run_dir, folders[size], us_data, processes, precision, packed,
-                                                   max_steps, options.warmup, options.threads, counts[packed],
-                                                   options.strategy)
+
+                            def run(attempt: int) -> dict:
+                                run_dir = work / f"run{n}_{variant}_{attempt}"
+                                if variant.startswith("trl"):
+                                    return run_trl(run_dir, folders[size], trl_data, processes, precision, packed,
+                                                   max_steps, options.warmup, options.threads)
+                                return run_ultrascale(run_dir, folders[size], us_data, processes, precision, packed,
+                                                      max_steps, options.warmup, options.threads, counts[packed],
+                                                      options.strategy)
+
+                            label = f"{size} {precision} {processes}p #{repeat + 1} {LABELS[variant]}"
+                            r = run_retrying_once(run, label, retried)
                             runs[variant].append(r)
                             print(f"{size} {precision} {processes}p #{repeat + 1} {LABELS[variant]}: "
                                   f"{r['targets_per_s']:,.0f} target tokens/s ({r['step_s']:.3f} s/step, "
@@ -656,7 +681,7 @@ def main() -> None:
                                   f"processes {100 * r['foreign']:.0f}%", flush=True)
                     results[(size, precision, processes)] = runs
     wall = time.perf_counter() - started
-    lines, summary = tables(results, params, data, options, versions, machine(), wall)
+    lines, summary = tables(results, params, data, options, versions, machine(), wall, retried)
     write_results("\n".join(lines) + "\n", options.out)
     print("\n".join(summary))
 

@@ -55,7 +55,7 @@ from ultrascale.data.prepared import PreparedTokens, is_prepared, tokenizer_fing
 from ultrascale.data.records import read_records
 from ultrascale.data.sampling import BlockDataModule, split_blocks
 from ultrascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
-from ultrascale.parallel.device import sequence_length_multiple
+from ultrascale.parallel.device import compute_dtype, sequence_length_multiple
 from ultrascale.parallel.loss import IGNORE_INDEX, content_lengths
 
 __all__ = [
@@ -312,9 +312,9 @@ class InstructionDataModule(BlockDataModule):
             pipeline parallel batches are ``seq_len`` long either way; under ``compile=True``
             lengths are rounded up to a power of two of the multiple (a few shapes to compile).
         pad_to_multiple_of: The rounding of ``"longest"``; ``None``: the device's
-            (``parallel.device.sequence_length_multiple``: 8 on CUDA, 1 on CPU). Always also a
-            multiple of what the layout splits a sequence by (``2 x cp``, ``tp`` under sequence
-            parallel).
+            (``parallel.device.sequence_length_multiple``: 8 on CUDA; on CPU 64 in bf16/fp16, 1 in
+            fp32). Always also a multiple of what the layout splits a sequence by (``2 x cp``, ``tp``
+            under sequence parallel).
         padding_free: Lay the rows of each batch end to end in one row, each cut to its content
             (:class:`PaddingFree`; TRL's ``padding_free``): no position of a batch is padding but the
             rounding at its end, and each example attends to itself alone (the positions restart
@@ -593,7 +593,8 @@ class InstructionDataModule(BlockDataModule):
         if self.pad_to == "seq_len" or shapes == "static":
             return None
         device = getattr(strategy, "root_device", torch.device("cpu"))
-        multiple = math.lcm(self.pad_to_multiple_of or sequence_length_multiple(device), layout)
+        dtype = compute_dtype(str(getattr(trainer, "precision", "32-true")))
+        multiple = math.lcm(self.pad_to_multiple_of or sequence_length_multiple(device, dtype), layout)
         module = getattr(trainer, "lightning_module", None) if trainer is not None else None
         free = self.padding_free if self.padding_free is not None else attends_within_documents(module)
         if free:

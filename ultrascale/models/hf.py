@@ -221,12 +221,12 @@ class HFCausalLM(CausalLMModule):
         (`hf_attention_implementation`) for the Trainer's device and compute dtype."""
         if self.hparams.attn_implementation is not None:
             return self.hparams.attn_implementation
-        from ultrascale.parallel.device import hf_attention_implementation
+        from ultrascale.parallel.device import compute_dtype, hf_attention_implementation
 
         strategy = attached_strategy(self)
         device = getattr(strategy, "root_device", None) or torch.device("cpu")
         precision = str(getattr(getattr(strategy, "precision_plugin", None), "precision", ""))
-        compute = torch.bfloat16 if "bf16" in precision or self.hparams.dtype == "bfloat16" else torch.float32
+        compute = torch.bfloat16 if self.hparams.dtype == "bfloat16" else compute_dtype(precision)
         choice = hf_attention_implementation(device, compute)
         supported = _supported_attention(self.config)
         if choice not in supported:
