@@ -127,7 +127,30 @@ def _fork_launcher_second_fit() -> None:
     launcher.launch(lambda: None, trainer=SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING)))
 
 
+def _chunked_loss_on(tmp_path: Path) -> None:
+    """An explicit `loss_chunk_tokens` on an architecture outside `HEAD_TO_LOGITS` (RWKV), as the first step asks."""
+    import transformers
+
+    from ultrascale.models.hf import HFCausalLM
+
+    config = transformers.RwkvConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                                     intermediate_size=64, context_length=64)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    HFCausalLM(str(tmp_path), loss_chunk_tokens=64).loss_chunk_tokens_in_use()
+
+
+def _muon_under_zero2() -> None:
+    """The ZeRO-2 engine a strategy builds for its optimizer (tests/test_optimizer_on_slices.py: ZeRO-3 and TP)."""
+    from ultrascale.parallel.zero import ZeroEngine
+
+    layer = torch.nn.Linear(4, 4, bias=False)
+    ZeroEngine(layer, torch.optim.Muon(layer.parameters()), stage=2, dp_mesh=None)  # type: ignore[arg-type]
+
+
 PROBES: dict[str, Callable[[Path], None]] = {
+    "chunked_loss_pipeline": lambda _: ultrascale.models.LlamaLM(preset="tiny", loss_chunk_tokens=64)
+    .loss_chunk_tokens_in_use(pipeline=True),
+    "chunked_loss_hf_architecture": _chunked_loss_on,
     "context_parallel_attention_dropout": lambda _: _cp_attention(_cp_module(training=True), dropout=0.1),
     "context_parallel_non_causal": lambda _: _cp_attention(_cp_module(is_causal=False), dropout=0.0),
     "context_parallel_model_mask": lambda _: _cp_attention(_cp_module(), dropout=0.0, mask=torch.zeros(1, 2, 4, 4)),
@@ -143,6 +166,7 @@ PROBES: dict[str, Callable[[Path], None]] = {
     "measure_expert_parallel": lambda _: _measure(model="tiny_moe", ep=2),
     "measure_pipeline_accumulation": lambda _: _measure(pp=2, grad_accumulation=2),
     "fork_launcher_second_fit": lambda _: _fork_launcher_second_fit(),
+    "optimizer_on_slices": lambda _: _muon_under_zero2(),
 }
 
 

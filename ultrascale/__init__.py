@@ -4,7 +4,7 @@
 """
 
 from ultrascale.parallel.dims import ParallelDims
-from ultrascale.parallel.loss import token_loss
+from ultrascale.parallel.loss import chunked_token_loss, token_loss
 from ultrascale.strategies import (
     ContextParallelStrategy,
     ExpertParallelStrategy,
@@ -37,6 +37,7 @@ def __getattr__(name: str):
 __all__ = [
     "ParallelDims",
     "token_loss",
+    "chunked_token_loss",
     "latest_checkpoint",
     "UltraScaleStrategy",
     "ZeRO1Strategy",

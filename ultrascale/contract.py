@@ -76,6 +76,10 @@ class StrategyContract(Protocol):
     parallel_mesh: "ParallelMesh"
     """All meshes of the run by axis name, once the processes have started."""
 
+    sequence_parallel_mesh: Optional[Any]
+    """Under sequence parallel, the tp `DeviceMesh` whose ranks hold slices (dim 1) of the residual stream; None
+    otherwise."""
+
     def pipeline_loss(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run the batch through the pipeline: ``{"loss": token mean, "num_tokens": n}``."""
         ...
@@ -140,6 +144,12 @@ def stage_mesh(strategy: Any) -> Optional[Any]:
     return mesh["stage"] if mesh is not None and mesh.dims.pp_enabled else None
 
 
+def sequence_parallel_mesh(strategy: Any) -> Optional[Any]:
+    """`UltraScaleStrategy.sequence_parallel_mesh` of any strategy: the tp mesh whose ranks hold slices of the
+    sequence under sequence parallel; None otherwise and for Lightning's strategies."""
+    return getattr(strategy, "sequence_parallel_mesh", None)
+
+
 def normalizes_token_loss(strategy: Any) -> bool:
     """`StrategyContract.normalizes_token_loss` of any strategy (False for Lightning's own)."""
     return bool(getattr(strategy, "normalizes_token_loss", False))
@@ -170,6 +180,7 @@ __all__ = [
     "own_pipeline_parts",
     "pipeline_active",
     "prefers_meta_init",
+    "sequence_parallel_mesh",
     "supports_loss_parallel",
 ]
 

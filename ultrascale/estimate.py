@@ -496,9 +496,12 @@ class ActivationModel:
       over the s·b·k routed copies plus their gathered inputs and outputs: c·sbk(2h + 4f_e);
     - the loss, at the start of the backward: the saved fp32 log-softmax, the gradient coming in
       and the one going out (3 x 4 bytes) and the logits' gradient in the compute dtype,
-      (c + 12)·sbV; with loss parallel (c + 20)·sbV/t, since DTensor's vocabulary-parallel
+      (c + 12)·sbV (12·sbV in fp32, where that gradient is the fp32 one: measured with VmHWM,
+      benchmarks/results/memory_at_scale.md); with loss parallel (c + 20)·sbV/t, since DTensor's vocabulary-parallel
       cross-entropy keeps two more fp32 tensors of the sharded logits (measured under
-      `FakeTensorMode` on the 8B preset at tp=2).
+      `FakeTensorMode` on the 8B preset at tp=2). With the head and the loss fused in chunks
+      (`loss_chunk_tokens`, each chunk differentiated in forward) the same of one chunk, min(sb, chunk)
+      tokens instead of sb, and the hidden states' gradient it stores (c·sbh).
 
     Full recompute keeps only each block's input (c·sbh/r) and re-runs one block at a time.
     Selective recompute keeps matmul and attention outputs and re-runs norms and activations.
@@ -514,6 +517,8 @@ class ActivationModel:
     recompute: str = "none"
     attention_scores_saved: bool = False
     """Eager attention (no fused kernel) also keeps the s x s scores and their softmax: 2c·b·a·s²/t per layer."""
+    loss_chunk_tokens: int = 0
+    """Tokens per chunk of the fused head and loss (`parallel.loss.loss_chunk_tokens_of`); 0: the whole logits."""
 
     def _sizes(self) -> tuple[float, int, int, float]:
         sb = self.seq_len * self.micro_batch
@@ -573,5 +578,8 @@ class ActivationModel:
     def loss_bytes(self) -> float:
         """The final norm, the head's input and the logits (c + 12 bytes per element at the loss's backward)."""
         sh, (sb, t, r, c) = self.shape, self._sizes()
-        logits = (c + 20) * sb * sh.vocab / t if self.loss_parallel and t > 1 else (c + 12) * sb * sh.vocab
-        return (4 + c) * sb * sh.hidden / r + c * sb * sh.hidden + logits
+        chunked = 0 < self.loss_chunk_tokens < sb
+        tokens = self.loss_chunk_tokens if chunked else sb
+        cast = c if c < 4 else 0  # the logits' gradient cast back to a 16-bit compute dtype; none in fp32
+        logits = (cast + 20) * tokens * sh.vocab / t if self.loss_parallel and t > 1 else (cast + 12) * tokens * sh.vocab
+        return (4 + c) * sb * sh.hidden / r + (2 if chunked else 1) * c * sb * sh.hidden + logits

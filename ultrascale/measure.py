@@ -113,6 +113,7 @@ def measure_layout(
     grad_accumulation: int = 1,
     accumulate_unsharded_grads: bool = False,
     accumulate_grads_in_fp32: bool | None = None,
+    loss_chunk_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Peak memory of rank 0 for one training step of this layout, measured on fake tensors.
 
@@ -136,6 +137,8 @@ def measure_layout(
         accumulate_unsharded_grads: the strategy's knob of that name: FSDP skips the reduce-scatter on all
             but the last micro-batch and so accumulates whole gradients in its reduce dtype.
         accumulate_grads_in_fp32: ZeRO-1/2's knob of that name (None: fp32 gradients under bf16-mixed).
+        loss_chunk_tokens: the models' knob of that name: the head and the loss fused in chunks as `LlamaLM` and
+            `HFCausalLM` run them (None: their default, `parallel.loss.loss_chunk_tokens_of`; 0: the whole logits).
 
     Returns:
         ``{"peak_gib": the peak of the step, "breakdown_gib": {"params", "grads", "optimizer", "activations",
@@ -163,7 +166,7 @@ def measure_layout(
         "tp": tp, "ep": ep, "zero_stage": zero_stage, "precision": precision, "seq_len": seq_len,
         "micro_batch": micro_batch, "recompute": recompute, "pipeline_microbatches": pipeline_microbatches,
         "grad_accumulation": grad_accumulation, "accumulate_unsharded_grads": accumulate_unsharded_grads,
-        "accumulate_grads_in_fp32": accumulate_grads_in_fp32,
+        "accumulate_grads_in_fp32": accumulate_grads_in_fp32, "loss_chunk_tokens": loss_chunk_tokens,
     }
     _check_request(request)
     started = time.perf_counter()
@@ -385,11 +388,11 @@ def _measure(r: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from ultrascale.estimate import ADAMW_KERNEL
-    from ultrascale.models.adapters import plan_model
+    from ultrascale.models.adapters import fused_head_loss_sum, fuses_head_and_loss, plan_model
     from ultrascale.parallel.context import ContextParallel
     from ultrascale.parallel.dims import build_mesh
     from ultrascale.parallel.fsdp import set_gradient_sync
-    from ultrascale.parallel.loss import cross_entropy_sum
+    from ultrascale.parallel.loss import cross_entropy_sum, loss_chunk_tokens_of
     from ultrascale.parallel.parallelize import parallelize
     from ultrascale.parallel.rules import batch_problems, raise_first
     from ultrascale.parallel.tensor import maybe_loss_parallel
@@ -443,6 +446,9 @@ def _measure(r: dict[str, Any]) -> dict[str, Any]:
             engine = ZeroEngine(module, optimizer, stage=zero_stage, dp_mesh=mesh.fsdp, bucket_bytes=100 * 2**20,
                                 compute_dtype=compute_dtype, accumulate_dtype=accumulate_dtype, state_mesh=state_mesh)
         microbatches = pipeline[1].microbatches if pipeline is not None else 1
+        loss_chunk = loss_chunk_tokens_of(r.get("loss_chunk_tokens"), vocab,
+                                          built=pipeline is None and fuses_head_and_loss(module))
+        sequence_mesh = mesh["tp"] if sequence_parallel and dims.tp_enabled else None
         accumulation = r["grad_accumulation"]
         input_ids = torch.randint(0, vocab, (batch * microbatches, seq_len))
         labels = torch.randint(0, vocab, (batch * microbatches, seq_len))
@@ -462,9 +468,13 @@ def _measure(r: dict[str, Any]) -> dict[str, Any]:
                 if tracker is not None and i > 0:  # the trackers refuse a second root forward otherwise
                     tracker.reset_mod_stats()
                 with deferred, maybe_loss_parallel(loss_parallel):
-                    logits = _logits(module, step_batch["input_ids"], step_batch.get("position_ids"))
-                    loss_sum, _ = cross_entropy_sum(logits, step_batch["labels"])
-                    del logits
+                    if loss_chunk:  # as LlamaLM / HFCausalLM run it
+                        loss_sum, _ = fused_head_loss_sum(module, step_batch["input_ids"], step_batch.get("position_ids"),
+                                                          step_batch["labels"], loss_chunk, sequence_mesh)
+                    else:
+                        logits = _logits(module, step_batch["input_ids"], step_batch.get("position_ids"))
+                        loss_sum, _ = cross_entropy_sum(logits, step_batch["labels"])
+                        del logits
                     loss_sum.backward()
                     del loss_sum
 

@@ -17,7 +17,8 @@ from typing import Any, Dict, Literal, Optional, Tuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from ultrascale.contract import stage_mesh
+from ultrascale.contract import sequence_parallel_mesh, stage_mesh
+from ultrascale.models.adapters import HEAD_TO_LOGITS, fused_head_loss_sum
 from ultrascale.models.hf_folder import check_export_target, trained_chat_template, write_hf_folder
 from ultrascale.models.hf_load import (
     check_hf_folder,
@@ -26,7 +27,8 @@ from ultrascale.models.hf_load import (
     local_and_indices,
     text_model_config,
 )
-from ultrascale.models.lm import CausalLMModule, attached_strategy
+from ultrascale.models.lm import CausalLMModule, attached_strategy, check_loss_chunk_tokens
+from ultrascale.parallel.loss import NUM_TOKENS_KEY, token_loss
 from ultrascale.parallel.rules import not_built
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -141,6 +143,7 @@ class HFCausalLM(CausalLMModule):
         lora: Optional[Dict[str, Any]] = None,
         lora_dir: Optional[str] = None,
         lora_seed: int = 0,
+        loss_chunk_tokens: Optional[int] = None,
     ) -> None:
         """
         Args:
@@ -173,7 +176,12 @@ class HFCausalLM(CausalLMModule):
             lora_dir: with `lora`, the trained adapter is written there (PEFT's format) when fit ends.
             lora_seed: seed of the adapters' initial weights (A: Kaiming-uniform as PEFT draws it, from a
                 generator seeded by `lora_seed` and the parameter's name, so any layout starts equal; B: zeros).
+            loss_chunk_tokens: the head and the loss fused over chunks of this many tokens, so the logits of no
+                more than one chunk exist at once (`ultrascale.chunked_token_loss`); 0: the whole micro-batch's
+                logits; None: `default_loss_chunk_tokens` of the vocabulary where it is built (the architectures
+                of `HEAD_TO_LOGITS`, not under pipeline parallel), off elsewhere.
         """
+        check_loss_chunk_tokens(loss_chunk_tokens, "HFCausalLM")
         super().__init__()
         self.save_hyperparameters()
         from transformers import AutoConfig
@@ -306,14 +314,34 @@ class HFCausalLM(CausalLMModule):
 
     on_validation_start = on_test_start = on_predict_start = on_fit_start
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> Any:
         """Logits (B, T, V). `position_ids` (B, T) restarting at 0 per packed example make
-        transformers build a per-document causal mask (packed-sequence detection)."""
+        transformers build a per-document causal mask (packed-sequence detection). With `labels`:
+        ``{"loss", "num_tokens"}`` from the decoder's hidden states and the head fused in chunks
+        (`ultrascale.chunked_token_loss`, with what the architecture does around its head: `HEAD_TO_LOGITS`)."""
         if self.model is None:
             raise ValueError("HFCausalLM: the model is built in `configure_model()`; call it first")
         # No KV cache: training never reuses it, and transformers only detects packed
         # documents from position_ids when there is none.
-        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        chunk = self.loss_chunk_tokens_in_use() if labels is not None else 0
+        if not chunk:
+            logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+            return logits if labels is None else token_loss(logits, labels)
+        loss_sum, count = fused_head_loss_sum(self.model, input_ids, position_ids, labels, chunk,
+                                              sequence_parallel_mesh(attached_strategy(self)))
+        return {"loss": loss_sum / count.clamp(min=1), NUM_TOKENS_KEY: count}
+
+    fuses_head_and_loss = True
+
+    def chunked_loss_refusal(self) -> Optional[Tuple[str, str]]:
+        if self.config.model_type in HEAD_TO_LOGITS:
+            return None
+        return ("chunked_loss_hf_architecture", f"{type(self.config).__name__} (`{self.config.model_type}`) is not among "
+                "the architectures whose logits the chunked loss is checked against (`models.hf.HEAD_TO_LOGITS`)")
+
+    def vocab_size_of_head(self) -> int:
+        return int(self.config.vocab_size)
 
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         # `export-hf` rebuilds the model from this even if the original folder has moved.

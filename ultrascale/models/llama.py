@@ -467,8 +467,9 @@ class Llama(nn.Module):
         cos, sin = precompute_rope(config.head_dim, config.max_seq_len, config.rope_theta, self.rope_cos.device)
         self.rope_cos, self.rope_sin = cos, sin
 
-    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``tokens``: LongTensor ``(B, T)``; returns logits ``(B, T, vocab_size)`` in the compute dtype.
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, head: bool = True) -> torch.Tensor:
+        """``tokens``: LongTensor ``(B, T)``; returns logits ``(B, T, vocab_size)`` in the compute dtype, or with
+        ``head=False`` the final norm's output ``(B, T, dim)`` (for `ultrascale.chunked_token_loss` with `output`).
 
         ``positions`` selects the RoPE rows: ``(T,)`` when the local sequence is not
         ``0..T-1`` (e.g. a context-parallel chunk), or ``(B, T)`` per sequence. A ``(B, T)``
@@ -497,7 +498,8 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens)  # (B, T, dim)
         for layer in self.layers:
             h = layer(h, cos, sin, documents=documents)
-        return self.output(self.norm(h))  # (B, T, vocab_size)
+        h = self.norm(h)
+        return self.output(h) if head else h  # (B, T, vocab_size) or (B, T, dim)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameter count (a tied matrix counted once); ``exclude_embedding`` drops the input embedding table."""

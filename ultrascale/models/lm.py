@@ -17,11 +17,20 @@ from torchmetrics.aggregation import MeanMetric
 
 from ultrascale.contract import attached_strategy, normalizes_token_loss, pipeline_active
 from ultrascale.estimate import ADAMW_KERNEL
+from ultrascale.models.adapters import fused_head_loss_sum
 from ultrascale.models.llama import Llama, LlamaConfig
 from ultrascale.parallel.expert import iter_routers, scale_balance_terms
-from ultrascale.parallel.loss import TokenNormalizedStep, token_loss
+from ultrascale.parallel.loss import NUM_TOKENS_KEY, TokenNormalizedStep, loss_chunk_tokens_of, token_loss
+from ultrascale.parallel.rules import not_built
 
-__all__ = ["CausalLMModule", "LlamaLM", "adamw_warmup_cosine", "warmup_cosine"]
+__all__ = ["CausalLMModule", "LlamaLM", "adamw_warmup_cosine", "check_loss_chunk_tokens", "warmup_cosine"]
+
+
+def check_loss_chunk_tokens(value: Optional[int], owner: str) -> None:
+    """`loss_chunk_tokens` is None, 0 or a positive count."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"{owner}: `loss_chunk_tokens={value!r}` must be a positive number of tokens, 0 (off) or "
+                         "None (the default for the vocabulary)")
 
 def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
     """LR multiplier: linear warm-up to 1 over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` at ``max_steps``.
@@ -95,8 +104,42 @@ class CausalLMModule(lightning.LightningModule):
         the pipeline (in training, forward and backward of every micro-batch) and returns the same."""
         strategy = attached_strategy(self)
         if pipeline_active(strategy):
+            self.loss_chunk_tokens_in_use(pipeline=True)  # an explicit chunk is refused: not built under pp
             return strategy.pipeline_loss(batch)
+        if self.loss_chunk_tokens_in_use():
+            # Inside forward: under ZeRO-3 the module is FSDP's root, whose hooks gather the head for the call.
+            return self(batch["input_ids"], batch.get("position_ids"), labels=batch["labels"])
         return token_loss(self(batch["input_ids"], batch.get("position_ids")), batch["labels"])
+
+    def loss_chunk_tokens_in_use(self, pipeline: bool = False) -> int:
+        """The tokens per chunk of the fused head and loss (`parallel.loss.chunked_cross_entropy_sum`), 0 for the
+        whole micro-batch's logits at once. From the `loss_chunk_tokens` hparam of a module that
+        `fuses_head_and_loss`: None (the default) is `default_loss_chunk_tokens` of the vocabulary where the chunked
+        loss is built (`chunked_loss_refusal` says where not, and there it is off); 0 is off; a count is refused
+        where it is not built. Any other module computes the whole logits."""
+        if not self.fuses_head_and_loss:
+            return 0
+        chosen = self.hparams.get("loss_chunk_tokens")
+        if chosen == 0:
+            return 0
+        refusal = (("chunked_loss_pipeline", "pipeline parallel computes the loss on its last stage from the whole "
+                    "logits") if pipeline else self.chunked_loss_refusal())
+        if refusal is not None and chosen is not None:
+            key, reason = refusal
+            raise not_built(key, f"{type(self).__name__}: `loss_chunk_tokens={chosen}`: {reason} (not built "
+                                 "yet); set `loss_chunk_tokens: 0` (the whole logits) or leave it unset")
+        return loss_chunk_tokens_of(chosen, self.vocab_size_of_head(), built=refusal is None)
+
+    fuses_head_and_loss = False
+    """Whether `forward(input_ids, position_ids, labels=...)` returns the chunked loss (`LlamaLM`, `HFCausalLM`)."""
+
+    def chunked_loss_refusal(self) -> Optional[Tuple[str, str]]:
+        """``(NOT_BUILT key, why)`` where this model cannot fuse its head with the loss; None where it can."""
+        return None
+
+    def vocab_size_of_head(self) -> int:
+        """The head's output width (the logits' last dimension)."""
+        raise NotImplementedError
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> Dict[str, torch.Tensor]:
         out = self.batch_loss(batch)
@@ -196,6 +239,7 @@ class LlamaLM(CausalLMModule):
         max_steps: Optional[int] = None,
         min_lr_ratio: float = 0.1,
         init_seed: int = 0,
+        loss_chunk_tokens: Optional[int] = None,
     ) -> None:
         """
         Args:
@@ -212,7 +256,12 @@ class LlamaLM(CausalLMModule):
                 trainer's ``estimated_stepping_batches``.
             min_lr_ratio: Final learning rate as a fraction of ``learning_rate``.
             init_seed: Seed of the weight init, independent of the global RNG state.
+            loss_chunk_tokens: The head and the loss fused over chunks of this many tokens, so the logits of
+                no more than one chunk exist at once (`ultrascale.chunked_token_loss`); 0: the whole
+                micro-batch's logits; None: `default_loss_chunk_tokens` of the vocabulary (off under
+                pipeline parallel, where it is not built yet).
         """
+        check_loss_chunk_tokens(loss_chunk_tokens, "LlamaLM")
         super().__init__()
         self.save_hyperparameters()
         overrides = {k: v for k, v in (("vocab_size", vocab_size), ("max_seq_len", max_seq_len)) if v is not None}
@@ -254,12 +303,25 @@ class LlamaLM(CausalLMModule):
         # Fork only the current CUDA device's RNG: forking every device warns and costs time.
         return [torch.cuda.current_device()] if torch.cuda.is_available() else []
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> Any:
         """``input_ids`` ``(B, T)`` -> logits ``(B, T, vocab_size)``; ``position_ids`` ``(B, T)``
-        restarting at 0 per packed document keep the documents apart (see ``Llama.forward``)."""
+        restarting at 0 per packed document keep the documents apart (see ``Llama.forward``). With `labels`:
+        ``{"loss", "num_tokens"}`` of the head and the loss fused in chunks of `loss_chunk_tokens_in_use`
+        (`ultrascale.chunked_token_loss`), never the whole logits."""
         if self.model is None:
             raise ValueError(f"{type(self).__name__}: the model is built in `configure_model()`; call it first.")
-        return self.model(input_ids, position_ids)
+        chunk = self.loss_chunk_tokens_in_use() if labels is not None else 0
+        if not chunk:
+            logits = self.model(input_ids, position_ids)
+            return logits if labels is None else token_loss(logits, labels)
+        loss_sum, count = fused_head_loss_sum(self.model, input_ids, position_ids, labels, chunk)
+        return {"loss": loss_sum / count.clamp(min=1), NUM_TOKENS_KEY: count}
+
+    fuses_head_and_loss = True
+
+    def vocab_size_of_head(self) -> int:
+        return self.config.vocab_size
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """See ``Llama.num_params``; uses a meta-device copy when the model is not built yet."""

@@ -24,13 +24,14 @@ loss by N before it. N is reduced in float64: float32 counts are exact only up t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import functools
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from ultrascale.parallel.numerics import accumulation_dtype, upcast
 
@@ -66,6 +67,152 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = I
     ``sum(token losses) / (valid tokens of the whole global batch)``.
     """
     loss_sum, count = cross_entropy_sum(logits, labels, ignore_index)
+    return {"loss": loss_sum / count.clamp(min=1), NUM_TOKENS_KEY: count}
+
+
+LOSS_CHUNK_LOGITS = 2**27
+"""The logits one chunk of `chunked_cross_entropy_sum` holds by default (`default_loss_chunk_tokens`): 128M, 512 MiB
+in fp32, and its gradient as much again in backward. At a 152k vocabulary that is 883 tokens, where a sequence of
+8,192 keeps 8,192 x 151,936 x 4 bytes = 5.0 GB of logits."""
+
+MIN_LOSS_CHUNK_TOKENS = 1024
+"""The fewest tokens a default chunk holds: the head's matmul stays (1,024 x dim) @ (dim x V), wide enough to run
+at the matmul's speed, however large the vocabulary."""
+
+
+def default_loss_chunk_tokens(vocab_size: int) -> int:
+    """``max(MIN_LOSS_CHUNK_TOKENS, LOSS_CHUNK_LOGITS // vocab_size)``: 1,024 tokens at 128k-262k vocabularies, 4,096
+    at 32k; a micro-batch of fewer tokens is one chunk, computed as without chunking."""
+    return max(MIN_LOSS_CHUNK_TOKENS, LOSS_CHUNK_LOGITS // max(1, vocab_size))
+
+
+def loss_chunk_tokens_of(chosen: Optional[int], vocab_size: int, built: bool) -> int:
+    """The tokens per chunk a model's fused head and loss run with, 0 for the whole logits: `chosen` (the
+    `loss_chunk_tokens` knob) where it is a count and the chunked loss is `built` for the model and layout; None,
+    `default_loss_chunk_tokens` where built and 0 elsewhere; 0, 0. A count where it is not built is the caller's
+    to refuse by name (`CausalLMModule.loss_chunk_tokens_in_use`); here it is 0."""
+    if chosen == 0 or not built:
+        return 0
+    return int(chosen) if chosen is not None else default_loss_chunk_tokens(vocab_size)
+
+
+def chunked_cross_entropy_sum(
+    hidden: torch.Tensor,
+    head: torch.nn.Module | torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    logits_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cross_entropy_sum` of ``logits_fn(head(hidden))`` without the logits of more than `chunk_tokens` tokens at
+    once: the sequence is cut into chunks of ``chunk_tokens // B`` positions; each chunk's logits are computed,
+    reduced to its token sum and, when a gradient is wanted, differentiated on the spot (`_HeadLossInForward`), so
+    backward has nothing left to do but scale. Peak extra memory is one chunk's logits and their gradient instead
+    of the micro-batch's, and a gradient of the head's trainable parameters held from forward to backward; the
+    head's matmuls are those of the whole logits' loss (forward, the input's gradient, the weight's), none rerun.
+
+    `hidden` ``(B, T, dim)``: the final norm's output. `head`: the output projection, a module (its hooks run: a
+    tensor-parallel plan, FP8, LoRA) or its weight ``(V, dim)`` (``F.linear``); its parameters that require a
+    gradient get it. `logits_fn`: what the model does to the logits after the head (soft-capping, a scale), or
+    None; it must hold no parameters of its own (they would get no gradient). Under loss parallel the head's
+    vocab-sharded DTensor logits go into the cross-entropy as in `token_loss`; a sequence-parallel DTensor
+    `hidden` is gathered once first (the head gathers it anyway). A micro-batch of at most `chunk_tokens` tokens
+    is one chunk, computed as without chunking. Returns ``(sum of the valid tokens' losses, their number)``.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunked_cross_entropy_sum: `chunk_tokens={chunk_tokens}` must be >= 1")
+    if isinstance(head, torch.nn.Module):
+        project, params = head, [p for p in head.parameters() if p.requires_grad]
+    elif isinstance(head, torch.Tensor):
+        project, params = functools.partial(F.linear, weight=head), [head] if head.requires_grad else []
+    else:
+        raise TypeError(f"chunked_cross_entropy_sum: `head` is the output projection, an nn.Module or its weight "
+                        f"tensor, not {type(head).__name__} (a plain function's parameters could not be found)")
+
+    def chunk_sum(states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = project(states)
+        return cross_entropy_sum(logits if logits_fn is None else logits_fn(logits), targets, ignore_index)[0]
+
+    count = (labels != ignore_index).sum()
+    if isinstance(hidden, DTensor):
+        hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
+    rows, positions = labels.shape[0], labels.shape[1]
+    if rows * positions <= chunk_tokens:
+        return chunk_sum(hidden, labels), count
+    width = max(1, chunk_tokens // rows)
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or params):
+        with torch.no_grad():
+            return sum(chunk_sum(states, targets) for states, targets in
+                       zip(hidden.split(width, dim=1), labels.split(width, dim=1))), count
+    return _HeadLossInForward.apply(chunk_sum, labels, width, hidden, *params), count
+
+
+class _HeadLossInForward(torch.autograd.Function):
+    """The chunked loss's sum, each chunk differentiated in forward (`torch.autograd.grad` of its token sum with
+    respect to its hidden states and the head's parameters) and its logits dropped. The loss is linear in its
+    incoming gradient g, so backward returns g x the stored gradients: the input's ``(B, T, dim)``, the head's
+    parameters' summed over the chunks (Liger's fused linear cross-entropy does the same, with its own kernels)."""
+
+    @staticmethod
+    def forward(ctx: Any, chunk_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], labels: torch.Tensor,
+                width: int, hidden: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        total: torch.Tensor | None = None
+        hidden_grads: list[torch.Tensor] = []
+        param_grads: list[torch.Tensor | None] = [None] * len(params)
+        for states, targets in zip(hidden.split(width, dim=1), labels.split(width, dim=1)):
+            with torch.enable_grad():
+                states = states.detach().requires_grad_(hidden.requires_grad)
+                # The head sees a view, not the leaf: hooks that ask autograd whether it will reach their tensors
+                # (`register_multi_grad_hook`: torch's ModTracker and MemTracker) cannot ask of a leaf inside
+                # `autograd.grad`.
+                part = chunk_sum(states.view_as(states), targets)
+                wanted = ([states] if hidden.requires_grad else []) + list(params)
+                grads = list(torch.autograd.grad(part, wanted, allow_unused=True))
+            if hidden.requires_grad:
+                hidden_grads.append(grads.pop(0))
+            param_grads = [g if acc is None else (acc if g is None else acc + g) for acc, g in zip(param_grads, grads)]
+            total = part.detach() if total is None else total + part.detach()
+        ctx.hidden_grad = torch.cat(hidden_grads, dim=1) if hidden_grads else None
+        ctx.param_grads = param_grads
+        assert total is not None
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        hidden_grad, param_grads = ctx.hidden_grad, ctx.param_grads
+        ctx.hidden_grad = ctx.param_grads = None
+        return (None, None, None, _scaled(hidden_grad, grad_total), *(_scaled(g, grad_total) for g in param_grads))
+
+
+def _scaled(grad: Optional[torch.Tensor], factor: torch.Tensor) -> Optional[torch.Tensor]:
+    """``factor * grad``; a DTensor gradient keeps its placements (`factor` is this rank's plain scalar)."""
+    if grad is None:
+        return None
+    if isinstance(grad, DTensor):
+        return DTensor.from_local(grad.to_local() * factor.to(grad.dtype), grad.device_mesh, grad.placements,
+                                  run_check=False, shape=grad.shape, stride=grad.stride())
+    return grad * factor.to(grad.dtype)
+
+
+def chunked_token_loss(
+    hidden: torch.Tensor,
+    head: torch.nn.Module | torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: Optional[int] = None,
+    logits_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> dict[str, torch.Tensor]:
+    """`token_loss` from the hidden states and the head, chunked (`chunked_cross_entropy_sum`): the same
+    ``{"loss", "num_tokens"}``, the same exact token mean under ultrascale's strategies, without the whole
+    micro-batch's logits. `chunk_tokens` None: `default_loss_chunk_tokens` of the head's vocabulary (the
+    logits' last dimension; a module's ``out_features`` or its weight's first)."""
+    if chunk_tokens is None:
+        weight = head if isinstance(head, torch.Tensor) else getattr(head, "weight", None)
+        vocab = getattr(head, "out_features", None) or (weight.shape[0] if weight is not None else None)
+        if vocab is None:
+            raise ValueError("chunked_token_loss: pass `chunk_tokens` (the head has neither `out_features` nor `weight`)")
+        chunk_tokens = default_loss_chunk_tokens(int(vocab))
+    loss_sum, count = chunked_cross_entropy_sum(hidden, head, labels, chunk_tokens, logits_fn, ignore_index)
     return {"loss": loss_sum / count.clamp(min=1), NUM_TOKENS_KEY: count}
 
 
@@ -162,7 +309,9 @@ def scale_gradients(grads: Iterable[torch.Tensor | None], factor: float | torch.
         torch._foreach_mul_(tensors, scale)
 
 
-__all__ = ["IGNORE_INDEX", "NUM_TOKENS_KEY", "StepTokens", "cross_entropy_sum", "scale_gradients", "token_loss"]
+__all__ = ["IGNORE_INDEX", "NUM_TOKENS_KEY", "StepTokens", "chunked_cross_entropy_sum", "chunked_token_loss",
+           "cross_entropy_sum", "default_loss_chunk_tokens", "loss_chunk_tokens_of", "scale_gradients",
+           "token_loss"]
 
 
 class TokenNormalizedStep:

@@ -110,6 +110,14 @@ NOT_BUILT: dict[str, NotBuilt] = {
                                         "at ep=1)", layout=False),
     "measure_pipeline_accumulation": NotBuilt("`measure_layout` with gradient accumulation under pipeline parallel "
                                               "(give `pipeline_microbatches`)", layout=False),
+    "chunked_loss_pipeline": NotBuilt("the chunked head and loss (`loss_chunk_tokens`) under pipeline parallel (its "
+                                      "last stage computes the whole logits)", layout=False),
+    "chunked_loss_hf_architecture": NotBuilt("the chunked head and loss (`loss_chunk_tokens`) on a Hugging Face "
+                                             "architecture it is not checked against (`models.hf.HEAD_TO_LOGITS`, docs/exact-loss.md)",
+                                             layout=False),
+    "optimizer_on_slices": NotBuilt("an optimizer whose update is not elementwise (Muon, Shampoo, LAMB, Adafactor, "
+                                    "...) on weights a layout shards (ZeRO-1/2/3, HSDP, tensor and expert parallel)",
+                                    layout=False),
     "fork_launcher_second_fit": NotBuilt("a second `fit` on one Trainer under the fork launcher (make a new Trainer)",
                                          layout=False),
 }
@@ -266,6 +274,8 @@ class ModelFacts:
     """Its experts can be split over ep ranks (a dispatch hook exists)."""
     expert_parallel_refusal: Optional[str] = None
     """Of an MoE model without `expert_parallel`: the piece its experts or routers lack; None: the generic message."""
+    chunked_loss: bool = False
+    """Its head and loss can run fused in chunks (`loss_chunk_tokens`, `parallel.loss.loss_chunk_tokens_of`)."""
 
 
 # --------------------------------------------------------------------------- the rules

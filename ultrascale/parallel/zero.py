@@ -82,6 +82,62 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adadelta,
 )
 
+
+
+def declare_elementwise_optimizer(cls: type[torch.optim.Optimizer]) -> None:
+    """Declare an optimizer class (and its subclasses) elementwise: its update of element i reads only element i of
+    the parameter, gradient and state, so the layouts that step slices (ZeRO-1/2/3, HSDP, TP, EP) may run it.
+    For a user's own optimizer or a library's (bitsandbytes', apex's fused Adam); the declaration is the user's."""
+    global ELEMENTWISE_OPTIMIZERS
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"declare_elementwise_optimizer: {cls!r} is not a torch.optim.Optimizer class")
+    if cls not in ELEMENTWISE_OPTIMIZERS:
+        ELEMENTWISE_OPTIMIZERS = (*ELEMENTWISE_OPTIMIZERS, cls)
+
+
+def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether stepping slices of the parameters equals slicing the step (`ELEMENTWISE_OPTIMIZERS`)."""
+    return isinstance(optimizer, ELEMENTWISE_OPTIMIZERS)
+
+
+def sliced_parameters(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[str]:
+    """The parameters of `optimizer` that this rank holds a slice of: DTensors sharded over a mesh dimension of
+    more than one rank (ZeRO-3 / HSDP's FSDP2, tensor parallel, expert parallel), by name (`names`: id -> name)."""
+    sliced = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if isinstance(param, DTensor) and any(
+                    placement.is_shard() and param.device_mesh.size(dim) > 1
+                    for dim, placement in enumerate(param.placements)):
+                sliced.append(f"{names.get(id(param), '?')} {tuple(param.shape)} as {tuple(param.placements)}")
+    return sliced
+
+
+def check_optimizer_on_slices(optimizer: torch.optim.Optimizer, names: dict[int, str], layout: str) -> None:
+    """Refuse, before its first step, an optimizer that is not elementwise over parameters this rank holds slices
+    of: it would update each slice as a matrix of its own (Newton-Schulz of a slice is not of the matrix), silently
+    off the one-process run. No collective: every rank holds the same kind of slices and raises alike."""
+    if is_elementwise(optimizer):
+        return
+    sliced = sliced_parameters(optimizer, names)
+    if sliced:
+        raise optimizer_refusal(optimizer, layout, f"this rank holds slices of {len(sliced)} of its parameters "
+                                f"(the first: {sliced[0]})")
+
+
+def optimizer_refusal(optimizer: torch.optim.Optimizer, layout: str, where: str) -> Exception:
+    """`NOT_BUILT["optimizer_on_slices"]` for `optimizer` under `layout`."""
+    from ultrascale.parallel.rules import not_built
+
+    names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+    return not_built("optimizer_on_slices", (
+        f"{type(optimizer).__name__} under {layout}: {where}, and its update is not elementwise, so it would step each "
+        f"slice as a tensor of its own, not the whole (not built yet). Use an elementwise optimizer ({names}), or a "
+        "layout that keeps the weights whole (replicated data parallel: `data_parallel_replicate=N, data_parallel_shard=1`; "
+        "pipeline parallel alone); an elementwise optimizer of your own: "
+        "`ultrascale.parallel.zero.declare_elementwise_optimizer(cls)`"))
+
+
 _reduce_scatter = reduce_scatter_single
 _all_gather = all_gather_single
 _gather_for_inspection = _all_gather  # not the training path: tests count `_all_gather` calls
@@ -190,12 +246,9 @@ class ZeroEngine(ZeroCheckpointing):
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroEngine: `stage={stage}` must be 1 or 2 (stage 3 is FSDP)")
-        if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-            names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
-            raise ValueError(
-                f"ZeRO-{stage} shards the optimizer state element by element, which is only exact for elementwise "
-                f"optimizers ({names}); got {type(optimizer).__name__}. Use zero_stage=3 (FSDP) for it."
-            )
+        if not is_elementwise(optimizer):
+            raise optimizer_refusal(optimizer, f"ZeRO-{stage}", "the optimizer state and step are sharded element by "
+                                    "element over the data-parallel ranks")
         if optimizer.state:
             raise ValueError("ZeroEngine needs an optimizer that has not stepped yet (its state would be lost)")
         if bucket_bytes <= 0:

@@ -118,6 +118,10 @@ def plan_main(args: list[str]) -> str:
     parser.add_argument("--full-recompute", action="store_true", help="same as --recompute full")
     parser.add_argument("--eager-attention", action="store_true",
                         help="attention keeps its s x s scores (no flash / fused kernel)")
+    parser.add_argument("--loss-chunk-tokens", type=int, default=None,
+                        help="the models' `loss_chunk_tokens`: the head and the loss fused over chunks of this many "
+                             "tokens (default: the model's default where it is built; 0: the whole logits); with "
+                             "--recipe, the recipe's model decides")
     parser.add_argument("--compile", action="store_true",
                         help=f"price every layout with each block compiled (the strategies' `compile=True`): the compute "
                              f"outside attention faster by the gain that gives torchtitan's published {COMPILE_SPEEDUP:.3f} "
@@ -184,7 +188,7 @@ def plan_main(args: list[str]) -> str:
     else:
         global_batch = options.global_batch or options.gpus
     work = Workload(options.seq_len, global_batch, options.precision, attention_scores_saved=options.eager_attention,
-                    compiled=options.compile or options.fp8, float8=options.fp8)
+                    compiled=options.compile or options.fp8, float8=options.fp8, loss_chunk_tokens=options.loss_chunk_tokens)
 
     if options.why_not is not None:
         reasons = why_not(shape, cluster, work, {**fixed, **parse_layout(options.why_not)}, hf_config)

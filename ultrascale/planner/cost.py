@@ -10,6 +10,7 @@ from typing import Any
 
 from ultrascale.estimate import ActivationModel, ModelShape, state_bytes
 from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, Cluster
+from ultrascale.parallel.loss import loss_chunk_tokens_of
 from ultrascale.parallel.pipeline import PipelineLayout, even_layers, head_holds_tied_copy
 from ultrascale.parallel.rules import expert_split
 from ultrascale.planner.calibration import family_ratio
@@ -70,8 +71,14 @@ class Workload:
     float8: bool = False
     """Float8 matmuls (`Float8Training`) in compiled blocks: the compute outside attention's kernel is also faster by
     `matmul_gains`' Float8 factor."""
+    loss_chunk_tokens: int | None = None
+    """The models' `loss_chunk_tokens`: None, the default chunk where the model fuses its head and loss and the layout
+    has no pipeline; 0, the whole logits (`parallel.loss.loss_chunk_tokens_of`)."""
 
     def __post_init__(self) -> None:
+        if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 0:
+            raise ValueError(f"Workload: `loss_chunk_tokens={self.loss_chunk_tokens}` must be a positive number of tokens, "
+                             "0 (the whole logits) or None (the model's default)")
         if self.float8 and not self.compiled:
             raise ValueError("Float8 is priced compiled only (its published gain is on top of torch.compile): "
                              "Workload(float8=True) needs compiled=True")
@@ -268,12 +275,15 @@ def _activations_and_stage_times(shape: ModelShape, lay: Layout, cluster: Cluste
 
 
 def _activations(shape: ModelShape, lay: Layout, work: Workload, hf_config: Any) -> ActivationModel:
-    sequence_parallel = lay.tp > 1 and model_facts_of(shape, hf_config).sequence_parallel
+    facts = model_facts_of(shape, hf_config)
+    sequence_parallel = lay.tp > 1 and facts.sequence_parallel
+    chunk = loss_chunk_tokens_of(work.loss_chunk_tokens, shape.vocab, built=facts.chunked_loss and lay.pp == 1)
     key = (work.seq_len // lay.cp, lay.micro_batch, lay.tp, sequence_parallel, lay.tp > 1 and lay.pp == 1,
-           work.compute_bytes, lay.recompute, work.attention_scores_saved)
+           work.compute_bytes, lay.recompute, work.attention_scores_saved, chunk)
     return _memoised(shape, "activations", key, lambda: ActivationModel(
         shape, key[0], lay.micro_batch, tp=lay.tp, sequence_parallel=sequence_parallel, loss_parallel=key[4],
-        compute_bytes=work.compute_bytes, recompute=lay.recompute, attention_scores_saved=work.attention_scores_saved))
+        compute_bytes=work.compute_bytes, recompute=lay.recompute, attention_scores_saved=work.attention_scores_saved,
+        loss_chunk_tokens=chunk))
 
 
 def step_time_floor(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload, hf_config: Any = None,
@@ -312,6 +322,11 @@ def model_state_floor(shape: ModelShape, layout: Layout, work: Workload) -> floa
     lay = runs_as(layout)
     layers, first, last = rank_parts(shape, pipeline_of(shape, lay))[0]
     return sum(stage_model_state(shape, lay, work, layers, first, last).values())
+
+
+def activation_model(shape: ModelShape, layout: Layout, work: Workload, hf_config: Any = None) -> ActivationModel:
+    """The activation pricing of `layout` as ultrascale runs it (what `peak_memory` adds to the model state)."""
+    return _activations(shape, runs_as(layout), work, hf_config)
 
 
 def peak_memory(shape: ModelShape, layout: Layout, work: Workload, hf_config: Any = None) -> float:
@@ -425,6 +440,17 @@ def _peak_memory(shape: ModelShape, lay: Layout, work: Workload, acts: Activatio
         moment = {"grads": grads_in_forward, "optimizer": optimizer, "activations": activations}
     else:  # the step's peak: model state as the formulas have it
         moment = {"grads": grads, "optimizer": optimizer, "activations": 0.0}
+    if (lay.zero_stage == 3 and n_shard > 1 and lay.pp == 1 and not accumulating and last
+            and 0 < acts.loss_chunk_tokens < acts.seq_len * acts.micro_batch):
+        # The head and the loss fused in chunks compute the head's gradient in forward: its whole compute-dtype copy
+        # waits for the root unit's reduce-scatter at the end of the backward. Without the whole logits the peak moves
+        # late into the backward: every other unit's sharded gradient, the root's whole ones (embedding, head) and
+        # one block rerun (measured: `measure_layout`, 8B at 8,192 tokens, FSDPMemTracker).
+        head = c * (counts["head"] or counts["embedding"]) / lay.tp
+        root = c * (counts["embedding"] + counts["head"]) / lay.tp
+        ends = [{**moment, "grads": moment["grads"] + head},
+                {"grads": grads + root, "optimizer": optimizer, "activations": acts.recompute_peak_bytes(moe_fraction > 0)}]
+        moment = max(ends, key=lambda candidate: sum(candidate.values()))
     memory = {"params": params, **moment, "buffers": buffers}
     return {**memory, "total": sum(memory.values())}
 

@@ -288,7 +288,7 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
         notes.append(f"Float8Training: compute outside attention / {matmul_gains()[1]:.3f} on top of compile (torchtitan's "
                      f"published {FLOAT8_SPEEDUP:.3f}); memory as bf16")
     work = Workload(seq_len, global_batch * accumulate, precision, attention_scores_saved=eager_attention,
-                    compiled=compiled, float8=float8 and compiled)
+                    compiled=compiled, float8=float8 and compiled, loss_chunk_tokens=hparams.get("loss_chunk_tokens"))
     row = evaluate(shape, layout, cluster, work, hf_config)
     if row.problems:  # the planner's copy of the strategy's remaining rules (TP inside a node, ZeRO-1/2 limits, ...)
         raise ValueError(f"{owner} layout {layout.describe()}: " + "; ".join(row.problems))

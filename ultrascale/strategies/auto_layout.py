@@ -98,8 +98,9 @@ def auto_layout_inputs(module: Any, trainer: Any, device: torch.device, world_si
         return None, (f"the data module ({type(datamodule).__name__}) declares no integer `seq_len` and "
                       "`global_batch_size` (ultrascale.data's data modules do)")
     accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+    hparams = getattr(module, "hparams", None) or {}
     work = planner.Workload(seq_len, global_batch * accumulate, precision if precision in PRECISIONS
-                            else "bf16-mixed", compiled=compiled)
+                            else "bf16-mixed", compiled=compiled, loss_chunk_tokens=hparams.get("loss_chunk_tokens"))
     cluster = device_cluster(device, world_size, ranks_per_node)
     if calibration is not None:  # this machine's measured / predicted ratios, against the GPU they were measured for
         devices = "cpu" if device.type == "cpu" else "cuda"

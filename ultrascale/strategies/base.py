@@ -41,7 +41,7 @@ from ultrascale.parallel.rules import LayoutKnobs, async_tensor_parallel_problem
 from ultrascale.parallel.tensor import has_tensor_parallel_dropout
 from ultrascale.parallel.tensor_styles import resolve_plan
 from ultrascale.parallel.transforms import ModelTransform
-from ultrascale.parallel.zero import ZeroEngine, engine_for
+from ultrascale.parallel.zero import ZeroEngine, check_optimizer_on_slices, engine_for
 from ultrascale.planner.calibration import load_calibration
 from ultrascale.strategies import collectives, model_setup, process_group
 from ultrascale.strategies._lightning_compat import StrategyInternals, attach_device_mesh, check_lightning_internals, optimizers_to_device
@@ -325,6 +325,12 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         return self._parallel_mesh
 
     @property
+    def sequence_parallel_mesh(self) -> Optional[DeviceMesh]:
+        """Under sequence parallel, the tp mesh over whose ranks the residual stream is cut on the sequence (dim 1):
+        a plain tensor between the blocks is this rank's slice. None otherwise."""
+        return self.parallel_mesh["tp"] if self._sequence_parallel_active and self.parallel_dims.tp_enabled else None
+
+    @property
     def context_layout(self) -> Optional[ContextLayout]:
         """Under context parallel, which tokens of the current batch this rank holds
         (`layout.token_index(cp_rank)`): steps, callbacks and predictions see only those. None otherwise."""
@@ -495,6 +501,10 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
             self._tensor_parallel_checked = set()  # every fit's first step, a resumed one's too
             self.reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
+            if self.zero_stage not in (1, 2):  # ZeRO-1/2's engine refuses them itself, for its own slices
+                names = {id(p): n for n, p in module.named_parameters()}
+                for optimizer in self.optimizers:
+                    check_optimizer_on_slices(optimizer, names, f"{type(self).__name__} ({self.parallel_dims.describe()})")
             if self._tied_weights is not None:  # the head's copies of tied weights follow their weight, not a step
                 for optimizer in self.optimizers:
                     self._tied_weights.leave_out_of(optimizer)
