@@ -152,7 +152,9 @@ def predict(run: dict, efficiency: float | None = None) -> dict:
     spec = planner.GPU_SPECS[run["gpu"].lower()]
     cluster = planner.Cluster(spec, gpus, per_node, efficiency=efficiency)
     fp8 = run["precision"] == "fp8"  # priced as `plan --fp8`: compiled blocks with Float8 matmuls
-    work = planner.Workload(seq, mbs * accumulation * dp, "bf16-mixed", compiled=fp8 or bool(run.get("compile")), float8=fp8)
+    # The published stacks computed every token's logits at once: their memory is priced so (`loss_chunk_tokens=0`).
+    work = planner.Workload(seq, mbs * accumulation * dp, "bf16-mixed", compiled=fp8 or bool(run.get("compile")), float8=fp8,
+                            loss_chunk_tokens=0)
     row = planner.evaluate(shape, layout, cluster, work)
     return {"row": row, "shape": shape, "assumed": assumed, "layout": layout}
 
