@@ -184,7 +184,7 @@ def test_prompt_tokens_contribute_zero_loss(tok_dir, data) -> None:
         out.retain_grad()
         captured["logits"] = out
 
-    handle = lm.model.register_forward_hook(keep_logits)
+    handle = lm.model.output.register_forward_hook(keep_logits)  # the head: its output is the logits
     loss = lm.batch_loss(batch)["loss"]  # LlamaLM's own training loss
     handle.remove()
     loss.backward()

@@ -78,8 +78,9 @@ def test_document_attention_equals_sdpa_under_the_block_diagonal_mask():
     dense = grouped_sdpa(q, k, v, attn_mask=document_mask(documents), scale=0.3)
     assert_close(ours, dense, rtol=1e-6, atol=1e-6)
     grads = torch.autograd.grad(ours.square().sum(), (q, k, v))
+    # atol 1e-5: on an AMD EPYC (no AVX-512) torch's fp32 SDPA backward rounds elements near 0 1.5e-6 apart.
     for mine, theirs in zip(grads, torch.autograd.grad(dense.square().sum(), (q, k, v))):
-        assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+        assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("head_dim", [16, 128])
