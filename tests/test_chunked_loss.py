@@ -208,7 +208,7 @@ def _hf_checkpoint(folder, architecture: str) -> str:
 def test_every_architecture_of_head_to_logits_is_checked_here():
     """Each `HEAD_TO_LOGITS` entry has a tiny checkpoint below; the support matrix's architectures outside it are
     refused by name when asked for a chunk."""
-    from ultrascale.models.hf import HEAD_TO_LOGITS
+    from ultrascale.models.head_loss import HEAD_TO_LOGITS
 
     types = {model_type for model_type, _ in _hf_architectures().values()}
     assert set(HEAD_TO_LOGITS) <= types, set(HEAD_TO_LOGITS) - types
@@ -219,7 +219,7 @@ def test_hf_chunked_loss_is_the_models_own_logits_loss(architecture, tmp_path):
     """For an architecture of `HEAD_TO_LOGITS`: the chunked loss and every gradient equal the loss of the logits
     transformers' own forward returns (soft-capping, logit scales and MiniCPM3's hidden-state scale included); for
     one outside it, an explicit chunk is refused by name and the default computes the whole logits."""
-    from ultrascale.models.hf import HEAD_TO_LOGITS
+    from ultrascale.models.head_loss import HEAD_TO_LOGITS
 
     path = _hf_checkpoint(tmp_path, architecture)
     module = make_hf(path, loss_chunk_tokens=CHUNK)

@@ -13,6 +13,7 @@ import ultrascale
 from tests._parity import ParityData, Recorder, TokenDataset, assert_parity, parity_trainer, reference_run, step_losses
 from ultrascale.launch import run_ranks
 from ultrascale.models import LlamaLM
+from ultrascale.parallel import optimizers
 from ultrascale.parallel import zero as zero_module
 from ultrascale.parallel.rules import LayoutNotImplemented
 
@@ -87,12 +88,11 @@ def test_zero12_and_declared_optimizers():
         def __init__(self, params: Any) -> None:
             super().__init__(params, {"lr": 1e-3})
 
-    saved = zero_module.ELEMENTWISE_OPTIMIZERS
     try:
-        assert not zero_module.is_elementwise(MyAdam(layer.parameters()))
-        zero_module.declare_elementwise_optimizer(MyAdam)
-        assert zero_module.is_elementwise(MyAdam(layer.parameters()))
+        assert not optimizers.is_elementwise(MyAdam(layer.parameters()))
+        optimizers.declare_elementwise_optimizer(MyAdam)
+        assert optimizers.is_elementwise(MyAdam(layer.parameters()))
     finally:
-        zero_module.ELEMENTWISE_OPTIMIZERS = saved
+        optimizers.DECLARED_ELEMENTWISE.discard(MyAdam)
     with pytest.raises(TypeError, match="not a torch.optim.Optimizer class"):
-        zero_module.declare_elementwise_optimizer(torch.nn.Linear)  # type: ignore[arg-type]
+        optimizers.declare_elementwise_optimizer(torch.nn.Linear)  # type: ignore[arg-type]

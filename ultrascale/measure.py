@@ -388,7 +388,8 @@ def _measure(r: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from ultrascale.estimate import ADAMW_KERNEL
-    from ultrascale.models.adapters import fused_head_loss_sum, fuses_head_and_loss, plan_model
+    from ultrascale.models.adapters import plan_model
+    from ultrascale.models.head_loss import fused_head_loss_sum, fuses_head_and_loss
     from ultrascale.parallel.context import ContextParallel
     from ultrascale.parallel.dims import build_mesh
     from ultrascale.parallel.fsdp import set_gradient_sync

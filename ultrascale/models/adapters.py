@@ -8,9 +8,8 @@ ZeRO/HSDP (it only needs the repeated blocks).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatch
 from typing import Any, Optional
 
@@ -18,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ultrascale.estimate import ModelShape, hf_head_dim
+from ultrascale.models.head_loss import fuses_head_and_loss
 from ultrascale.models.hf_sequence_parallel import hf_sequence_parallel_problem, hf_sequence_parallel_styles
 from ultrascale.models.tp_plans import hf_base_tp_plan
 from ultrascale.parallel.rules import ModelFacts, experts_over_tp
@@ -561,75 +561,9 @@ def _architecture_name(module: nn.Module) -> str:
     return "generic"
 
 
-# --------------------------------------------------------------------------- the head and the loss in chunks
-
-def _softcapped(cap: float) -> Callable[[Any], Any]:
-    return lambda logits: (logits / cap).tanh() * cap
-
-
-HEAD_TO_LOGITS: dict[str, Callable[[Any], tuple[Optional[Callable], Optional[Callable]]]] = {
-    **{model_type: (lambda model: (None, None)) for model_type in (
-        "llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "olmo3", "smollm3", "mixtral", "qwen3_moe", "gpt_oss",
-        "deepseek_v3", "glm4_moe", "olmoe", "phimoe")},
-    # Gemma 2/3: `final_logit_softcapping`, cap * tanh(logits / cap), in the logits' dtype as transformers does.
-    **{model_type: (lambda model: (None, _softcapped(model.config.final_logit_softcapping)
-                                   if model.config.final_logit_softcapping is not None else None))
-       for model_type in ("gemma2", "gemma3_text")},
-    "granite": lambda model: (None, lambda logits: logits / model.config.logits_scaling),
-    **{model_type: (lambda model: (None, lambda logits: logits * model.logit_scale)) for model_type in ("cohere", "cohere2")},
-    # MiniCPM3 divides the hidden states (not the logits) by its `logits_scaling` before the head.
-    "minicpm3": lambda model: (lambda hidden: hidden / model.config.logits_scaling, None),
-}
-"""What a transformers causal LM does between its decoder's last hidden state and its logits, by `model_type`: (a
-function of the hidden states before the head or None, a function of the head's output or None), read from
-each architecture's `ForCausalLM.forward` in transformers 5.24. The chunked loss runs on these architectures alone
-(tests/test_chunked_loss.py holds each to the model's own logits); a `model_type` not here computes the whole
-logits, and `loss_chunk_tokens` set on it is refused."""
-
-
-def head_to_logits(model: nn.Module) -> tuple[Optional[Callable], Optional[Callable]]:
-    """`HEAD_TO_LOGITS` of the transformers model `model` (KeyError for an architecture not there)."""
-    return HEAD_TO_LOGITS[model.config.model_type](model)
-
-
-def fused_head_loss_sum(model: nn.Module, input_ids: Any, position_ids: Any, labels: Any, chunk_tokens: int,
-                        sequence_mesh: Any = None) -> tuple[Any, Any]:
-    """``(loss sum, valid tokens)`` of the built-in `Llama` or a transformers causal LM (a PEFT wrapper's base) with
-    its head and loss fused in chunks of `chunk_tokens` (`parallel.loss.chunked_cross_entropy_sum`): the final
-    norm's output, then the head as the architecture applies it (`HEAD_TO_LOGITS`). `sequence_mesh`: under
-    sequence parallel, the tp mesh whose ranks hold slices of the final norm's output as plain tensors (a
-    transformers plan hands them so): named Shard(1) there, the chunks are cut from the whole sequence."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    from ultrascale.models.llama import Llama
-    from ultrascale.parallel.loss import chunked_cross_entropy_sum
-
-    if isinstance(model, Llama):
-        return chunked_cross_entropy_sum(model(input_ids, position_ids, head=False), model.output, labels, chunk_tokens)
-    get_base_model = getattr(model, "get_base_model", None)  # PeftModel's
-    inner = get_base_model() if callable(get_base_model) else model
-    before, after = head_to_logits(inner)
-    hidden = inner.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
-    if sequence_mesh is not None and not isinstance(hidden, DTensor):
-        hidden = DTensor.from_local(hidden, sequence_mesh, [Shard(1)], run_check=False)
-    if before is not None:
-        hidden = before(hidden)
-    return chunked_cross_entropy_sum(hidden, inner.get_output_embeddings(), labels, chunk_tokens, after)
-
-
 def model_facts(module: nn.Module, *, pipeline_parts: Any = None) -> ModelFacts:
     """The rulebook's facts of a built (real or meta) model, through its adapter."""
-    facts = get_adapter(module).facts(pipeline_parts=pipeline_parts)
-    return dataclasses.replace(facts, chunked_loss=fuses_head_and_loss(module))
-
-
-def fuses_head_and_loss(model: nn.Module) -> bool:
-    """Whether `LlamaLM` / `HFCausalLM` run this model's head and loss fused in chunks: the built-in Llama, and the
-    transformers architectures of `HEAD_TO_LOGITS`."""
-    from ultrascale.models.llama import Llama
-
-    config = getattr(model, "config", None)
-    return isinstance(model, Llama) or getattr(config, "model_type", None) in HEAD_TO_LOGITS
+    return replace(get_adapter(module).facts(pipeline_parts=pipeline_parts), chunked_loss=fuses_head_and_loss(module))
 
 
 _FACTS_CACHE: dict[str, ModelFacts] = {}
@@ -723,8 +657,6 @@ def declared_facts(module: nn.Module, *, own_pipeline_parts: bool = False) -> Op
     """The rulebook's facts of the model a LightningModule declares in its `config` before building it (the built-in
     `LlamaConfig` of `LlamaLM`, the Hugging Face config of `HFCausalLM`), so a layout is checked before any process
     starts; None for a module without such a config (its built model is checked in `setup`)."""
-    import dataclasses
-
     config = getattr(module, "config", None)
     from ultrascale.models.llama import LlamaConfig
 
@@ -733,10 +665,10 @@ def declared_facts(module: nn.Module, *, own_pipeline_parts: bool = False) -> Op
         return None
     # Named as the user wrote it (`LlamaLM (LlamaConfig)`; asked before sharding, so not `FSDPLlamaLM`): the
     # launcher's one error points at their class.
-    facts = dataclasses.replace(config_facts(config), name=f"{type(module).__name__} ({type(config).__name__})")
+    facts = replace(config_facts(config), name=f"{type(module).__name__} ({type(config).__name__})")
     if own_pipeline_parts:  # the module's own stage split (`ModuleContract.pipeline_parts`) replaces the adapter's
         layers = getattr(config, "n_layers", None) or getattr(config, "num_hidden_layers", None)
-        facts = dataclasses.replace(facts, pipeline=True, n_layers=facts.n_layers or layers)
+        facts = replace(facts, pipeline=True, n_layers=facts.n_layers or layers)
     return facts
 
 

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ultrascale.contract import sequence_parallel_mesh, stage_mesh
-from ultrascale.models.adapters import HEAD_TO_LOGITS, fused_head_loss_sum
+from ultrascale.models.head_loss import HEAD_TO_LOGITS, fused_head_loss_sum, hf_inner_model
 from ultrascale.models.hf_folder import check_export_target, trained_chat_template, write_hf_folder
 from ultrascale.models.hf_load import (
     check_hf_folder,
@@ -28,7 +28,7 @@ from ultrascale.models.hf_load import (
     text_model_config,
 )
 from ultrascale.models.lm import CausalLMModule, attached_strategy, check_loss_chunk_tokens
-from ultrascale.parallel.loss import NUM_TOKENS_KEY, token_loss
+from ultrascale.parallel.loss import token_loss, token_mean
 from ultrascale.parallel.rules import not_built
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -328,9 +328,8 @@ class HFCausalLM(CausalLMModule):
         if not chunk:
             logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
             return logits if labels is None else token_loss(logits, labels)
-        loss_sum, count = fused_head_loss_sum(self.model, input_ids, position_ids, labels, chunk,
-                                              sequence_parallel_mesh(attached_strategy(self)))
-        return {"loss": loss_sum / count.clamp(min=1), NUM_TOKENS_KEY: count}
+        return token_mean(*fused_head_loss_sum(self.model, input_ids, position_ids, labels, chunk,
+                                               sequence_parallel_mesh(attached_strategy(self))))
 
     fuses_head_and_loss = True
 
@@ -338,7 +337,7 @@ class HFCausalLM(CausalLMModule):
         if self.config.model_type in HEAD_TO_LOGITS:
             return None
         return ("chunked_loss_hf_architecture", f"{type(self.config).__name__} (`{self.config.model_type}`) is not among "
-                "the architectures whose logits the chunked loss is checked against (`models.hf.HEAD_TO_LOGITS`)")
+                "the architectures whose logits the chunked loss is checked against (`models.head_loss.HEAD_TO_LOGITS`)")
 
     def vocab_size_of_head(self) -> int:
         return int(self.config.vocab_size)
@@ -360,12 +359,6 @@ class HFCausalLM(CausalLMModule):
             return
         if self.hparams.export_dir:
             export_hf_from_module(self, self.hparams.export_dir)
-
-
-def hf_inner_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model itself: `model`, or the one a PEFT `PeftModel` wraps (its `get_base_model()`)."""
-    get_base_model = getattr(model, "get_base_model", None)  # PeftModel's; transformers models have none
-    return get_base_model() if callable(get_base_model) else model
 
 
 def lora_config(fields: Dict[str, Any]) -> Any:

@@ -17,10 +17,10 @@ from torchmetrics.aggregation import MeanMetric
 
 from ultrascale.contract import attached_strategy, normalizes_token_loss, pipeline_active
 from ultrascale.estimate import ADAMW_KERNEL
-from ultrascale.models.adapters import fused_head_loss_sum
+from ultrascale.models.head_loss import fused_head_loss_sum
 from ultrascale.models.llama import Llama, LlamaConfig
 from ultrascale.parallel.expert import iter_routers, scale_balance_terms
-from ultrascale.parallel.loss import NUM_TOKENS_KEY, TokenNormalizedStep, loss_chunk_tokens_of, token_loss
+from ultrascale.parallel.loss import TokenNormalizedStep, loss_chunk_tokens_of, token_loss, token_mean
 from ultrascale.parallel.rules import not_built
 
 __all__ = ["CausalLMModule", "LlamaLM", "adamw_warmup_cosine", "check_loss_chunk_tokens", "warmup_cosine"]
@@ -315,8 +315,7 @@ class LlamaLM(CausalLMModule):
         if not chunk:
             logits = self.model(input_ids, position_ids)
             return logits if labels is None else token_loss(logits, labels)
-        loss_sum, count = fused_head_loss_sum(self.model, input_ids, position_ids, labels, chunk)
-        return {"loss": loss_sum / count.clamp(min=1), NUM_TOKENS_KEY: count}
+        return token_mean(*fused_head_loss_sum(self.model, input_ids, position_ids, labels, chunk))
 
     fuses_head_and_loss = True
 

@@ -66,7 +66,12 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = I
     mean; ultrascale strategies read ``"num_tokens"`` and turn the step's gradient into that of
     ``sum(token losses) / (valid tokens of the whole global batch)``.
     """
-    loss_sum, count = cross_entropy_sum(logits, labels, ignore_index)
+    return token_mean(*cross_entropy_sum(logits, labels, ignore_index))
+
+
+def token_mean(loss_sum: torch.Tensor, count: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{"loss": loss_sum / count (0 when count is 0), "num_tokens": count}``: what `token_loss` returns, from the
+    sum and the count."""
     return {"loss": loss_sum / count.clamp(min=1), NUM_TOKENS_KEY: count}
 
 
@@ -212,8 +217,7 @@ def chunked_token_loss(
         if vocab is None:
             raise ValueError("chunked_token_loss: pass `chunk_tokens` (the head has neither `out_features` nor `weight`)")
         chunk_tokens = default_loss_chunk_tokens(int(vocab))
-    loss_sum, count = chunked_cross_entropy_sum(hidden, head, labels, chunk_tokens, logits_fn, ignore_index)
-    return {"loss": loss_sum / count.clamp(min=1), NUM_TOKENS_KEY: count}
+    return token_mean(*chunked_cross_entropy_sum(hidden, head, labels, chunk_tokens, logits_fn, ignore_index))
 
 
 def content_lengths(position_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -311,7 +315,7 @@ def scale_gradients(grads: Iterable[torch.Tensor | None], factor: float | torch.
 
 __all__ = ["IGNORE_INDEX", "NUM_TOKENS_KEY", "StepTokens", "chunked_cross_entropy_sum", "chunked_token_loss",
            "cross_entropy_sum", "default_loss_chunk_tokens", "loss_chunk_tokens_of", "scale_gradients",
-           "token_loss"]
+           "token_loss", "token_mean"]
 
 
 class TokenNormalizedStep:

@@ -113,8 +113,8 @@ NOT_BUILT: dict[str, NotBuilt] = {
     "chunked_loss_pipeline": NotBuilt("the chunked head and loss (`loss_chunk_tokens`) under pipeline parallel (its "
                                       "last stage computes the whole logits)", layout=False),
     "chunked_loss_hf_architecture": NotBuilt("the chunked head and loss (`loss_chunk_tokens`) on a Hugging Face "
-                                             "architecture it is not checked against (`models.hf.HEAD_TO_LOGITS`, docs/exact-loss.md)",
-                                             layout=False),
+                                             "architecture it is not checked against (`models.head_loss.HEAD_TO_LOGITS`, "
+                                             "docs/exact-loss.md)", layout=False),
     "optimizer_on_slices": NotBuilt("an optimizer whose update is not elementwise (Muon, Shampoo, LAMB, Adafactor, "
                                     "...) on weights a layout shards (ZeRO-1/2/3, HSDP, tensor and expert parallel)",
                                     layout=False),

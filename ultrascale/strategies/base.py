@@ -36,12 +36,13 @@ from ultrascale.parallel.device import (
 from ultrascale.parallel.dims import ParallelDims, ParallelMesh, build_mesh
 from ultrascale.parallel.fsdp import reshard
 from ultrascale.parallel.manifest import VERIFY_LEVELS, VerifyLevel
+from ultrascale.parallel.optimizers import check_optimizer_on_slices
 from ultrascale.parallel.pipeline import PipelineLayout, PipelineRunner, TiedStageWeights
 from ultrascale.parallel.rules import LayoutKnobs, async_tensor_parallel_problems, knob_problems, raise_first
 from ultrascale.parallel.tensor import has_tensor_parallel_dropout
 from ultrascale.parallel.tensor_styles import resolve_plan
 from ultrascale.parallel.transforms import ModelTransform
-from ultrascale.parallel.zero import ZeroEngine, check_optimizer_on_slices, engine_for
+from ultrascale.parallel.zero import ZeroEngine, engine_for
 from ultrascale.planner.calibration import load_calibration
 from ultrascale.strategies import collectives, model_setup, process_group
 from ultrascale.strategies._lightning_compat import StrategyInternals, attach_device_mesh, check_lightning_internals, optimizers_to_device
