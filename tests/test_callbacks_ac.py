@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import lightning as L
 import pytest
@@ -232,3 +233,113 @@ def test_sharded_checkpoint_saved_with_ac_resumes(tmp_path, resume):
     straight = step_losses([{"losses": r} for r in run_ranks(_save_then_resume, 2, str(tmp_path), "straight")])
     assert len(resumed) == 3 and len(straight) == 6
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight[3:]), rtol=0, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- a memory budget
+
+
+BUDGET_LAYERS = 4
+
+
+def make_deep_model() -> LlamaLM:
+    config = dataclasses.replace(LlamaConfig.from_preset("tiny"), n_layers=BUDGET_LAYERS)
+    return LlamaLM(config=config, learning_rate=3e-3, warmup_steps=1, max_steps=1000, min_lr_ratio=1.0, eps=1e-6)
+
+
+class _SizedParityData(ParityData):
+    """ParityData declaring its batch, as ultrascale's data modules do (the budget prices it)."""
+
+    def __init__(self, dataset, global_batch: int) -> None:
+        super().__init__(dataset, global_batch)
+        self.seq_len, self.global_batch_size = SEQ, global_batch
+
+
+def _budget_between_selective_and_none() -> float:
+    """A budget in GiB halfway between the planner's peaks of ZeRO-3 over 2 ranks with every block selective and
+    with none: what fits is a mix."""
+    from ultrascale import planner
+    from ultrascale.models.adapters import model_shape
+    from ultrascale.strategies.auto_layout import device_cluster
+
+    shape, cluster = model_shape(make_deep_model()), device_cluster(torch.device("cpu"), 2, 2)
+    work = planner.Workload(SEQ, MICRO_BATCH, "32-true")
+    peaks = [planner.evaluate(shape, planner.Layout(dp_shard=2, micro_batch=MICRO_BATCH // 2, recompute=mode), cluster,
+                              work).memory["total"] for mode in ("selective", "none")]
+    return sum(peaks) / 2 / planner.GIB
+
+
+def _train_with_budget(rank, world_size, budget_gib, steps):
+    L.seed_everything(rank, verbose=False)
+    recorder, counter = Recorder(), _CountForwards()
+    budget = ActivationCheckpointing(memory_budget_gib=budget_gib)
+    trainer = parity_trainer(world_size, "ultrascale_zero3", recorder, steps, callbacks=[counter, budget])
+    model = make_deep_model()
+    trainer.fit(model, _SizedParityData(masked_data(steps), MICRO_BATCH))
+    result = recorder.result()
+    result["grads"], result["params"] = strip(result["grads"]), strip(result["params"])
+    wrapped = [index for index, block in enumerate(model.model.layers) if isinstance(block, CheckpointWrapper)
+               and isinstance(block._checkpoint_wrapped_module, TransformerBlock)]
+    assert sum(isinstance(m, CheckpointWrapper) for m in model.modules()) == len(wrapped)
+    return {**result, "block_forwards": counter.calls["n"], "wrapped": wrapped, "modes": budget.block_modes,
+            "predicted_gib": budget.predicted_peak_gib, "described": budget.describe_blocks()}
+
+
+def test_a_memory_budget_mixes_modes_per_block_and_trains_exactly():
+    budget = _budget_between_selective_and_none()
+    reference = reference_run(make_deep_model(), masked_data(), global_batch=MICRO_BATCH, steps=STEPS)
+    results = run_ranks(_train_with_budget, 2, budget, STEPS)
+    assert_parity(results[0], reference, step_losses(results))
+    modes = results[0]["modes"]
+    assert results[1]["modes"] == modes and len(modes) == BUDGET_LAYERS
+    assert "none" in modes and "full" not in modes and "selective" in modes, modes  # a mix, cheapest first
+    assert list(modes) == sorted(modes, key=("full", "selective", "none").index)  # none on the last blocks
+    recomputed = BUDGET_LAYERS - modes.count("none")
+    assert results[0]["wrapped"] == list(range(recomputed))  # whole blocks, the first ones
+    assert results[0]["block_forwards"] == (BUDGET_LAYERS + recomputed) * STEPS
+    assert results[0]["predicted_gib"] <= budget
+    assert results[0]["described"].startswith("blocks 0")
+
+
+def test_a_memory_budget_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"`memory_budget_gib=0` must be a positive number of GiB per rank"):
+        ActivationCheckpointing(memory_budget_gib=0)
+    with pytest.raises(ValueError, match=r"give `memory_budget_gib=8` or `mode`, not both"):
+        ActivationCheckpointing(mode="full", memory_budget_gib=8)
+    # Lightning's own strategies: no layout to price a rank's memory with
+    with pytest.raises(ValueError, match=r"`memory_budget_gib=8`\) needs an ultrascale strategy"):
+        model = Llama(LlamaConfig.from_preset("tiny"))
+        ActivationCheckpointing(memory_budget_gib=8).transform_model(model, model.layers)
+
+
+def test_a_budget_nothing_fits_names_what_a_rank_holds():
+    from ultrascale import planner
+    from ultrascale.models.adapters import model_shape
+    from ultrascale.strategies.auto_layout import device_cluster
+
+    shape, cluster = model_shape(make_deep_model()), device_cluster(torch.device("cpu"), 2, 2)
+    work, layout = planner.Workload(SEQ, MICRO_BATCH, "32-true"), planner.Layout(dp_shard=2, micro_batch=4, recompute="budget")
+    full = planner.evaluate(shape, planner.Layout(dp_shard=2, micro_batch=4, recompute="full"), cluster, work).memory
+    held = (full["total"] - full["activations"]) / planner.GIB
+    with pytest.raises(ValueError, match=rf"`memory_budget_gib=.*`\): a rank holds {held:.3g} GiB besides activations "
+                                         r"\(params .* GiB\) under pp=1, dp_replicate=1, dp_shard=2, .*grad_accumulation=1: "):
+        ActivationCheckpointing(memory_budget_gib=held / 2).choose_blocks(shape, layout, cluster, work)
+    with pytest.raises(ValueError, match=rf"even every block run full peaks at {full['total'] / planner.GIB:.3g} GiB a rank"):
+        ActivationCheckpointing(memory_budget_gib=(held + full["total"] / planner.GIB) / 2).choose_blocks(
+            shape, layout, cluster, work)
+    # a budget that every block full fits exactly: all full
+    callback = ActivationCheckpointing(memory_budget_gib=full["total"] / planner.GIB)
+    assert callback.choose_blocks(shape, layout, cluster, work) == ("full",) * BUDGET_LAYERS
+
+
+def test_plan_recipe_prices_the_blocks_the_budget_will_choose():
+    from pathlib import Path
+
+    from ultrascale.planner.recipe_check import check_recipe
+
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu_2d.yaml")
+    budget = ["--trainer.callbacks+=ultrascale.callbacks.ActivationCheckpointing", "--trainer.callbacks.memory_budget_gib"]
+    plan = check_recipe(recipe, [*budget, "1"])
+    assert plan.row.layout.recompute_blocks == (0, 0, 2)  # a 2-block model in 1 GiB: nothing recomputed
+    assert "ActivationCheckpointing(memory_budget_gib=1.0): blocks 0-1 none" in plan.notes
+    with pytest.raises(ValueError, match=r"`memory_budget_gib=1e-05`\): a rank holds .* GiB besides activations"):
+        check_recipe(recipe, [*budget, "0.00001"])

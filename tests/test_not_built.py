@@ -147,7 +147,19 @@ def _muon_under_zero2() -> None:
     ZeroEngine(layer, torch.optim.Muon(layer.parameters()), stage=2, dp_mesh=None)  # type: ignore[arg-type]
 
 
+def _recompute_budget_under_a_pipeline() -> None:
+    """What the strategy's `parallelize` asks before any weight moves, on its pp=2 mesh."""
+    from ultrascale.callbacks import ActivationCheckpointing
+    from ultrascale.parallel.dims import ParallelDims
+    from ultrascale.strategies.auto_layout import choose_budget_blocks
+
+    strategy = SimpleNamespace(parallel_dims=ParallelDims.resolve(2, pp=2, dp_shard=1))
+    choose_budget_blocks([ActivationCheckpointing(memory_budget_gib=8)], None, None, strategy, device=torch.device("cpu"),
+                         world_size=2, ranks_per_node=2, precision="32-true", owner="ZeRO3Strategy")
+
+
 PROBES: dict[str, Callable[[Path], None]] = {
+    "recompute_budget_pipeline": lambda _: _recompute_budget_under_a_pipeline(),
     "chunked_loss_pipeline": lambda _: ultrascale.models.LlamaLM(preset="tiny", loss_chunk_tokens=64)
     .loss_chunk_tokens_in_use(pipeline=True),
     "chunked_loss_hf_architecture": _chunked_loss_on,

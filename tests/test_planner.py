@@ -1311,5 +1311,47 @@ def test_the_searchs_candidate_tuples_are_layouts_field_by_field():
                  "ep": "_EP", "zero_stage": "_ZERO", "micro_batch": "_MICRO_BATCH", "grad_accumulation": "_ACCUMULATION",
                  "recompute": "_RECOMPUTE", "virtual_stages": "_VIRTUAL_STAGES", "pipeline_schedule": "_SCHEDULE",
                  "pipeline_layers": "_LAYERS", "accumulate_unsharded_grads": "_UNSHARDED", "cp_method": "_CP_METHOD",
-                 "cp_ulysses": "_CP_ULYSSES", "accumulate_grads_in_fp32": "_GRADS_FP32"}  # the memo keys pick fields by these
+                 "cp_ulysses": "_CP_ULYSSES", "accumulate_grads_in_fp32": "_GRADS_FP32",
+                 "recompute_blocks": "_RECOMPUTE_BLOCKS"}  # the memo keys pick fields by these
     assert [getattr(search_module, constants[name]) for name in field_names] == list(range(len(field_names)))
+
+
+# --------------------------------------------------------------------------- a recompute budget
+
+
+@pytest.mark.parametrize("budget_gib", [24, 40, 55, 75])
+def test_a_recompute_budget_is_the_fastest_mix_that_fits(budget_gib):
+    """`cheapest_recompute`'s bisection against every (full, selective, none) count priced on its own: the fitting mix
+    with the shortest step, and at least as fast as each uniform mode that fits."""
+    from ultrascale.planner.cost import cheapest_recompute
+
+    shape, cluster = model_shape("llama3_8b"), planner.Cluster(planner.GPU_SPECS["h100"], 8)
+    work, base = planner.Workload(8192, 8), planner.Layout(dp_shard=8, recompute="budget")
+    blocks, budget = shape.n_layers, budget_gib * planner.GIB
+    rows = [planner.evaluate(shape, dataclasses.replace(base, recompute_blocks=(f, s, blocks - f - s)), cluster, work)
+            for f in range(blocks + 1) for s in range(blocks + 1 - f)]
+    fitting = [row for row in rows if row.memory["total"] <= budget]
+    chosen, fits = cheapest_recompute(shape, base, cluster, work, budget)
+    assert fits and fitting
+    row = planner.evaluate(shape, chosen, cluster, work)
+    assert row.memory["total"] <= budget
+    assert row.step_time["total"] == pytest.approx(min(r.step_time["total"] for r in fitting), rel=1e-12)
+    for mode in ("none", "selective", "full"):
+        uniform = planner.evaluate(shape, dataclasses.replace(base, recompute=mode), cluster, work)
+        if uniform.memory["total"] <= budget:
+            assert row.step_time["total"] <= uniform.step_time["total"] * (1 + 1e-12)
+    assert sum(chosen.recompute_blocks) == blocks
+
+
+def test_a_recompute_budget_in_the_search_fits_the_gpu_and_beats_every_uniform_mode():
+    shape, cluster = model_shape("llama3_70b"), planner.Cluster(planner.GPU_SPECS["h100"], 64)
+    work = planner.Workload(8192, 64)
+    budget = planner.search(shape, cluster, work, fixed={"recompute": "budget"}, top=1)[0]
+    uniform = planner.search(shape, cluster, work, top=1)[0]
+    assert budget.fits and budget.memory["total"] <= cluster.usable_bytes
+    assert budget.layout.recompute == "budget" and budget.layout.recompute_blocks is not None
+    assert budget.tokens_per_s_per_gpu >= uniform.tokens_per_s_per_gpu
+    full, selective, none = budget.layout.recompute_blocks
+    assert none and (full or selective)  # a real mix at this size: every block kept does not fit, nor is it needed
+    refused = planner.layout_problems(planner.Layout(pp=2, dp_shard=32, recompute="budget"), shape, cluster, 8192, 64)
+    assert any("a recompute budget is chosen for one stage" in problem for problem in refused), refused

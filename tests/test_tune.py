@@ -108,8 +108,28 @@ def test_a_candidate_carries_its_recompute_mode_as_the_one_checkpointing_callbac
     assert checkpointing(Layout(dp_shard=2, micro_batch=8, recompute="selective")) == ["selective"]
     assert checkpointing(Layout(dp_shard=2, micro_batch=8, recompute="full")) == ["full"]
     assert checkpointing(Layout(dp_shard=2, micro_batch=8, recompute="none")) == []
+    budget = candidate_config(config, plan.strategy, Layout(dp_shard=2, micro_batch=8, recompute="budget",
+                                                            recompute_blocks=(0, 1, 1)), cluster=plan.cluster)
+    assert [cb["init_args"] for cb in budget["trainer"]["callbacks"] if cb["class_path"].endswith("ActivationCheckpointing")
+            ] == [{"memory_budget_gib": round(plan.cluster.usable_bytes / 2**30, 3)}]
     knobs = candidate_config(config, plan.strategy, Layout(dp_shard=2, micro_batch=4, grad_accumulation=2))
     assert knobs["trainer"]["accumulate_grad_batches"] == 2 and knobs["data"]["init_args"]["global_batch_size"] == 8
+
+
+@pytest.mark.slow
+def test_tune_measures_a_recompute_budget(capsys, tmp_path):
+    """`--recompute budget`: the planner's layouts with each block's cheapest mode for the GPU, run with the budget
+    callback, which chooses the same blocks on the ranks."""
+    table, work = tmp_path / "tune.json", tmp_path / "work"
+    code, out, err = run_main(capsys, "tune", "--config", RECIPE, *SMALL, "--top", "1", "--steps", "2", "--warmup", "1",
+                              "--recompute", "budget", "--json", str(table), "--workdir", str(work))
+    assert code == 0, out + err
+    [candidate] = json.loads(table.read_text())["candidates"]
+    assert "recompute=budget(full 0, selective 0, none 2)" in candidate["layout"], candidate
+    assert candidate["error"] is None and candidate["measured_tokens_per_s"] > 0, candidate
+    recipe = yaml.safe_load((work / "candidate1.yaml").read_text())
+    [checkpointing] = [cb for cb in recipe["trainer"]["callbacks"] if cb["class_path"].endswith("ActivationCheckpointing")]
+    assert set(checkpointing["init_args"]) == {"memory_budget_gib"}
 
 
 @pytest.mark.slow

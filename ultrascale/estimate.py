@@ -505,6 +505,8 @@ class ActivationModel:
 
     Full recompute keeps only each block's input (c·sbh/r) and re-runs one block at a time.
     Selective recompute keeps matmul and attention outputs and re-runs norms and activations.
+    A budget (`recompute="budget"`) mixes them per block: `recompute_blocks` = how many of the rank's blocks run
+    full, selective and none (`ActivationCheckpointing(memory_budget_gib=)`).
     """
 
     shape: ModelShape
@@ -519,6 +521,9 @@ class ActivationModel:
     """Eager attention (no fused kernel) also keeps the s x s scores and their softmax: 2c·b·a·s²/t per layer."""
     loss_chunk_tokens: int = 0
     """Tokens per chunk of the fused head and loss (`parallel.loss.loss_chunk_tokens_of`); 0: the whole logits."""
+    recompute_blocks: Optional[tuple[int, int, int]] = None
+    """Under `recompute="budget"`: the rank's blocks run (full, selective, none); None there: none chosen yet, priced
+    as nothing recomputed (the lower bound of a search)."""
 
     def _sizes(self) -> tuple[float, int, int, float]:
         sb = self.seq_len * self.micro_batch
@@ -542,13 +547,15 @@ class ActivationModel:
             mlp = (4 if sh.gated_mlp else 2) * c * sb * sh.ffn_hidden / t
         return norms + attention + mlp
 
-    def kept_layer_bytes(self, moe: bool = False) -> float:
-        """What one layer keeps between its forward and backward under `recompute`."""
+    def kept_layer_bytes(self, moe: bool = False, mode: Optional[str] = None) -> float:
+        """What one layer keeps between its forward and backward under `mode` (default `recompute`; one of
+        none, selective, full)."""
         sh, (sb, t, r, c) = self.shape, self._sizes()
+        mode = self.recompute if mode is None else mode
         block_input = c * sb * sh.hidden / r
-        if self.recompute == "full":
+        if mode == "full":
             return block_input
-        if self.recompute == "selective":
+        if mode == "selective":
             h, q, kv = sh.hidden, sh.q_width, sh.kv_width
             matmuls = c * sb * (2 * q + 2 * kv) / t + 4 * sb * sh.n_heads / t + 2 * c * sb * h
             if moe:
@@ -561,19 +568,30 @@ class ActivationModel:
     def recompute_peak_bytes(self, moe: bool = False) -> float:
         """Extra bytes while one block's forward is re-run in backward (none without recompute):
         its full set of activations and the residual stream's incoming and outgoing gradient."""
-        if self.recompute == "none":
+        if self.recompute == "none" or (self.recompute == "budget" and not any((self.recompute_blocks or (0, 0))[:2])):
             return 0.0
         sb, t, r, c = self._sizes()
         return self.layer_bytes(moe) + 2 * c * sb * self.shape.hidden / r
+
+    def blocks_by_mode(self, layers: int) -> dict[str, int]:
+        """How many of a rank's `layers` blocks run each recompute mode."""
+        if self.recompute != "budget":
+            return {self.recompute: layers}
+        if self.recompute_blocks is None:
+            return {"none": layers}
+        if sum(self.recompute_blocks) != layers:
+            raise ValueError(f"ActivationModel: recompute_blocks={self.recompute_blocks} are not the rank's {layers} blocks")
+        return dict(zip(("full", "selective", "none"), self.recompute_blocks))
 
     def peak_bytes(self, layers: int, *, in_flight: float = 1.0, with_loss: bool = True, moe_fraction: float = 0.0) -> float:
         """Activation peak of a rank running `layers` blocks with `in_flight` micro-batches alive.
 
         Either at the end of the forward (every kept layer plus the loss's tensors) or while the
         backward re-runs one block (every kept layer plus that block's full set), whichever is larger."""
-        kept = moe_fraction * self.kept_layer_bytes(True) + (1 - moe_fraction) * self.kept_layer_bytes(False)
+        kept = sum(n * (moe_fraction * self.kept_layer_bytes(True, mode) + (1 - moe_fraction) * self.kept_layer_bytes(False, mode))
+                   for mode, n in self.blocks_by_mode(layers).items())
         rerun = self.recompute_peak_bytes(moe_fraction > 0) if layers else 0.0
-        return in_flight * layers * kept + max(self.loss_bytes() if with_loss else 0.0, rerun)
+        return in_flight * kept + max(self.loss_bytes() if with_loss else 0.0, rerun)
 
     def loss_bytes(self) -> float:
         """The final norm, the head's input and the logits (c + 12 bytes per element at the loss's backward)."""

@@ -31,6 +31,7 @@ __all__ = [
     "ACPolicy",
     "ActivationCheckpointing",
     "AttentionAC",
+    "BlockModesAC",
     "EveryKAC",
     "FullAC",
     "RecomputeSummary",
@@ -99,6 +100,10 @@ class ACPolicy:
 
     def context_fn(self) -> Optional[Callable[[], Any]]:
         return None
+
+    def policy_of(self, index: int) -> "ACPolicy":
+        """The policy of block `index` (itself; `BlockModesAC` gives each block its own)."""
+        return self
 
 
 class FullAC(ACPolicy):
@@ -173,6 +178,38 @@ class SelectiveAC(ACPolicy):
         return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
+class NoAC(ACPolicy):
+    """Keep every activation of the block."""
+
+    recomputes_matmuls = False
+
+    def select(self, index: int, block: nn.Module) -> Optional[nn.Module]:
+        return None
+
+
+BLOCK_MODES: dict[str, Callable[[], ACPolicy]] = {"full": FullAC, "selective": SelectiveAC, "none": NoAC}
+"""The modes a block can get from a memory budget (`rules.RECOMPUTE_MODES`, as the planner prices them)."""
+
+
+class BlockModesAC(ACPolicy):
+    """One mode of `BLOCK_MODES` per block, in block order (what `memory_budget_gib` chose)."""
+
+    def __init__(self, modes: Sequence[str]) -> None:
+        unknown = sorted(set(modes) - set(BLOCK_MODES))
+        if unknown:
+            raise ValueError(f"BlockModesAC: unknown modes {unknown}; each block takes one of {', '.join(BLOCK_MODES)}")
+        self.modes = tuple(modes)
+        self._policies = {mode: BLOCK_MODES[mode]() for mode in set(modes)}
+
+    def policy_of(self, index: int) -> ACPolicy:
+        if index >= len(self.modes):
+            raise ValueError(f"BlockModesAC: {len(self.modes)} modes for at least {index + 1} blocks")
+        return self._policies[self.modes[index]]
+
+    def select(self, index: int, block: nn.Module) -> Optional[nn.Module]:
+        return self.policy_of(index).select(index, block)
+
+
 def _has_submodule(module: nn.Module, path: str) -> bool:
     try:
         module.get_submodule(path)
@@ -199,10 +236,11 @@ def apply_ac(root: nn.Module, blocks: Sequence[nn.Module], policy: ACPolicy) -> 
     from ultrascale.estimate import matmul_params
 
     parents = _parents(root)
-    context_fn = policy.context_fn()
+    context_fns: dict[int, Optional[Callable[[], Any]]] = {}
     regions = params = attention = 0
     for index, block in enumerate(blocks):
-        region = policy.select(index, block)
+        block_policy = policy.policy_of(index)
+        region = block_policy.select(index, block)
         if region is None:
             continue
         if id(region) not in parents:
@@ -211,10 +249,13 @@ def apply_ac(root: nn.Module, blocks: Sequence[nn.Module], policy: ACPolicy) -> 
         parent, name = parents[id(region)]
         if isinstance(parent, CheckpointWrapper) or isinstance(region, CheckpointWrapper):
             continue
+        if id(block_policy) not in context_fns:
+            context_fns[id(block_policy)] = block_policy.context_fn()
+        context_fn = context_fns[id(block_policy)]
         kwargs = {"context_fn": context_fn} if context_fn is not None else {}
         setattr(parent, name, checkpoint_wrapper(region, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs))
         regions += 1
-        if policy.recomputes_matmuls:
+        if block_policy.recomputes_matmuls:
             params += matmul_params(region)
             attention += _count_attention_cores(region)
     return RecomputeSummary(regions=regions, matmul_params=params, attention_layers=attention)
@@ -242,20 +283,23 @@ class ActivationCheckpointing(ModelTransformCallback):
     Example::
 
         trainer = L.Trainer(strategy="ultrascale_zero3", callbacks=[ActivationCheckpointing(mode="selective")])
+        # or: per block the cheapest of none / selective / full that keeps each rank under 60 GiB
+        trainer = L.Trainer(strategy="ultrascale_zero3", callbacks=[ActivationCheckpointing(memory_budget_gib=60)])
     """
 
     _marker = "_ultrascale_activation_checkpointing"
 
     def __init__(
         self,
-        mode: ACMode = "full",
+        mode: Optional[ACMode] = None,
         every_k: int = 2,
         attention_module: Optional[str] = None,
         policy: Optional[ACPolicy] = None,
+        memory_budget_gib: Optional[float] = None,
     ) -> None:
         """
         Args:
-            mode: `full` = every block whole; `every_k` = every k-th block whole; `selective` =
+            mode: `full` (the default) = every block whole; `every_k` = every k-th block whole; `selective` =
                 op-level, keep matmul/attention outputs and recompute the rest; `attention` =
                 only each block's self-attention submodule.
             every_k: for `mode="every_k"`: checkpoint blocks k, 2k, ... (1-based); must be >= 1.
@@ -263,14 +307,70 @@ class ActivationCheckpointing(ModelTransformCallback):
                 None tries `attention`, `self_attn`, `attn`, `self_attention`.
             policy: a custom `ACPolicy` instance (e.g. a `SelectiveAC` subclass overriding
                 `get_save_ops`); overrides `mode`.
+            memory_budget_gib: instead of `mode`: the GiB one rank may hold at its peak (weights, gradients,
+                optimizer state, activations, buffers, as the planner prices them: `torch.cuda.max_memory_allocated`
+                on a GPU). Per block the cheapest of none / selective / full that fits
+                (`planner.cost.cheapest_recompute`): the first blocks full, the next selective, the last ones
+                keep everything. Under an ultrascale strategy without pipeline parallel; refused by name where even
+                every block full does not fit.
         """
         super().__init__()
         if not isinstance(every_k, int) or isinstance(every_k, bool) or every_k < 1:
             raise ValueError(f"ActivationCheckpointing: `every_k={every_k!r}` must be an integer >= 1")
-        self.mode = mode
-        self.policy = policy if policy is not None else make_policy(mode, every_k=every_k, attention_module=attention_module)
+        if memory_budget_gib is not None:
+            if isinstance(memory_budget_gib, bool) or not isinstance(memory_budget_gib, (int, float)) or not memory_budget_gib > 0:
+                raise ValueError(f"ActivationCheckpointing: `memory_budget_gib={memory_budget_gib!r}` must be a positive "
+                                 "number of GiB per rank")
+            if mode is not None or policy is not None:
+                raise ValueError(f"ActivationCheckpointing: give `memory_budget_gib={memory_budget_gib}` or "
+                                 f"`{'mode' if mode is not None else 'policy'}`, not both: the budget chooses each block's mode")
+        self.mode = mode or ("budget" if memory_budget_gib is not None else "full")
+        self.memory_budget_gib = memory_budget_gib
+        self.policy: Optional[ACPolicy] = policy if policy is not None or memory_budget_gib is not None else make_policy(
+            self.mode, every_k=every_k, attention_module=attention_module)
+        self.block_modes: Optional[tuple[str, ...]] = None
+        """Under `memory_budget_gib`: each block's mode, in block order (set when the strategy prices the run)."""
+        self.predicted_peak_gib: Optional[float] = None
+        """Under `memory_budget_gib`: the planner's peak of a rank with `block_modes`."""
         self.summary: Optional[RecomputeSummary] = None
         """What was wrapped (set when the model is transformed); the MFU monitor reads it for HFU."""
+
+    def choose_blocks(self, shape: Any, layout: Any, cluster: Any, work: Any, hf_config: Any = None) -> tuple[str, ...]:
+        """Each block's mode for `memory_budget_gib` on this run (the planner's `ModelShape`, `Layout` with
+        recompute="budget", `Cluster` and `Workload`, as the strategy sees the run); ValueError naming the knob
+        where nothing fits."""
+        from ultrascale.hardware import GIB
+        from ultrascale.planner.cost import cheapest_recompute, evaluate
+
+        assert self.memory_budget_gib is not None
+        budget = self.memory_budget_gib * GIB
+        chosen, fits = cheapest_recompute(shape, layout, cluster, work, budget, hf_config)
+        row = evaluate(shape, chosen, cluster, work, hf_config, problems=[])
+        if not fits:
+            held = row.memory["total"] - row.memory["activations"]
+            parts = ", ".join(f"{name} {row.memory[name] / GIB:.3g}" for name in ("params", "grads", "optimizer", "buffers"))
+            if budget < held:
+                why = f"a rank holds {held / GIB:.3g} GiB besides activations ({parts} GiB)"
+            else:
+                why = f"even every block run full peaks at {row.memory['total'] / GIB:.3g} GiB a rank"
+            where = layout.describe().replace(", recompute=budget", "")
+            raise ValueError(f"ActivationCheckpointing(`memory_budget_gib={self.memory_budget_gib}`): {why} under "
+                             f"{where}: raise the budget or shard more")
+        full, selective, none = chosen.recompute_blocks
+        self.block_modes = ("full",) * full + ("selective",) * selective + ("none",) * none
+        self.predicted_peak_gib = row.memory["total"] / GIB
+        self.policy = BlockModesAC(self.block_modes)
+        return self.block_modes
+
+    def describe_blocks(self) -> str:
+        """Which blocks got what, for the log: "blocks 0-3 full, 4-9 selective, 10-15 none"."""
+        modes = self.block_modes or ()
+        runs, start = [], 0
+        for index in range(1, len(modes) + 1):
+            if index == len(modes) or modes[index] != modes[start]:
+                runs.append(f"{start}-{index - 1} {modes[start]}" if index - 1 > start else f"{start} {modes[start]}")
+                start = index
+        return "blocks " + ", ".join(runs)
 
     def _apply(self, module: nn.Module, blocks: Sequence[nn.Module]) -> None:
         if not blocks:
@@ -278,4 +378,9 @@ class ActivationCheckpointing(ModelTransformCallback):
                 f"ActivationCheckpointing: no transformer blocks found in {type(module).__name__} (a ModuleList of "
                 "identical layers); activation checkpointing needs them to choose what to recompute"
             )
+        if self.policy is None:
+            raise ValueError(
+                f"ActivationCheckpointing(`memory_budget_gib={self.memory_budget_gib}`) needs an ultrascale strategy "
+                "(ultrascale_zero3, ultrascale_4d, ...), which prices a rank's memory from its layout; under "
+                f"{type(module).__name__}'s strategy give `mode` instead")
         self.summary = apply_ac(module, blocks, self.policy)

@@ -118,6 +118,8 @@ NOT_BUILT: dict[str, NotBuilt] = {
     "optimizer_on_slices": NotBuilt("an optimizer whose update is not elementwise (Muon, Shampoo, LAMB, Adafactor, "
                                     "...) on weights a layout shards (ZeRO-1/2/3, HSDP, tensor and expert parallel)",
                                     layout=False),
+    "recompute_budget_pipeline": NotBuilt("a recompute budget (`ActivationCheckpointing(memory_budget_gib=)`, the "
+                                          "planner's `recompute=budget`) under pipeline parallel (choose `mode` per run)"),
     "fork_launcher_second_fit": NotBuilt("a second `fit` on one Trainer under the fork launcher (make a new Trainer)",
                                          layout=False),
 }
@@ -173,6 +175,23 @@ STRATEGY_PRECISIONS: tuple[str, ...] = (*PRECISIONS, CHECKING_PRECISION)
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 """Activation recompute as the planner and `measure_layout` price it: none, `ActivationCheckpointing`'s
 "selective" or its "full" on every block."""
+
+RECOMPUTE_BUDGET = "budget"
+"""The planner's recompute choice per block: the cheapest mix of `RECOMPUTE_MODES` that fits the memory
+(`ActivationCheckpointing(memory_budget_gib=)`; `planner.cost.cheapest_recompute`)."""
+
+PLANNED_RECOMPUTE: tuple[str, ...] = (*RECOMPUTE_MODES, RECOMPUTE_BUDGET)
+"""What the planner prices: a mode on every block, or the budget's mix (searched only when asked: `--recompute budget`)."""
+
+
+def recompute_problems(recompute: object, pp: int) -> list[Problem]:
+    """A recompute the planner prices, and the budget's mix only without a pipeline."""
+    problems = choice_problems("recompute", recompute, PLANNED_RECOMPUTE)
+    if recompute == RECOMPUTE_BUDGET and pp > 1:
+        problems.append(Problem("a recompute budget is chosen for one stage of blocks: under pipeline parallel give "
+                                "each run a `mode`", (f"recompute={recompute!r}", f"pp={pp}"),
+                                not_built="recompute_budget_pipeline"))
+    return problems
 
 
 def choice_problems(knob: str, value: object, choices: Sequence[str]) -> list[Problem]:

@@ -40,7 +40,7 @@ from ultrascale.planner.cost import (
     rank_parts,
     stage_model_state,
 )
-from ultrascale.planner.layouts import LAYOUT_KEYS, RECOMPUTE_MODES, Layout, layout_problems, parse_layout
+from ultrascale.planner.layouts import LAYOUT_KEYS, RECOMPUTE_MODES, Layout, layout_of_strategy, layout_problems, parse_layout
 from ultrascale.planner.recipe import recipe_yaml
 from ultrascale.planner.report import describe_search, explain, format_table, what_would_fit
 from ultrascale.planner.search import candidate_layouts, rank_key, search, why_not
@@ -48,7 +48,7 @@ from ultrascale.planner.search import candidate_layouts, rank_key, search, why_n
 __all__ = [
     "Calibration", "Cluster", "GIB", "GPU_SPECS", "GPU_TABLE", "GpuFigures", "GpuSpec", "LAYOUT_KEYS", "Layout",
     "PEAK_TFLOPS", "PlanRow", "RECOMPUTE_MODES", "Workload", "calibrated", "candidate_layouts", "describe_search",
-    "evaluate", "explain", "find_peak_tflops", "format_table", "layout_family", "layout_problems", "load_calibration",
+    "evaluate", "explain", "find_peak_tflops", "format_table", "layout_family", "layout_of_strategy", "layout_problems", "load_calibration",
     "parse_layout", "pipeline_of", "rank_key", "rank_parts", "recipe_yaml", "search", "stage_model_state",
     "what_would_fit", "why_not",
 ]

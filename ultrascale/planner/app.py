@@ -17,9 +17,9 @@ from ultrascale.estimate import ModelShape
 from ultrascale.hardware import COMPILE_SPEEDUP, FLOAT8_SPEEDUP, GIB, GPU_SPECS, TORCH_NATIVE_EFFICIENCY, Cluster, GpuSpec
 from ultrascale.models.adapters import model_shape
 from ultrascale.parallel import rules
-from ultrascale.parallel.rules import PRECISIONS, LayoutKnobs
+from ultrascale.parallel.rules import PLANNED_RECOMPUTE, PRECISIONS, LayoutKnobs
 from ultrascale.planner.cost import Workload, pipeline_timeline
-from ultrascale.planner.layouts import RECOMPUTE_MODES, model_facts_of, parse_layout
+from ultrascale.planner.layouts import model_facts_of, parse_layout
 from ultrascale.planner.plot import plot_path_problem, write_plan_plot
 from ultrascale.planner.recipe import recipe_yaml
 from ultrascale.planner.recipe_check import check_recipe, format_recipe_plan, priced_cluster
@@ -114,7 +114,8 @@ def plan_main(args: list[str]) -> str:
     parser.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3),
                         help="0: plain data parallel (runs as dp_replicate alone)")
     parser.add_argument("--micro-batch", type=_positive(int), default=None)
-    parser.add_argument("--recompute", default=None, choices=RECOMPUTE_MODES)
+    parser.add_argument("--recompute", default=None, choices=PLANNED_RECOMPUTE,
+                        help="a mode on every block, or budget: per block the cheapest mode that fits the memory")
     parser.add_argument("--full-recompute", action="store_true", help="same as --recompute full")
     parser.add_argument("--eager-attention", action="store_true",
                         help="attention keeps its s x s scores (no flash / fused kernel)")

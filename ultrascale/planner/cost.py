@@ -3,6 +3,7 @@ time (compute, exposed communication, pipeline bubble), with the predicted MFU (
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import asdict, dataclass, field
@@ -17,7 +18,7 @@ from ultrascale.planner.calibration import family_ratio
 from ultrascale.planner.layouts import Layout, layout_problems, model_facts_of, runs_as
 from ultrascale.planner.pipeline import PipelinePlay, held_layers, play, timeline
 
-__all__ = ["PlanRow", "Workload", "evaluate", "pipeline_of", "pipeline_timeline", "rank_parts", "stage_model_state"]
+__all__ = ["PlanRow", "Workload", "cheapest_recompute", "evaluate", "pipeline_of", "pipeline_timeline", "rank_parts", "stage_model_state"]
 
 
 @dataclass
@@ -279,11 +280,11 @@ def _activations(shape: ModelShape, lay: Layout, work: Workload, hf_config: Any)
     sequence_parallel = lay.tp > 1 and facts.sequence_parallel
     chunk = loss_chunk_tokens_of(work.loss_chunk_tokens, shape.vocab, built=facts.chunked_loss and lay.pp == 1)
     key = (work.seq_len // lay.cp, lay.micro_batch, lay.tp, sequence_parallel, lay.tp > 1 and lay.pp == 1,
-           work.compute_bytes, lay.recompute, work.attention_scores_saved, chunk)
+           work.compute_bytes, lay.recompute, work.attention_scores_saved, chunk, lay.recompute_blocks)
     return _memoised(shape, "activations", key, lambda: ActivationModel(
         shape, key[0], lay.micro_batch, tp=lay.tp, sequence_parallel=sequence_parallel, loss_parallel=key[4],
         compute_bytes=work.compute_bytes, recompute=lay.recompute, attention_scores_saved=work.attention_scores_saved,
-        loss_chunk_tokens=chunk))
+        loss_chunk_tokens=chunk, recompute_blocks=lay.recompute_blocks))
 
 
 def step_time_floor(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload, hf_config: Any = None,
@@ -363,6 +364,9 @@ def evaluate(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload
     lay = runs_as(layout)
     if problems is None:
         problems = layout_problems(lay, shape, cluster, work.seq_len, work.global_batch, hf_config)
+    if lay.recompute == "budget" and lay.recompute_blocks is None and not problems:
+        lay = cheapest_recompute(shape, lay, cluster, work, cluster.usable_bytes, hf_config)[0]
+        layout = dataclasses.replace(layout, recompute_blocks=lay.recompute_blocks)
     acts, pipe, times = _activations_and_stage_times(shape, lay, cluster, work, hf_config)
     played = _played(pipe, times) if pipe is not None else None
     memory, state = _memory(shape, lay, work, acts, pipe)
@@ -377,6 +381,47 @@ def evaluate(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload
     mfu = shape.flops_per_token(work.seq_len) * work.tokens / (step_time["total"] * cluster.gpus * peak)
     fits = not problems and memory["total"] <= cluster.usable_bytes
     return PlanRow(layout, fits, memory, step_time, tokens_per_s_per_gpu, mfu, problems, notes, model_state=state)
+
+
+def cheapest_recompute(shape: ModelShape, layout: Layout, cluster: Cluster, work: Workload, budget_bytes: float,
+                       hf_config: Any = None) -> tuple[Layout, bool]:
+    """(`layout` under recompute="budget" with its blocks chosen, whether it fits): of every count of blocks run full,
+    selective and none, the one with the shortest backward (`_stage_times`: a full block re-runs its forward's
+    FLOPs, a selective one its memory-bound ops) whose peak (`peak_memory`) is at most `budget_bytes`; ties go to
+    fewer blocks recomputed. Where even every block full does not fit, all full and False.
+
+    The peak falls as blocks move from none to selective to full, so for each count of full blocks the fewest
+    selective ones that fit are found by bisection: O(L log L) prices, not L²/2. Without a pipeline only (each
+    stage would choose its own; `rules.RECOMPUTE_BUDGET_PIPELINE` refuses it)."""
+    lay = runs_as(layout)
+    if lay.pp > 1:
+        raise ValueError(f"cheapest_recompute: pp={lay.pp}; a recompute budget is chosen without a pipeline only")
+    blocks = shape.n_layers
+
+    def priced(full: int, selective: int) -> tuple[float, float, Layout]:
+        trial = dataclasses.replace(lay, recompute="budget", recompute_blocks=(full, selective, blocks - full - selective))
+        acts = _activations(shape, trial, work, hf_config)
+        peak = _memory(shape, trial, work, acts, None)[0]["total"]
+        return peak, _stage_times(shape, trial, cluster, work, acts, None)[1][0], trial
+
+    best: tuple[float, int, Layout] | None = None
+    for full in range(blocks + 1):
+        low, high = 0, blocks - full  # the fewest selective blocks that fit, if `high` does
+        if priced(full, high)[0] > budget_bytes:
+            continue
+        # With nothing recomputed yet no block re-runs in backward, which can peak lower than one selective block:
+        # the bisection starts above that step.
+        if priced(full, 0)[0] <= budget_bytes:
+            high = 0
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if priced(full, middle)[0] <= budget_bytes else (middle + 1, high)
+        _, backward, trial = priced(full, low)
+        if best is None or (backward, full + low) < best[:2]:
+            best = (backward, full + low, trial)
+    if best is None:
+        return priced(blocks, 0)[2], False
+    return best[2], True
 
 
 def _undominated(ranks: list[tuple]) -> list[tuple]:
@@ -469,20 +514,20 @@ def _stage_times(shape: ModelShape, lay: Layout, cluster: Cluster, work: Workloa
     attention_forward = 4 * shape.q_width * work.seq_len  # a layer's scores and AV per token: a third of 12·h·s
     attention_weight = work.speedup  # its kernel runs at the base rate: in `rate` units a FLOP of it weighs this much
     layer_forward = (shape.flops_per_token(work.seq_len) - head_token) / (3 * shape.n_layers) + attention_forward * (attention_weight - 1)
-    recompute_token = 0.0
-    if lay.recompute == "full":  # the forward again: 2N of the blocks + 4·L·h·s of attention
-        blocks_n = shape.active_matmul_params() - shape.vocab * shape.hidden
-        recompute_token = (2 * blocks_n + 4 * shape.n_layers * shape.q_width * work.seq_len * attention_weight) / shape.n_layers
-    rerun = 0.0
-    if lay.recompute == "selective":  # norms, SiLU and products re-run: memory-bound, read + write once more
-        rerun = (acts.layer_bytes(False) - acts.kept_layer_bytes(False)) * 2 / (cluster.gpu.hbm_gbps * 1e9) / work.speedup
+    # A block run full does its forward again: 2N of the blocks + 4·L·h·s of attention, over L blocks.
+    blocks_n = shape.active_matmul_params() - shape.vocab * shape.hidden
+    recompute_token = (2 * blocks_n + 4 * shape.n_layers * shape.q_width * work.seq_len * attention_weight) / shape.n_layers
+    # A block run selective re-runs its norms, SiLU and products: memory-bound, read + write once more.
+    rerun = (acts.layer_bytes(False) - acts.kept_layer_bytes(False, "selective")) * 2 / (cluster.gpu.hbm_gbps * 1e9) / work.speedup
     layers = pipe.layers_per_stage if pipe is not None else (shape.n_layers,)
     forward, backward, weight = [], [], []
     for s, n in enumerate(layers):
         head = head_token / 3 if s == len(layers) - 1 else 0.0
+        blocks = acts.blocks_by_mode(n)
         forward.append(tokens_mb * (n * layer_forward + head) / rate)
         weight.append(tokens_mb * (n * layer_forward + head) / rate)
-        backward.append(tokens_mb * (n * (2 * layer_forward + recompute_token) + 2 * head) / rate + n * rerun)
+        backward.append(tokens_mb * (n * 2 * layer_forward + blocks.get("full", 0) * recompute_token + 2 * head) / rate
+                        + blocks.get("selective", 0) * rerun)
     return forward, backward, weight
 
 

@@ -23,7 +23,7 @@ from ultrascale.parallel.rules import (
     raise_first,
 )
 
-__all__ = ["LAYOUT_KEYS", "Layout", "PIPELINE_SPLITS", "RECOMPUTE_MODES", "format_layers", "layout_problems",
+__all__ = ["LAYOUT_KEYS", "Layout", "PIPELINE_SPLITS", "RECOMPUTE_MODES", "format_layers", "layout_of_strategy", "layout_problems",
            "parse_layout", "runs_as"]
 
 
@@ -43,6 +43,7 @@ class Layout:
     """Micro-batches per optimizer step on each data-parallel rank: Lightning's accumulation, or
     under pipeline parallel the schedule's micro-batches (m)."""
     recompute: str = "none"
+    """`RECOMPUTE_MODES` on every block, or "budget": per block the cheapest of them that fits (`recompute_blocks`)."""
     virtual_stages: int = 1
     """Pipeline stages per rank (1: GPipe / 1F1B; 2 or more: the multi-stage schedules; the V ones exactly 2)."""
     pipeline_schedule: Optional[str] = None
@@ -58,6 +59,9 @@ class Layout:
     """USP's Ulysses degree inside each group of neighbouring cp ranks (the strategy's `context_parallel_ulysses`)."""
     accumulate_grads_in_fp32: Optional[bool] = None
     """ZeRO-1/2's gradient dtype, the strategy's knob of that name (None: fp32 under bf16-mixed; `estimate.state_bytes`)."""
+    recompute_blocks: Optional[tuple[int, int, int]] = None
+    """Under recompute="budget": the blocks run (full, selective, none) in that order, as
+    `planner.recompute.cheapest_recompute` chose them for the memory (`evaluate` chooses them where None)."""
 
     def __post_init__(self) -> None:
         # A multi-stage schedule named without virtual stages gets the strategy's default for it (2).
@@ -84,10 +88,17 @@ class Layout:
             return None
         return self.pipeline_schedule or ("Interleaved1F1B" if self.virtual_stages > 1 else "1F1B")
 
+    @property
+    def recompute_label(self) -> str:
+        """The recompute mode; a budget's blocks as "budget(full 4, selective 6, none 22)" once chosen."""
+        if self.recompute != "budget" or self.recompute_blocks is None:
+            return self.recompute
+        return "budget(full {}, selective {}, none {})".format(*self.recompute_blocks)
+
     def describe(self) -> str:
         parts = [f"pp={self.pp}", f"dp_replicate={self.dp_replicate}", f"dp_shard={self.dp_shard}", f"cp={self.cp}",
                  f"tp={self.tp}", f"ep={self.ep}", f"zero_stage={self.zero_stage}", f"micro_batch={self.micro_batch}",
-                 f"grad_accumulation={self.grad_accumulation}", f"recompute={self.recompute}"]
+                 f"grad_accumulation={self.grad_accumulation}", f"recompute={self.recompute_label}"]
         if self.pp > 1:
             parts.append(f"schedule={self.schedule}" + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else ""))
             if self.pipeline_layers is not None:
@@ -101,6 +112,24 @@ class Layout:
         if self.accumulate_grads_in_fp32 is not None and self.zero_stage in (1, 2):
             parts.append(f"accumulate_grads_in_fp32={self.accumulate_grads_in_fp32}")
         return ", ".join(parts)
+
+
+def layout_of_strategy(strategy: Any, dims: Any, *, micro_batch: int, grad_accumulation: int, recompute: str,
+                       pipeline: Any = None) -> Layout:
+    """The planner's `Layout` of an ultrascale strategy with its mesh degrees `dims` (`ParallelDims`) and its
+    `PipelineLayout` (or None), for `micro_batch` sequences a micro-batch and `grad_accumulation` of them a step on
+    each data-parallel rank (a pipeline's micro-batches)."""
+    return Layout(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=dims.cp, tp=dims.tp,
+                  ep=dims.ep, zero_stage=strategy.zero_stage, micro_batch=micro_batch,
+                  grad_accumulation=grad_accumulation, recompute=recompute,
+                  accumulate_unsharded_grads=bool(strategy.accumulate_unsharded_grads and strategy.zero_stage == 3
+                                              and pipeline is None and grad_accumulation > 1),
+                  virtual_stages=pipeline.virtual_stages if pipeline is not None else 1,
+                  pipeline_schedule=pipeline.schedule if pipeline is not None else None,
+                  pipeline_layers=(pipeline.layers_per_stage if pipeline is not None and strategy.pipeline_layers is not None
+                                   else None),
+                  cp_method=strategy.context_parallel_method, cp_ulysses=strategy.context_parallel_ulysses or 1,
+                  accumulate_grads_in_fp32=getattr(strategy, "accumulate_grads_in_fp32", None))
 
 
 LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "zero_stage", "micro_batch", "grad_accumulation",
@@ -157,7 +186,7 @@ def parse_layout(text: str) -> dict[str, Any]:
                                  "stage as 7:8:8:7") from None
             continue
         if key == "recompute":
-            raise_first(choice_problems(key, value, RECOMPUTE_MODES))
+            raise_first(choice_problems(key, value, rules.PLANNED_RECOMPUTE))
             fixed[key] = value
             continue
         try:
@@ -251,7 +280,7 @@ def rule_problems(layout: Layout, shape: ModelShape, cluster: Cluster, seq_len: 
     if layout.accumulate_unsharded_grads and not (layout.pp == 1 and layout.grad_accumulation > 1):
         problems.append(Problem("accumulate_unsharded_grads changes nothing without gradient accumulation, and a "
                                 "pipeline reduces once per step anyway"))
-    problems += choice_problems("recompute", layout.recompute, RECOMPUTE_MODES)
+    problems += rules.recompute_problems(layout.recompute, layout.pp)
     return problems
 
 

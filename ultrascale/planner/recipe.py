@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from ultrascale.estimate import ModelShape
 from ultrascale.hardware import GIB, Cluster
 from ultrascale.planner.cost import PlanRow, Workload, matmul_gains
 from ultrascale.planner.layouts import Layout, runs_as
 
-__all__ = ["batch_knobs", "recipe_yaml", "strategy_knobs"]
+__all__ = ["batch_knobs", "checkpointing_args", "recipe_yaml", "strategy_knobs"]
 
 
 def strategy_knobs(layout: Layout) -> dict[str, Any]:
@@ -47,6 +47,16 @@ def batch_knobs(layout: Layout) -> tuple[int, int]:
     return lay.micro_batch * lay.dp, lay.grad_accumulation
 
 
+def checkpointing_args(layout: Layout, cluster: Cluster) -> Optional[dict[str, Any]]:
+    """`ActivationCheckpointing`'s init_args that run `layout`'s recompute (None: nothing recomputed): its mode, or
+    under a budget the memory it was chosen for, the GPU's planned-for GiB (the run chooses the same blocks)."""
+    if layout.recompute == "none":
+        return None
+    if layout.recompute == "budget":
+        return {"memory_budget_gib": round(cluster.usable_bytes / GIB, 3)}
+    return {"mode": layout.recompute}
+
+
 def recipe_yaml(row: PlanRow, model: str, shape: ModelShape, cluster: Cluster, work: Workload) -> str:
     """A LightningCLI recipe running `row`'s layout (`ultrascale fit --config PATH` under torchrun / SLURM)."""
     lay = runs_as(row.layout)  # ZeRO-0: unsharded HSDP
@@ -57,9 +67,10 @@ def recipe_yaml(row: PlanRow, model: str, shape: ModelShape, cluster: Cluster, w
         init["compile"] = True
     strategy = "\n".join(f"      {key}: {value}" for key, value in init.items())
     callbacks = ""
-    if lay.recompute != "none":
-        callbacks = ("    - class_path: ultrascale.callbacks.ActivationCheckpointing\n"
-                     f"      init_args:\n        mode: {lay.recompute}\n")
+    checkpointing = checkpointing_args(lay, cluster)
+    if checkpointing is not None:
+        callbacks = ("    - class_path: ultrascale.callbacks.ActivationCheckpointing\n      init_args:\n"
+                     + "".join(f"        {key}: {value}\n" for key, value in checkpointing.items()))
     if work.float8:  # priced with Float8 matmuls (`plan --fp8`)
         callbacks += "    - class_path: ultrascale.callbacks.Float8Training\n"
     if shape.builtin:

@@ -5,6 +5,7 @@ The command itself (`plan_recipe_main`) is in `ultrascale.planner.app`."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -18,7 +19,7 @@ from ultrascale.parallel.dims import ParallelDims, context_chunks
 from ultrascale.parallel.rules import CHECKING_PRECISION, PRECISIONS, batch_problems, choice_problems, raise_first
 from ultrascale.planner.calibration import calibrated, load_calibration
 from ultrascale.planner.cost import PlanRow, Workload, evaluate, matmul_gains
-from ultrascale.planner.layouts import Layout
+from ultrascale.planner.layouts import layout_of_strategy
 from ultrascale.planner.report import compile_assumption, explain
 from ultrascale.recipe_cli import UltraScaleCLI
 
@@ -130,6 +131,8 @@ def _recompute_mode(callbacks: list[Any], notes: list[str]) -> str:
     if not modes:
         return "none"
     callback = modes[-1]
+    if callback.memory_budget_gib is not None:
+        return "budget"
     if callback.mode in ("full", "selective") and type(callback.policy).__name__ in ("FullAC", "SelectiveAC"):
         return callback.mode
     notes.append(f"ActivationCheckpointing(mode={callback.mode!r}, policy {type(callback.policy).__name__}) is priced as "
@@ -264,17 +267,8 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
                          "micro-batches in one schedule: the real run drains the pipeline once more per accumulation step")
     else:
         micro_batch, grad_accumulation = local, accumulate
-    layout = Layout(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=dims.cp, tp=dims.tp,
-                    ep=dims.ep, zero_stage=strategy.zero_stage, micro_batch=micro_batch,
-                    grad_accumulation=grad_accumulation, recompute=recompute,
-                    accumulate_unsharded_grads=bool(strategy.accumulate_unsharded_grads and strategy.zero_stage == 3
-                                                and pipeline is None and grad_accumulation > 1),
-                    virtual_stages=pipeline.virtual_stages if pipeline is not None else 1,
-                    pipeline_schedule=pipeline.schedule if pipeline is not None else None,
-                    pipeline_layers=(pipeline.layers_per_stage if pipeline is not None and strategy.pipeline_layers is not None
-                                     else None),
-                    cp_method=strategy.context_parallel_method, cp_ulysses=strategy.context_parallel_ulysses or 1,
-                    accumulate_grads_in_fp32=getattr(strategy, "accumulate_grads_in_fp32", None))
+    layout = layout_of_strategy(strategy, dims, micro_batch=micro_batch, grad_accumulation=grad_accumulation,
+                                recompute=recompute, pipeline=pipeline)
     devices = "cpu" if str(trainer_args.get("accelerator")) == "cpu" else "cuda"
     cluster = priced_cluster(spec or GPU_SPECS[gpu], world, per_node, efficiency, calibration, devices)
     # The strategy's `compile` knob: each block compiled, priced with the published speed-up (`COMPILE_SPEEDUP`).
@@ -289,6 +283,12 @@ def check_recipe(path: str, overrides: Sequence[str] = (), *, gpus: Optional[int
                      f"published {FLOAT8_SPEEDUP:.3f}); memory as bf16")
     work = Workload(seq_len, global_batch * accumulate, precision, attention_scores_saved=eager_attention,
                     compiled=compiled, float8=float8 and compiled, loss_chunk_tokens=hparams.get("loss_chunk_tokens"))
+    budgeted = [cb for cb in trainer_args.get("callbacks") or [] if getattr(cb, "memory_budget_gib", None) is not None]
+    if recompute == "budget" and pipeline is None:  # the blocks the run will choose for its budget, and its refusal
+        modes = budgeted[-1].choose_blocks(shape, layout, cluster, work, hf_config)
+        layout = dataclasses.replace(layout, recompute_blocks=tuple(modes.count(mode) for mode in ("full", "selective", "none")))
+        notes.append(f"ActivationCheckpointing(memory_budget_gib={budgeted[-1].memory_budget_gib}): "
+                     f"{budgeted[-1].describe_blocks()}")
     row = evaluate(shape, layout, cluster, work, hf_config)
     if row.problems:  # the planner's copy of the strategy's remaining rules (TP inside a node, ZeRO-1/2 limits, ...)
         raise ValueError(f"{owner} layout {layout.describe()}: " + "; ".join(row.problems))

@@ -39,7 +39,9 @@ def format_table(rows: list[PlanRow], top: int) -> str:
     lines = [header, "-" * len(header)]
     for i, row in enumerate(rows[:top], 1):
         lay, mem, t = row.layout, {k: v / GIB for k, v in row.memory.items()}, row.step_time
-        recompute = lay.recompute + (f"/{_SHORT_SCHEDULES[lay.schedule]}{lay.virtual_stages if lay.virtual_stages > 1 else ''}"
+        # a budget's blocks: "4f6s22n" is 4 full, 6 selective, 22 none
+        mode = "{}f{}s{}n".format(*lay.recompute_blocks) if lay.recompute_blocks is not None else lay.recompute
+        recompute = mode + (f"/{_SHORT_SCHEDULES[lay.schedule]}{lay.virtual_stages if lay.virtual_stages > 1 else ''}"
                                      if lay.pp > 1 else "")
         accumulation = f"{lay.grad_accumulation}{'w' if lay.accumulate_unsharded_grads else ''}"  # w: whole gradients
         # u: Ulysses (all-to-all) over all of cp; 4u2: USP, Ulysses over groups of 2, the ring across them

@@ -3,6 +3,7 @@ and why none with some fixed values is chosen (`why_not`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import operator
@@ -34,9 +35,10 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, work: Workload, fixed
         yield Layout(*fields)
 
 
-# A candidate's fields in `Layout`'s order (a search makes a `Layout` only for the candidates it reaches).
+# A candidate's fields in `Layout`'s order (a search makes a `Layout` only for the candidates it reaches); the last,
+# a budget's blocks, is never in a candidate: `evaluate` chooses it.
 (_PP, _DP_REPLICATE, _DP_SHARD, _CP, _TP, _EP, _ZERO, _MICRO_BATCH, _ACCUMULATION, _RECOMPUTE, _VIRTUAL_STAGES, _SCHEDULE,
- _LAYERS, _UNSHARDED, _CP_METHOD, _CP_ULYSSES, _GRADS_FP32) = range(17)
+ _LAYERS, _UNSHARDED, _CP_METHOD, _CP_ULYSSES, _GRADS_FP32, _RECOMPUTE_BLOCKS) = range(18)
 _STATE_FIELDS = (_PP, _DP_REPLICATE, _DP_SHARD, _CP, _TP, _EP, _ZERO, _VIRTUAL_STAGES, _SCHEDULE, _LAYERS, _GRADS_FP32)
 """What a layout's model state on its first pipeline rank depends on (`model_state_floor`): the degrees, the ZeRO
 stage and the pipeline's stages (virtual stages, schedule, layer split)."""
@@ -258,8 +260,9 @@ def search(shape: ModelShape, cluster: Cluster, work: Workload, fixed: Optional[
             if len(best) >= top and layout.pp > 1 and ceiling_with_bubble(layout, fields) < best[0]:
                 return  # the bubble too: the schedule `evaluate` would play
             key = fields[:_CP_METHOD] + fields[_GRADS_FP32:]
-            if key not in memory:
-                memory[key] = peak_memory(shape, layout, work, hf_config)
+            if key not in memory:  # a budget's least memory: every block full
+                memory[key] = peak_memory(shape, dataclasses.replace(layout, recompute="full")
+                                          if layout.recompute == "budget" else layout, work, hf_config)
             if memory[key] > cluster.usable_bytes:
                 too_big.append(index)
                 return

@@ -28,10 +28,11 @@ from ultrascale import planner
 from ultrascale.estimate import ModelShape
 from ultrascale.hardware import find_peak_tflops
 from ultrascale.models.adapters import model_shape
-from ultrascale.parallel.rules import PRECISIONS
+from ultrascale.parallel.rules import PRECISIONS, raise_first, recompute_problems
+from ultrascale.planner.recipe import checkpointing_args
 
-__all__ = ["AutoLayout", "AutoLayoutInputs", "apply_auto_layout", "auto_layout_inputs", "choose_layout", "device_cluster",
-           "fixed_knobs"]
+__all__ = ["AutoLayout", "AutoLayoutInputs", "apply_auto_layout", "auto_layout_inputs", "choose_budget_blocks",
+           "choose_layout", "device_cluster", "fixed_knobs"]
 
 # Peak and bandwidths of "a CPU rank" only order layouts against each other: compute is
 # cheap next to gloo's collectives, as on the machines where CPU runs happen.
@@ -195,7 +196,8 @@ def apply_auto_layout(module: Any, trainer: Any, *, device: torch.device, world_
     transforms: list[Any] = []
     if lay.recompute != "none" and not any(
             isinstance(callback, ActivationCheckpointing) for callback in (trainer.callbacks if trainer is not None else [])):
-        transforms = [ActivationCheckpointing(mode=lay.recompute)]  # its transform, not registered as a callback
+        # its transform, not registered as a callback; a budget's blocks are chosen again in `parallelize`
+        transforms = [ActivationCheckpointing(**checkpointing_args(lay, inputs.cluster))]
     memory, step = row.memory, row.step_time
     rank_zero_info(
         f"ultrascale_4d auto layout for {inputs.describe()}: {lay.describe()} "
@@ -208,3 +210,27 @@ def apply_auto_layout(module: Any, trainer: Any, *, device: torch.device, world_
         list(lay.pipeline_layers) if lay.pp > 1 and lay.pipeline_layers is not None else None,
         lay.cp_method, lay.cp_ulysses if lay.cp_method == "usp" else None, transforms,
     )
+
+
+def choose_budget_blocks(transforms: list[Any], module: Any, trainer: Any, strategy: Any, *, device: torch.device,
+                         world_size: int, ranks_per_node: int, precision: str, owner: str) -> None:
+    """Each block's recompute mode for the transforms with a `memory_budget_gib` (`ActivationCheckpointing`), priced
+    by the planner for the strategy's own layout and the data module's batch, the same on every rank; logged on rank 0.
+    Raises before any weight moves where the planner cannot price the run or nothing fits."""
+    budgeted = [t for t in transforms if getattr(t, "memory_budget_gib", None) is not None]
+    if not budgeted:
+        return
+    dims = strategy.parallel_dims
+    knob = f"ActivationCheckpointing(`memory_budget_gib={budgeted[0].memory_budget_gib}`)"
+    raise_first(recompute_problems("budget", dims.pp), knob)
+    inputs, why = auto_layout_inputs(module, trainer, device, world_size, ranks_per_node, precision,
+                                     compiled=bool(strategy.compile))
+    if inputs is None:
+        raise ValueError(f"{knob}: the planner cannot price this run ({why}); give `mode` instead")
+    accumulate = inputs.accumulate_grad_batches
+    layout = planner.layout_of_strategy(strategy, dims, micro_batch=inputs.work.global_batch // accumulate // dims.dp,
+                                        grad_accumulation=accumulate, recompute="budget")
+    for transform in budgeted:
+        transform.choose_blocks(inputs.shape, layout, inputs.cluster, inputs.work, inputs.hf_config)
+        rank_zero_info(f"{owner}: {knob.replace('`', '')} on {dims.describe()}: {transform.describe_blocks()} "
+                       f"(predicted peak {transform.predicted_peak_gib:.3g} GiB a rank)")

@@ -46,7 +46,7 @@ from ultrascale.parallel.zero import ZeroEngine, engine_for
 from ultrascale.planner.calibration import load_calibration
 from ultrascale.strategies import collectives, model_setup, process_group
 from ultrascale.strategies._lightning_compat import StrategyInternals, attach_device_mesh, check_lightning_internals, optimizers_to_device
-from ultrascale.strategies.auto_layout import apply_auto_layout, fixed_knobs
+from ultrascale.strategies.auto_layout import apply_auto_layout, choose_budget_blocks, fixed_knobs
 from ultrascale.strategies.checkpoint_io import AsyncCheckpointPublisher, CheckpointHooks
 from ultrascale.strategies.launcher import LauncherName, make_launcher
 from ultrascale.strategies.layout_checks import LayoutChecks, trainer_of
@@ -538,9 +538,13 @@ class UltraScaleStrategy(StepHooks, CheckpointHooks, LayoutChecks, StrategyInter
         precision = self.precision_plugin
         assert isinstance(precision, UltraScalePrecision)
         trainer = trainer_of(self.lightning_module)
+        transforms = model_setup.model_transforms(trainer, self._auto_transforms, self._compiler)
+        choose_budget_blocks(transforms, self.lightning_module, trainer, self, device=self.root_device,
+                             world_size=self.world_size, ranks_per_node=self.num_processes,
+                             precision=str(getattr(precision, "precision", "32-true")), owner=type(self).__name__)
         sharded = model_setup.shard_model(
             module, checked, self.parallel_mesh, self.parallel_dims, device=self.root_device, precision=precision,
-            transforms=model_setup.model_transforms(trainer, self._auto_transforms, self._compiler),
+            transforms=transforms,
             context_parallel=self._context_parallel,
             reshard_after_forward=self.reshard_after_forward, zero_stage=self.zero_stage,
             sync_module_states=self.sync_module_states, owner=type(self).__name__)

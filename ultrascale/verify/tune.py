@@ -63,7 +63,7 @@ class Candidate:
                              if getattr(lay, axis) > 1) or "one rank"
         extra = [f"zero{lay.zero_stage}", f"mb {lay.micro_batch}", f"acc {lay.grad_accumulation}"]
         if lay.recompute != "none":
-            extra.append(f"recompute {lay.recompute}")
+            extra.append(f"recompute {lay.recompute_label}")
         if lay.accumulate_unsharded_grads:
             extra.append("unsharded grads")
         if lay.pp > 1:
@@ -90,12 +90,13 @@ def resolved_config(recipe: str, overrides: Sequence[str]) -> dict[str, Any]:
     return yaml.safe_load(cli.parser.dump(cli.config, skip_none=True))
 
 
-def candidate_config(config: dict[str, Any], strategy: Any, layout: Any, compiled: Optional[bool] = None) -> dict[str, Any]:
+def candidate_config(config: dict[str, Any], strategy: Any, layout: Any, compiled: Optional[bool] = None,
+                     cluster: Any = None) -> dict[str, Any]:
     """`config` running `layout`: `UltraScaleStrategy` with its degrees (and the recipe strategy's `CARRIED_KNOBS`;
     `compile` as `compiled` says when given),
     the data's global batch and the Trainer's accumulation of its batch split, and its recompute mode as the one
-    `ActivationCheckpointing` callback (the recipe's own replaced; none for "none")."""
-    from ultrascale.planner.recipe import batch_knobs, strategy_knobs
+    `ActivationCheckpointing` callback (the recipe's own replaced; none for "none"; a budget's for `cluster`)."""
+    from ultrascale.planner.recipe import batch_knobs, checkpointing_args, strategy_knobs
     from ultrascale.strategies import UltraScaleStrategy
 
     accepted = inspect.signature(UltraScaleStrategy.__init__).parameters
@@ -111,25 +112,27 @@ def candidate_config(config: dict[str, Any], strategy: Any, layout: Any, compile
     out["trainer"]["accumulate_grad_batches"] = accumulate
     callbacks = [cb for cb in out["trainer"].get("callbacks") or []
                  if not str(cb.get("class_path", "") if isinstance(cb, dict) else cb).endswith("ActivationCheckpointing")]
-    if layout.recompute != "none":
-        callbacks.append({"class_path": "ultrascale.callbacks.ActivationCheckpointing",
-                          "init_args": {"mode": layout.recompute}})
+    checkpointing = checkpointing_args(layout, cluster)
+    if checkpointing is not None:
+        callbacks.append({"class_path": "ultrascale.callbacks.ActivationCheckpointing", "init_args": checkpointing})
     out["trainer"]["callbacks"] = callbacks
     data = out.get("data") or {}
     (data.get("init_args", data))["global_batch_size"] = global_batch
     return out
 
 
-def plan_candidates(plan: Any, top: int, compile_both: bool = False) -> list[Candidate]:
-    """The planner's `top` fitting layouts for the recipe's model, data and world (any recompute mode), priced with
-    the recipe's compile; with `compile_both`, each eager and compiled, priced so, ranked together by prediction."""
+def plan_candidates(plan: Any, top: int, compile_both: bool = False, recompute: Optional[str] = None) -> list[Candidate]:
+    """The planner's `top` fitting layouts for the recipe's model, data and world (any recompute mode, or `recompute`:
+    "budget" for each block's cheapest mode that fits), priced with the recipe's compile; with `compile_both`, each
+    eager and compiled, priced so, ranked together by prediction."""
     import dataclasses
 
     from ultrascale.hardware import GIB
     from ultrascale.planner.cost import evaluate
     from ultrascale.planner.search import search
 
-    rows = search(plan.shape, plan.cluster, plan.work, max_micro_batch=max(plan.work.global_batch, 1), top=top)
+    rows = search(plan.shape, plan.cluster, plan.work, fixed={"recompute": recompute} if recompute else None,
+                  max_micro_batch=max(plan.work.global_batch, 1), top=top)
     fitting = [row for row in rows if row.fits and not row.problems][:top]
     if not compile_both:
         return [Candidate(i + 1, row.layout, row.tokens_per_s_per_gpu, row.mfu, row.memory["total"] / GIB,
@@ -163,9 +166,10 @@ def measure(candidate: Candidate, result: dict[str, Any], tokens_per_step: int, 
 
 def tune(cli_args: Sequence[str], *, top: int = 4, steps: int = 8, warmup: int = 3, gpu: str = "h100",
          launch: Launch = "auto", workdir: Optional[Path] = None, progress: Any = None,
-         compile_both: bool = False) -> tuple[Any, list[Candidate]]:
-    """Price, then run, the planner's `top` layouts for the recipe (each eager and compiled with `compile_both`);
-    returns (the recipe's `RecipePlan`, the candidates in the planner's order, measured)."""
+         compile_both: bool = False, recompute: Optional[str] = None) -> tuple[Any, list[Candidate]]:
+    """Price, then run, the planner's `top` layouts for the recipe (each eager and compiled with `compile_both`;
+    `recompute` fixed where given, as `plan_candidates` takes it); returns (the recipe's `RecipePlan`, the
+    candidates in the planner's order, measured)."""
     from ultrascale.data.errors import DataError
     from ultrascale.user_errors import user_error_types
     from ultrascale.verify.app import auto_launch, check_layout
@@ -175,7 +179,7 @@ def tune(cli_args: Sequence[str], *, top: int = 4, steps: int = 8, warmup: int =
     plan, why_not = check_layout(list(cli_args), gpu, precision=None)
     if plan is None:
         raise VerifyError(f"the planner cannot price this recipe, so it has no layouts to propose: {why_not}")
-    candidates = plan_candidates(plan, top, compile_both)
+    candidates = plan_candidates(plan, top, compile_both, recompute)
     if not candidates:
         raise VerifyError(f"no layout of {plan.world} ranks fits the planner's memory for this recipe")
     recipe, overrides = config_and_overrides(cli_args)
@@ -185,7 +189,7 @@ def tune(cli_args: Sequence[str], *, top: int = 4, steps: int = 8, warmup: int =
         work = Path(workdir or temp)
         work.mkdir(parents=True, exist_ok=True)
         for index, candidate in enumerate(candidates):
-            candidate.recipe = candidate_config(config, plan.strategy, candidate.layout, candidate.compiled)
+            candidate.recipe = candidate_config(config, plan.strategy, candidate.layout, candidate.compiled, plan.cluster)
             path = work / f"candidate{candidate.rank}.yaml"
             path.write_text(yaml.safe_dump(candidate.recipe, sort_keys=False))
             spec = RunSpec(["--config", str(path)], steps, str(work / f"candidate{candidate.rank}.json"), fork=fork,
@@ -237,6 +241,7 @@ def _gib(value: Optional[float]) -> str:
 
 
 def tune_main(args: list[str]) -> None:
+    from ultrascale.parallel.rules import PLANNED_RECOMPUTE
     from ultrascale.planner import GPU_SPECS
 
     parser = argparse.ArgumentParser(
@@ -252,6 +257,9 @@ def tune_main(args: list[str]) -> None:
                         help="recipe: every layout compiled as the recipe's strategy says; both: each layout run eager "
                              "and with each block compiled, each priced so (default recipe)")
     parser.add_argument("--gpu", default="h100", choices=sorted(GPU_SPECS), help="the GPU the planner prices (default h100)")
+    parser.add_argument("--recompute", default=None, choices=PLANNED_RECOMPUTE,
+                        help="the layouts' recompute (default: searched); budget: each block's cheapest mode that fits "
+                             "the GPU, run as ActivationCheckpointing(memory_budget_gib=)")
     parser.add_argument("--launch", default="auto", choices=["auto", "fork", "subprocess"])
     parser.add_argument("--workdir", default=None, help="keep the candidates' recipes, logs and results here")
     parser.add_argument("--emit-recipe", default=None, metavar="FILE",
@@ -270,7 +278,7 @@ def tune_main(args: list[str]) -> None:
     try:
         plan, candidates = tune(cli_args, top=options.top, steps=options.steps, warmup=options.warmup, gpu=options.gpu,
                                 launch=options.launch, workdir=Path(options.workdir) if options.workdir else None,
-                                progress=progress, compile_both=options.compile == "both")
+                                progress=progress, compile_both=options.compile == "both", recompute=options.recompute)
     except (VerifyError, ValueError, NotImplementedError) as error:
         print(f"ultrascale tune: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
